@@ -1,0 +1,35 @@
+"""One error root for flashnext, a subclass per area.
+
+Every message names the file, tensor, shape or flag at fault, what was expected, and
+where there is one, the fix. The CLI prints ``error: <message>`` and exits 1.
+"""
+
+from __future__ import annotations
+
+
+class FlashnextError(Exception):
+    """Root of every error flashnext raises on purpose."""
+
+
+class MissingExtraError(FlashnextError, ImportError):
+    """An optional dependency is not installed; the message says what to install."""
+
+
+class GeometryError(FlashnextError, ValueError):
+    """A model config or checkpoint buffer does not describe a valid PLE geometry."""
+
+
+class FormatError(FlashnextError, ValueError):
+    """Tensors do not match a PLE table format (dtype, shape, names)."""
+
+
+class SidecarError(FlashnextError):
+    """A sidecar directory is missing, incomplete or inconsistent."""
+
+
+class CheckpointError(FlashnextError):
+    """A model checkpoint on disk is incomplete or has an unexpected layout."""
+
+
+class ValidationError(FlashnextError):
+    """The deployment validator could not run (bad flags, unreachable server at start)."""
