@@ -18,6 +18,11 @@ from flashnext.errors import FlashnextError
 
 # name -> (module, attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
+    "checkpoint": (
+        "flashnext.cli.checkpoint",
+        "checkpoint",
+        "Verify a downloaded checkpoint, find its PLE tables, override config entries.",
+    ),
     "demo": ("flashnext.cli.demo", "demo", "Run the PLE pipeline end to end on synthetic data."),
     "ple": ("flashnext.cli.ple", "ple", "Inspect, quantize and query PLE sidecar tables."),
 }

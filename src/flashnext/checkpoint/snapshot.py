@@ -1,0 +1,564 @@
+"""Verify a Hugging Face snapshot on disk: is the download complete and intact?
+
+A progress counter is not evidence that a 186 GB download finished. :func:`verify_snapshot`
+checks what can be checked without the network:
+
+- ``config.json`` is there and parses;
+- the weights are described by ``model.safetensors.index.json`` (or are one
+  ``model.safetensors``); every file the index names exists;
+- no partial download is left over (``*.incomplete`` anywhere under the directory, including
+  ``.cache/huggingface/download/`` of ``hf download --local-dir`` and ``blobs/`` of the cache);
+- every safetensors header parses and its data size equals the file size (truncation);
+- the index's tensor-to-file map agrees with the headers, both ways;
+- optionally (``hash=True``) each file's sha256 (git-sha1 for small non-LFS files) against
+  the value the snapshot records.
+
+Where the expected hashes come from
+-----------------------------------
+- ``hf download --local-dir DIR`` leaves ``DIR/.cache/huggingface/download/<file>.metadata``,
+  three lines: commit hash, etag, timestamp. For LFS files the etag is the file's sha256
+  (64 hex digits); for small files it is the git blob sha1 (40 hex digits),
+  ``sha1(b"blob <size>\\0" + content)``.
+- The hub cache (``models--org--name/snapshots/<rev>/<file>`` -> ``../../blobs/<hash>``) names
+  each blob by that same etag, so the symlink target is the expected hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from flashnext import __version__
+from flashnext.errors import CheckpointError
+from flashnext.safetensors_file import SafetensorsError, TensorEntry, read_header
+
+SCHEMA_VERSION = 1
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+HF_META_DIR = Path(".cache") / "huggingface" / "download"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass
+class Finding:
+    """One thing wrong (``error``: the snapshot is not complete) or odd (``warning``)."""
+
+    severity: Severity
+    file: str  # path relative to the snapshot root, or "-" for the snapshot as a whole
+    message: str
+
+
+@dataclass
+class FileCheck:
+    """What was found for one file of the snapshot."""
+
+    file: str
+    size: int
+    tensors: int | None = None  # safetensors files: tensors in the header
+    expected: str | None = None  # expected sha256 / git-sha1 hex digest
+    expected_from: str | None = None  # where ``expected`` was read
+    algorithm: str | None = None  # "sha256" | "git-sha1"
+    digest: str | None = None  # computed (only with hash=True)
+    hash_ok: bool | None = None
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify_snapshot`; ``ok`` is True only for a complete snapshot."""
+
+    root: Path
+    layout: str  # "local-dir" (hf download --local-dir), "hf-cache", or "plain"
+    weights: str  # "index" | "single" | "none"
+    files: list[FileCheck] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    hashed: bool = False
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    def error(self, file: str, message: str) -> None:
+        self.findings.append(Finding("error", file, message))
+
+    def warn(self, file: str, message: str) -> None:
+        self.findings.append(Finding("warning", file, message))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready report (``schema_version`` 1)."""
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "flashnext_version": __version__,
+            "root": str(self.root),
+            "layout": self.layout,
+            "weights": self.weights,
+            "ok": self.ok,
+            "hashed": self.hashed,
+            "seconds": round(self.seconds, 3),
+            "total_bytes": sum(f.size for f in self.files),
+            "files": [asdict(f) for f in self.files],
+            "findings": [asdict(f) for f in self.findings],
+        }
+
+
+# -- locating the snapshot --------------------------------------------------------------------
+
+
+def resolve_snapshot(path: str | os.PathLike[str]) -> tuple[Path, str]:
+    """The snapshot directory to check and its layout.
+
+    ``path`` may be a plain or ``--local-dir`` download, a cache snapshot
+    (``models--org--name/snapshots/<rev>``), or the cache repo folder ``models--org--name``
+    (then ``refs/main`` picks the revision, or the only snapshot there is).
+
+    Raises:
+        CheckpointError: ``path`` is not a directory, or a cache repo folder has no or several
+            snapshots and no ``refs/main``.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory (expected a downloaded model snapshot)")
+    snaps = root / "snapshots"
+    if (root / "blobs").is_dir() and snaps.is_dir():
+        ref = root / "refs" / "main"
+        if ref.is_file():
+            rev = ref.read_text().strip()
+            if not (snaps / rev).is_dir():
+                raise CheckpointError(
+                    f"{root}: refs/main points at revision {rev}, but snapshots/{rev} is missing"
+                )
+            return snaps / rev, "hf-cache"
+        revs = sorted(p for p in snaps.iterdir() if p.is_dir())
+        if len(revs) != 1:
+            raise CheckpointError(
+                f"{root}: {len(revs)} snapshots and no refs/main; pass one of "
+                + ", ".join(str(r) for r in revs[:5])
+            )
+        return revs[0], "hf-cache"
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        return root, "hf-cache"
+    if (root / HF_META_DIR).is_dir():
+        return root, "local-dir"
+    return root, "plain"
+
+
+def _rel(root: Path, p: Path) -> str:
+    return p.relative_to(root).as_posix()
+
+
+def _snapshot_files(root: Path) -> list[Path]:
+    """Every file under ``root`` except the ``.cache`` bookkeeping, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here == root:
+            dirnames[:] = [d for d in dirnames if d != ".cache"]
+        dirnames.sort()
+        out.extend(here / f for f in filenames)
+    return sorted(out)
+
+
+def _incomplete_files(root: Path, layout: str) -> list[Path]:
+    places = [root]
+    if layout == "hf-cache":
+        places.append(root.parent.parent / "blobs")
+    found = []
+    for place in places:
+        for dirpath, _dirs, filenames in os.walk(place):
+            found.extend(Path(dirpath) / f for f in filenames if f.endswith(".incomplete"))
+    return sorted(found)
+
+
+def _read_hf_metadata(path: Path) -> tuple[str, str, float] | None:
+    """``(commit, etag, timestamp)`` from a ``hf download --local-dir`` ``.metadata`` file."""
+    try:
+        lines = path.read_text().splitlines()
+        return lines[0].strip(), lines[1].strip(), float(lines[2].strip())
+    except (OSError, UnicodeDecodeError, IndexError, ValueError):
+        return None
+
+
+def _algorithm(digest: str) -> str | None:
+    if _HEX64.match(digest):
+        return "sha256"
+    if _HEX40.match(digest):
+        return "git-sha1"
+    return None
+
+
+def file_digest(
+    path: str | os.PathLike[str],
+    algorithm: str,
+    progress: Callable[[int], None] | None = None,
+    chunk: int = 8 << 20,
+) -> str:
+    """Hex digest of a file: ``sha256`` of its bytes, or ``git-sha1`` (git's blob hash).
+
+    ``progress(n)`` is called after each ``chunk``-byte piece. Raises ``OSError``.
+    """
+    p = Path(path)
+    if algorithm == "sha256":
+        digest = hashlib.sha256()
+    elif algorithm == "git-sha1":
+        digest = hashlib.sha1()
+        digest.update(b"blob %d\0" % p.stat().st_size)
+    else:
+        raise CheckpointError(f"unknown hash algorithm {algorithm!r}")
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(p, "rb", buffering=0) as fh:
+        while True:
+            got = fh.readinto(buf)
+            if not got:
+                break
+            digest.update(view[:got])  # hashlib releases the GIL: threads hash in parallel
+            if progress is not None:
+                progress(got)
+    return digest.hexdigest()
+
+
+# -- the checks -------------------------------------------------------------------------------
+
+
+def verify_snapshot(
+    path: str | os.PathLike[str],
+    *,
+    hash: bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check that the snapshot at ``path`` is complete (see the module docstring).
+
+    Args:
+        path: snapshot directory (any layout accepted by :func:`resolve_snapshot`).
+        hash: also hash every file that has an expected digest and compare.
+        workers: hashing threads (default: CPU count, at most 8).
+        progress: ``progress(done_bytes, total_bytes)`` while hashing, from any thread.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is False when anything is missing or corrupt.
+
+    Raises:
+        CheckpointError: ``path`` is not a directory (everything else is reported, not raised).
+    """
+    import time
+
+    t0 = time.perf_counter()
+    root, layout = resolve_snapshot(path)
+    report = VerifyReport(root=root, layout=layout, weights="none")
+    on_disk = _snapshot_files(root)
+    checks: dict[str, FileCheck] = {}
+    for p in on_disk:
+        rel = _rel(root, p)
+        if rel.endswith(".incomplete"):
+            continue
+        if not p.exists():  # a dangling cache symlink: the blob never arrived
+            report.error(
+                rel,
+                f"symlink to {os.readlink(p)} is dangling: the blob is missing; re-download",
+            )
+            continue
+        checks[rel] = FileCheck(file=rel, size=p.stat().st_size)
+
+    for p in _incomplete_files(root, layout):
+        where = _rel(root, p) if p.is_relative_to(root) else str(p)
+        report.error(
+            where,
+            f"partial download left over ({p.stat().st_size} bytes): the download did not "
+            "finish; re-run the download, then verify again",
+        )
+
+    _check_config(root, report)
+    _check_weights(root, report, checks)
+    _expected_hashes(root, layout, report, checks)
+    report.files = [checks[k] for k in sorted(checks)]
+    if hash:
+        _hash_files(root, report, workers, progress)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _check_config(root: Path, report: VerifyReport) -> None:
+    p = root / CONFIG_NAME
+    if not p.exists():
+        report.error(CONFIG_NAME, "missing: every model snapshot needs config.json")
+        return
+    try:
+        json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        report.error(CONFIG_NAME, f"not valid JSON ({exc}); re-download it")
+
+
+def _load_index(root: Path, report: VerifyReport) -> dict[str, str] | None:
+    p = root / INDEX_NAME
+    try:
+        doc = json.loads(p.read_text())
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        report.error(
+            INDEX_NAME, f"cannot read the tensor-to-file map ({exc!s}); re-download the index"
+        )
+        return None
+    return weight_map
+
+
+def _check_weights(root: Path, report: VerifyReport, checks: dict[str, FileCheck]) -> None:
+    st_files = sorted(k for k in checks if k.endswith(".safetensors"))
+    if (root / INDEX_NAME).exists():
+        report.weights = "index"
+        weight_map = _load_index(root, report)
+        if weight_map is None:
+            return
+        named = sorted(set(weight_map.values()))
+    elif (root / SINGLE_NAME).exists() or SINGLE_NAME in checks:
+        report.weights = "single"
+        weight_map = None
+        named = [SINGLE_NAME]
+    else:
+        report.error(
+            "-",
+            f"no {INDEX_NAME} and no {SINGLE_NAME}: the weights are missing "
+            + (f"(found {len(st_files)} other .safetensors files) " if st_files else "")
+            + "; re-download",
+        )
+        return
+
+    headers: dict[str, dict[str, TensorEntry]] = {}
+    for name in named:
+        if name not in checks:
+            report.error(
+                name,
+                f"missing: named by {INDEX_NAME if weight_map is not None else 'the snapshot'} "
+                f"({sum(1 for v in (weight_map or {}).values() if v == name)} tensors); "
+                "re-download this file",
+            )
+            continue
+        try:
+            header = read_header(root / name)
+        except SafetensorsError as exc:
+            report.error(name, str(exc))
+            continue
+        headers[name] = header.tensors
+        checks[name].tensors = len(header.tensors)
+
+    for name in st_files:
+        if name not in named:
+            report.warn(
+                name,
+                f"not named by {INDEX_NAME if weight_map is not None else 'the snapshot'}: "
+                "loaders ignore it (a leftover from another revision?)",
+            )
+
+    if weight_map is None:
+        return
+    # The index and the headers must agree both ways: a loader trusts the index to find a
+    # tensor, then loads every tensor of each file it names.
+    misplaced: dict[tuple[str, str], list[str]] = {}
+    absent: dict[str, list[str]] = {}
+    where: dict[str, str] = {}
+    for fname, tensors in headers.items():
+        for t in tensors:
+            where.setdefault(t, fname)
+    for tensor, fname in weight_map.items():
+        if fname not in headers:
+            continue  # missing or unreadable file: already reported
+        if tensor not in headers[fname]:
+            if tensor in where:
+                misplaced.setdefault((fname, where[tensor]), []).append(tensor)
+            else:
+                absent.setdefault(fname, []).append(tensor)
+    for (fname, actual), tensors in sorted(misplaced.items()):
+        report.error(
+            fname,
+            f"{INDEX_NAME} places {len(tensors)} tensor(s) here that the header does not hold; "
+            f"they are in {actual} (e.g. {tensors[0]}): the index and the shards come from "
+            "different revisions; re-download both",
+        )
+    for fname, tensors in sorted(absent.items()):
+        report.error(
+            fname,
+            f"{INDEX_NAME} places {len(tensors)} tensor(s) here that no file holds "
+            f"(e.g. {tensors[0]}); re-download this file and the index",
+        )
+    for fname, tensors in headers.items():
+        extra = [t for t in tensors if weight_map.get(t) != fname]
+        if extra:
+            report.error(
+                fname,
+                f"header holds {len(extra)} tensor(s) that {INDEX_NAME} does not place in this "
+                f"file (e.g. {extra[0]}"
+                + (
+                    f", which the index places in {weight_map[extra[0]]}"
+                    if extra[0] in weight_map
+                    else ""
+                )
+                + "): the index and the shards disagree; re-download both",
+            )
+
+
+def _expected_hashes(
+    root: Path, layout: str, report: VerifyReport, checks: dict[str, FileCheck]
+) -> None:
+    if layout == "hf-cache":
+        for rel, check in checks.items():
+            p = root / rel
+            if p.is_symlink():
+                blob = Path(os.readlink(p)).name
+                algo = _algorithm(blob)
+                if algo:
+                    check.expected, check.algorithm = blob, algo
+                    check.expected_from = f"blob name {blob[:12]}..."
+        return
+    meta_dir = root / HF_META_DIR
+    if not meta_dir.is_dir():
+        return
+    for dirpath, _dirs, filenames in os.walk(meta_dir):
+        for fname in filenames:
+            if not fname.endswith(".metadata"):
+                continue
+            mpath = Path(dirpath) / fname
+            rel = _rel(meta_dir, mpath)[: -len(".metadata")]
+            meta_rel = _rel(root, mpath)
+            parsed = _read_hf_metadata(mpath)
+            if parsed is None:
+                report.warn(meta_rel, "not a 3-line download metadata file (commit, etag, time)")
+                continue
+            _commit, etag, stamp = parsed
+            if rel not in checks:
+                report.error(
+                    rel,
+                    f"missing: {meta_rel} records a download of it (etag {etag[:12]}...); "
+                    "re-download this file",
+                )
+                continue
+            algo = _algorithm(etag)
+            if algo is None:
+                report.warn(meta_rel, f"etag {etag!r} is not a sha256 or git-sha1; not checked")
+                continue
+            check = checks[rel]
+            check.expected, check.algorithm, check.expected_from = etag, algo, meta_rel
+            if (root / rel).stat().st_mtime - 1 > stamp:
+                report.warn(rel, "modified after hf download recorded it (mtime > metadata time)")
+
+
+def _hash_files(
+    root: Path,
+    report: VerifyReport,
+    workers: int | None,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    report.hashed = True
+    todo = [c for c in report.files if c.expected]
+    total = sum(c.size for c in todo)
+    done = 0
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        nonlocal done
+        with lock:
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+    def one(check: FileCheck) -> None:
+        try:
+            check.digest = file_digest(root / check.file, check.algorithm or "sha256", tick)
+        except OSError as exc:
+            check.hash_ok = False
+            report.error(check.file, f"cannot read ({exc})")
+            return
+        check.hash_ok = check.digest == check.expected
+
+    n = workers or min(8, os.cpu_count() or 1)
+    # Largest first, so one huge file does not start last and leave the others idle.
+    todo.sort(key=lambda c: -c.size)
+    with ThreadPoolExecutor(max_workers=max(1, n)) as pool:
+        list(pool.map(one, todo))
+    for check in todo:
+        if check.hash_ok is False and check.digest:
+            report.error(
+                check.file,
+                f"{check.algorithm} {check.digest[:16]}..., expected {check.expected[:16]}... "
+                f"({check.expected_from}): the file is corrupt or from another revision; "
+                "delete and re-download it",
+            )
+    unhashed = [c.file for c in report.files if not c.expected and c.file.endswith(".safetensors")]
+    if unhashed:
+        report.warn(
+            "-",
+            f"{len(unhashed)} safetensors file(s) have no recorded hash to compare with "
+            f"(e.g. {unhashed[0]}); only their headers and sizes were checked",
+        )
+
+
+# -- the tensor map other modules use -----------------------------------------------------------
+
+
+def weight_files(root: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files that hold the weights: those the index names, or the single file.
+
+    Raises:
+        CheckpointError: no index and no ``model.safetensors``, or the index is unreadable.
+    """
+    root = Path(root)
+    if (root / INDEX_NAME).exists():
+        report = VerifyReport(root=root, layout="plain", weights="index")
+        weight_map = _load_index(root, report)
+        if weight_map is None:
+            raise CheckpointError(f"{root / INDEX_NAME}: {report.findings[0].message}")
+        return [root / f for f in sorted(set(weight_map.values()))]
+    if (root / SINGLE_NAME).exists():
+        return [root / SINGLE_NAME]
+    raise CheckpointError(
+        f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}; is this a model snapshot? "
+        f"Run `flashnext checkpoint verify {root}`"
+    )
+
+
+def tensor_map(root: str | os.PathLike[str]) -> dict[str, tuple[Path, TensorEntry]]:
+    """Every tensor of the checkpoint: name -> (file, header entry). Reads headers only.
+
+    Raises:
+        CheckpointError: a weight file is missing or its header is invalid or truncated (the
+            message names the file and suggests ``flashnext checkpoint verify``).
+    """
+    root, _layout = resolve_snapshot(root)
+    out: dict[str, tuple[Path, TensorEntry]] = {}
+    for p in weight_files(root):
+        if not p.exists():
+            raise CheckpointError(
+                f"{p}: missing (named by {INDEX_NAME}); run `flashnext checkpoint verify {root}`"
+            )
+        try:
+            header = read_header(p)
+        except SafetensorsError as exc:
+            raise CheckpointError(
+                f"{exc}; run `flashnext checkpoint verify {root}` for the full list"
+            ) from None
+        for name, entry in header.tensors.items():
+            out[name] = (p, entry)
+    return out
