@@ -257,3 +257,23 @@ def to_hf_cache(built: Built, cache: Path, repo: str = "org--flash-next-mini") -
         (blobs / etag).write_bytes(data)
         os.symlink(f"../../blobs/{etag}", snap / entry.name)
     return repo_dir
+
+
+def decode(fmt: str, weight: np.ndarray, block_scale=None, global_scale=None) -> np.ndarray:
+    """Float64 rows from stored checkpoint tensors, independent of flashnext's codecs."""
+    if fmt == "bf16":
+        return weight.astype(np.float64)
+    if fmt == "fp8":
+        return weight.astype(np.float64) * np.float64(global_scale)
+    vals = np.empty((weight.shape[0], weight.shape[1] * 2), dtype=np.float64)
+    vals[:, 0::2] = E2M1[weight & 0xF]
+    vals[:, 1::2] = E2M1[weight >> 4]
+    return vals * np.repeat(block_scale.astype(np.float64), 16, axis=1) * np.float64(global_scale)
+
+
+def rewrite(built: Built, files: int = 3, hf_metadata: bool = True) -> None:
+    """Write ``built.tensors`` again (after a test changed them), replacing the old files."""
+    for p in built.root.glob("*.safetensors"):
+        p.unlink()
+    built.files.clear()
+    write_snapshot(built, files=files, hf_metadata=hf_metadata)
