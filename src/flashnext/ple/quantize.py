@@ -47,6 +47,7 @@ class RowSource(Protocol):
 
     num_rows: int
     width: int
+    rows_per_shard: int  # the source's own shard size: the default for the output
 
     def read_rows(self, start: int, end: int) -> np.ndarray:
         """float32 [end - start, width]."""
@@ -65,6 +66,7 @@ class SidecarSource:
         self.path = str(Path(path).resolve())
         self.num_rows = sidecar.num_rows
         self.width = sidecar.width
+        self.rows_per_shard = sidecar.rows_per_shard
         self.format = sidecar.format
         self.geometry = sidecar.geometry
         self._table = None
