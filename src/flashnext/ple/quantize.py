@@ -308,6 +308,10 @@ def quantize_table(
                     fut.cancel()
                 raise
 
+    for stale in dst.glob("shard_*.safetensors"):  # left by an earlier run with other arguments
+        suffix = stale.name[len("shard_") : -len(".safetensors")]
+        if not suffix.isdigit() or int(suffix) >= writer.num_shards:
+            stale.unlink()
     records = [writer.records[i] for i in range(writer.num_shards)]
     sq_err = sum(float(r.get("sq_err", 0.0)) for r in records)
     sq_ref = sum(float(r.get("sq_ref", 0.0)) for r in records)
