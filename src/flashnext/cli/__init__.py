@@ -53,7 +53,7 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the CLI, turning flashnext errors into one line."""
     try:
-        cli.main(args=argv, prog_name="flashnext", standalone_mode=False)
+        rv = cli.main(args=argv, prog_name="flashnext", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
@@ -65,3 +65,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    if isinstance(rv, int):
+        sys.exit(rv)

@@ -50,15 +50,23 @@ E2M1_CODES = np.concatenate([E2M1_VALUES, -E2M1_VALUES]).astype(np.float32)
 #: Clipping ratios tried per group for int4 and nvfp4 (1.0 = absmax).
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.875, 0.85, 0.8, 0.75, 0.7)
 
-# byte -> float32 lookup tables (a byte holds two nibbles: low = even column)
+# Lookup tables for dequantization. A gather from a 1-D table of 8-byte entries is numpy's
+# fastest path, so each packed e2m1 byte (two nibbles, low = even column) maps to a uint64
+# holding two float32, and fp8 bytes are read two at a time through a 65,536-entry table.
 _E4M3_LUT = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
-_I4_PAIR_LUT = np.stack([(np.arange(256) & 0xF) - 8, (np.arange(256) >> 4) - 8], axis=1).astype(
-    np.float32
-)
-_E2M1_PAIR_LUT = np.stack(
-    [E2M1_CODES[np.arange(256) & 0xF], E2M1_CODES[np.arange(256) >> 4]], axis=1
-)
+
+
+def _pair_table(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    return (
+        np.ascontiguousarray(np.stack([first, second], axis=-1).astype(np.float32))
+        .view(np.uint64)
+        .reshape(-1)
+    )
+
+
 _E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
+_E2M1_PAIRS = _pair_table(E2M1_CODES[np.arange(256) & 0xF], E2M1_CODES[np.arange(256) >> 4])
+_E4M3_PAIRS = _pair_table(_E4M3_LUT[np.arange(65536) & 0xFF], _E4M3_LUT[np.arange(65536) >> 8])
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,8 @@ class TensorSpec:
     name: str
     dtype: np.dtype
     per_row: bool
-    cols: int | None  # columns per row for width 160 -> see Codec.shape; None = 1-D per row
+    cols: int | None  # width // cols columns per row; None = one value per row (shape [rows])
+    pad: int = 0  # byte that makes a padding row dequantize to +0.0 (int4: nibbles 8, 8)
 
     def shape(self, rows: int, width: int) -> tuple[int, ...]:
         if not self.per_row:
@@ -153,10 +162,10 @@ def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
 
 
-def _unpack_pairs(packed: np.ndarray, pair_lut: np.ndarray) -> np.ndarray:
-    """uint8 [n, w/2] -> float32 [n, w] through a [256, 2] table (low nibble first)."""
+def _unpack_pairs(packed: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """uint8 [n, w/2] (or uint16 [n, w/2] for fp8) -> float32 [n, w] through a pair table."""
     n = packed.shape[0]
-    return pair_lut[packed].reshape(n, -1)
+    return np.take(pairs, np.ascontiguousarray(packed).reshape(-1)).view(np.float32).reshape(n, -1)
 
 
 class BF16Codec(Codec):
@@ -190,9 +199,13 @@ class FP8Codec(Codec):
         return {"weight_fp8": q, "weight_scale": scale}
 
     def dequantize(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        q = np.asarray(tensors["weight_fp8"]).view(np.uint8)
+        q = np.ascontiguousarray(tensors["weight_fp8"]).view(np.uint8)
         scale = np.asarray(tensors["weight_scale"], dtype=np.float32).reshape(-1, 1)
-        return _E4M3_LUT[q] * scale
+        if q.shape[-1] % 2:
+            return np.take(_E4M3_LUT, q) * scale
+        out = _unpack_pairs(q.view(np.uint16), _E4M3_PAIRS)
+        out *= scale
+        return out
 
 
 class _GroupCodec(Codec):
@@ -232,7 +245,7 @@ class _GroupCodec(Codec):
 class Int4Codec(_GroupCodec):
     name = "int4"
     specs = (
-        TensorSpec("weight_i4", np.dtype(np.uint8), True, 2),
+        TensorSpec("weight_i4", np.dtype(np.uint8), True, 2, pad=0x88),
         TensorSpec("weight_scale", np.dtype(np.float16), True, GROUP),
     )
     scale_dtype = np.dtype(np.float16)
@@ -257,10 +270,17 @@ class Int4Codec(_GroupCodec):
         return {"weight_i4": packed, "weight_scale": scale}
 
     def dequantize(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        vals = _unpack_pairs(np.asarray(tensors["weight_i4"]), _I4_PAIR_LUT)
-        n, w = vals.shape
+        packed = np.asarray(tensors["weight_i4"])
+        n, half = packed.shape
+        # Integer unpacking beats a table gather here (no int64 index array); int8 x float32
+        # products are exact, so this equals the float64 reference rounded to float32.
+        q = np.empty((n, half, 2), dtype=np.int8)
+        np.bitwise_and(packed, 0xF, out=q[..., 0], casting="unsafe")
+        np.right_shift(packed, 4, out=q[..., 1], casting="unsafe")
+        q -= 8
         scale = np.asarray(tensors["weight_scale"]).astype(np.float32)
-        return (vals.reshape(n, w // GROUP, GROUP) * scale[:, :, None]).reshape(n, w)
+        out = np.multiply(q.reshape(n, -1, GROUP), scale[:, :, None], dtype=np.float32)
+        return out.reshape(n, 2 * half)
 
 
 class NVFP4Codec(_GroupCodec):
@@ -299,11 +319,14 @@ class NVFP4Codec(_GroupCodec):
         return {"weight_e2m1": packed, "weight_scale": scale, "weight_scale_2": np.array(scale_2)}
 
     def dequantize(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        vals = _unpack_pairs(np.asarray(tensors["weight_e2m1"]), _E2M1_PAIR_LUT)
+        vals = _unpack_pairs(np.asarray(tensors["weight_e2m1"]), _E2M1_PAIRS)
         n, w = vals.shape
-        scale = _E4M3_LUT[np.asarray(tensors["weight_scale"]).view(np.uint8)]
+        scale = np.take(_E4M3_LUT, np.asarray(tensors["weight_scale"]).view(np.uint8))
         s2 = np.asarray(tensors["weight_scale_2"], dtype=np.float32).reshape(-1, 1, 1)
-        return ((vals.reshape(n, w // GROUP, GROUP) * scale[:, :, None]) * s2).reshape(n, w)
+        grouped = vals.reshape(n, w // GROUP, GROUP)
+        grouped *= scale[:, :, None]  # exact: e2m1 x e4m3 fits float32's mantissa
+        grouped *= s2  # the one rounding
+        return vals
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (BF16Codec(), FP8Codec(), Int4Codec(), NVFP4Codec())}

@@ -47,6 +47,7 @@ class RowSource(Protocol):
 
     num_rows: int
     width: int
+    rows_per_shard: int  # the source's own shard size: the default for the output
 
     def read_rows(self, start: int, end: int) -> np.ndarray:
         """float32 [end - start, width]."""
@@ -65,6 +66,7 @@ class SidecarSource:
         self.path = str(Path(path).resolve())
         self.num_rows = sidecar.num_rows
         self.width = sidecar.width
+        self.rows_per_shard = sidecar.rows_per_shard
         self.format = sidecar.format
         self.geometry = sidecar.geometry
         self._table = None
@@ -306,6 +308,10 @@ def quantize_table(
                     fut.cancel()
                 raise
 
+    for stale in dst.glob("shard_*.safetensors"):  # left by an earlier run with other arguments
+        suffix = stale.name[len("shard_") : -len(".safetensors")]
+        if not suffix.isdigit() or int(suffix) >= writer.num_shards:
+            stale.unlink()
     records = [writer.records[i] for i in range(writer.num_shards)]
     sq_err = sum(float(r.get("sq_err", 0.0)) for r in records)
     sq_ref = sum(float(r.get("sq_ref", 0.0)) for r in records)

@@ -141,8 +141,8 @@ class PLETable:
         Returns:
             For each per-row tensor of the format, an array ``[..., cols]`` (``[...]`` for fp8's
             per-row scale) in its stored dtype; per-shard scalars (nvfp4 ``weight_scale_2``) as
-            float32 ``[...]``. Padding ids and ids outside ``row_range`` give all-zero entries,
-            which dequantize to zero rows.
+            float32 ``[...]``. Padding ids and ids outside ``row_range`` give entries that
+            dequantize to +0.0 rows (zero scales; int4 codes 0x88).
 
         Raises:
             IndexError: an id is ``< -1`` or ``>= num_rows``; the message names it.
@@ -150,44 +150,40 @@ class PLETable:
         arr = self._check_ids(ids)
         flat = arr.reshape(-1)
         n = flat.size
-        out = {}
-        for spec in self._row_specs:
-            proto = self._segments[0].arrays[spec.name]
-            out[spec.name] = np.zeros((n, *proto.shape[1:]), dtype=proto.dtype)
-        for spec in self._scalar_specs:
-            out[spec.name] = np.zeros(n, dtype=np.float32)
-
         start, end = self.row_range
-        inside = np.flatnonzero((flat >= start) & (flat < end))
-        if inside.size:
+        valid = (flat >= start) & (flat < end)
+        all_valid = bool(valid.all())
+        out: dict[str, np.ndarray] = {}
+        if len(self._segments) == 1:
+            # One array per tensor (resident, or a single shard): one gather, then pad fix-up.
+            local = flat - start if all_valid else np.where(valid, flat - start, 0)
+            for spec in self._row_specs:
+                out[spec.name] = np.take(self._segments[0].arrays[spec.name], local, axis=0)
+        else:
+            for spec in self._row_specs:
+                proto = self._segments[0].arrays[spec.name]
+                out[spec.name] = np.empty((n, *proto.shape[1:]), dtype=proto.dtype)
+            inside = np.arange(n) if all_valid else np.flatnonzero(valid)
             rows = flat[inside]
-            if self._scalar_specs:
-                shard_idx = np.searchsorted(self._shard_starts, rows, side="right") - 1
-                for spec in self._scalar_specs:
-                    out[spec.name][inside] = self._shard_scalars[spec.name][shard_idx]
             seg_idx = np.searchsorted(self._starts, rows, side="right") - 1
-            if len(self._segments) == 1:
-                self._fill(out, self._segments[0], inside, rows)
-            else:
-                order = np.argsort(seg_idx, kind="stable")
-                counts = np.bincount(seg_idx, minlength=len(self._segments))
-                bounds = np.concatenate([[0], np.cumsum(counts)])
-                for k in np.flatnonzero(counts):
-                    sel = order[bounds[k] : bounds[k + 1]]
-                    self._fill(out, self._segments[k], inside[sel], rows[sel])
+            order = np.argsort(seg_idx, kind="stable")
+            counts = np.bincount(seg_idx, minlength=len(self._segments))
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            for k in np.flatnonzero(counts):
+                sel = order[bounds[k] : bounds[k + 1]]
+                seg = self._segments[k]
+                local = rows[sel] - seg.start
+                for spec in self._row_specs:
+                    out[spec.name][inside[sel]] = np.take(seg.arrays[spec.name], local, axis=0)
+        for spec in self._scalar_specs:
+            shard_idx = np.searchsorted(self._shard_starts, flat, side="right") - 1
+            out[spec.name] = np.take(self._shard_scalars[spec.name], np.maximum(shard_idx, 0))
+        if not all_valid:
+            pad = ~valid
+            for spec in self.codec.specs:
+                out[spec.name][pad] = spec.pad
         shape = arr.shape
         return {k: v.reshape(*shape, *v.shape[1:]) for k, v in out.items()}
-
-    def _fill(
-        self, out: dict[str, np.ndarray], seg: _Segment, dst: np.ndarray, rows: np.ndarray
-    ) -> None:
-        local = rows - seg.start
-        if local.size > 1:
-            # Sorted reads keep page faults of a memory map in file order.
-            perm = np.argsort(local, kind="stable")
-            local, dst = local[perm], dst[perm]
-        for spec in self._row_specs:
-            out[spec.name][dst] = seg.arrays[spec.name][local]
 
     def lookup(self, ids: object) -> np.ndarray:
         """Dequantized rows: float32 ``[..., width]`` for int ids ``[...]``.

@@ -1,0 +1,217 @@
+"""``flashnext demo``: the PLE pipeline end to end on synthetic data, timed.
+
+1. Train a byte-level BPE on text found on this machine (the Python standard library's
+   sources and licence texts), so token streams have the statistics of real text.
+2. Build a BF16 table with the real geometry scaled down (``ngram_vocab_size_base`` 20,000
+   instead of 20,000,000: 16 heads, width 160, 128 shards) and embedding-like values.
+3. Quantize it to fp8, int4 and nvfp4 with the streaming quantizer.
+4. Hash token streams (32 decode requests x 1 token; one 8K-token prefill) and time the
+   lookups of every format, memory-mapped and resident.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flashnext._extras import require
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
+from flashnext.ple.quantize import SidecarSource, quantize_table
+from flashnext.ple.sidecar import write_sidecar
+from flashnext.ple.table import open_table
+from flashnext.synthetic import embedding_rows, flash_next_config
+
+EOS = "<|endoftext|>"
+DECODE_REQUESTS = 32
+PREFILL_TOKENS = 8192
+
+
+def corpus_files(limit_bytes: int = 6_000_000) -> list[Path]:
+    """Text files on this machine: licence texts and the Python standard library's sources."""
+    roots = [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+    files: list[Path] = []
+    total = 0
+    for root in roots:
+        if not root.is_dir():
+            continue
+        pattern = "*" if root.name == "common-licenses" else "*.py"
+        for path in sorted(root.glob(pattern)):
+            if path.is_file() and not path.is_symlink():
+                size = path.stat().st_size
+                if 0 < size < 400_000:
+                    files.append(path)
+                    total += size
+            if total >= limit_bytes:
+                return files
+    return files
+
+
+def _documents(files: list[Path]) -> Iterator[str]:
+    for path in files:
+        try:
+            yield path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+
+
+def train_tokenizer(files: list[Path], vocab_size: int = 8192) -> Any:
+    """A byte-level BPE with one special token, ``<|endoftext|>``, trained on ``files``."""
+    tokenizers = require("tokenizers", "demo", "flashnext demo")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_documents(files), trainer=trainer)
+    return tok
+
+
+@dataclass
+class FormatRow:
+    format: str
+    size_bytes: int
+    bytes_per_row: int
+    rel_rmse: float
+    decode_us: dict[str, float] = field(default_factory=dict)  # residency -> median µs
+    prefill_ms: dict[str, float] = field(default_factory=dict)
+    open_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class DemoResult:
+    out_dir: str
+    geometry: dict[str, Any]
+    tokenizer_vocab: int
+    corpus_bytes: int
+    tokens_hashed: int
+    hash_decode_us: float
+    hash_prefill_ms: float
+    rows: list[FormatRow]
+    numpy_take_decode_us: float
+    numpy_take_prefill_ms: float
+    seconds: float
+
+
+def _median_time(repeats: int, fn: Callable[..., object], *args: object) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_demo(
+    out_dir: str | os.PathLike[str],
+    base: int = 20_000,
+    workers: int | None = None,
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
+) -> DemoResult:
+    """Run the demo in ``out_dir`` (created) and return every number it measured."""
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workers = workers or min(4, os.cpu_count() or 1)
+    rng = np.random.default_rng()
+
+    files = corpus_files()
+    corpus_bytes = sum(p.stat().st_size for p in files)
+    log(f"training a byte-level BPE on {len(files)} local files ({corpus_bytes / 1e6:.1f} MB)")
+    tok = train_tokenizer(files)
+    eos_id = tok.token_to_id(EOS)
+    config = flash_next_config(
+        vocab_size=tok.get_vocab_size(), eos_token_id=eos_id, ngram_vocab_size_base=base
+    )
+    geo = PLEGeometry.from_config(config)
+    log(
+        f"geometry: {geo.num_rows:,} rows x {geo.width} ({geo.num_heads} heads, "
+        f"{geo.split_ngram_parts} shards of {geo.shard_rows():,} rows)"
+    )
+
+    # Token streams: documents joined by EOS, as a serving engine would see them.
+    docs = list(_documents(files[-40:]))
+    stream = []
+    for enc in tok.encode_batch(docs):
+        stream.extend(enc.ids)
+        stream.append(eos_id)
+    tokens = np.array(stream, dtype=np.int64)
+    prefill = tokens[:PREFILL_TOKENS]
+    starts = rng.integers(2, tokens.size, size=DECODE_REQUESTS)
+    decode_tokens = tokens[starts]
+    decode_ctx = np.stack([tokens[s - 2 : s] for s in starts])
+    qsl = np.arange(DECODE_REQUESTS + 1)
+    hash_decode = _median_time(50, ngram_ids_packed, geo, decode_tokens, qsl, decode_ctx)
+    hash_prefill = _median_time(5, ngram_ids, geo, prefill)
+    decode_ids = ngram_ids_packed(geo, decode_tokens, qsl, decode_ctx)
+    prefill_ids = ngram_ids(geo, prefill)
+
+    log("building the synthetic BF16 table")
+    source_rows = embedding_rows(geo.num_rows, geo.width, rng)
+    bf16_dir = out / "ple_bf16"
+    write_sidecar(
+        bf16_dir,
+        "bf16",
+        source_rows,
+        geo.shard_rows(),
+        geometry=geo.to_dict(),
+        source={"kind": "synthetic", "generator": "flashnext.synthetic.embedding_rows"},
+    )
+    bf16_ref = open_table(bf16_dir, "resident")
+    bf16_array = bf16_ref.lookup(np.arange(geo.num_rows)).astype(np.dtype("bfloat16"))
+    numpy_decode = _median_time(50, np.take, bf16_array, decode_ids, 0)
+    numpy_prefill = _median_time(5, np.take, bf16_array, prefill_ids, 0)
+
+    rows: list[FormatRow] = []
+    source = SidecarSource(bf16_dir)
+    for fmt in ("bf16", "fp8", "int4", "nvfp4"):
+        if fmt == "bf16":
+            directory = bf16_dir
+            from flashnext.ple.formats import rel_rmse
+
+            rmse = rel_rmse(source_rows, bf16_ref.lookup(np.arange(geo.num_rows)))
+        else:
+            log(f"quantizing to {fmt} ({workers} workers)")
+            directory = out / f"ple_{fmt}"
+            result = quantize_table(
+                source, directory, fmt, geo.shard_rows(), workers=workers, geometry=geo.to_dict()
+            )
+            rmse = result.rel_rmse
+        size = sum(p.stat().st_size for p in directory.glob("shard_*.safetensors"))
+        row = FormatRow(fmt, size, open_table(directory).codec.bytes_per_row(geo.width), rmse)
+        for residency in ("mmap", "resident"):
+            t = time.perf_counter()
+            table = open_table(directory, residency)  # type: ignore[arg-type]
+            row.open_ms[residency] = (time.perf_counter() - t) * 1e3
+            table.lookup(prefill_ids)  # warm the page cache / first touch
+            row.decode_us[residency] = _median_time(30, table.lookup, decode_ids) * 1e6
+            row.prefill_ms[residency] = _median_time(3, table.lookup, prefill_ids) * 1e3
+            table.close()
+        rows.append(row)
+
+    return DemoResult(
+        out_dir=str(out),
+        geometry=geo.to_dict(),
+        tokenizer_vocab=tok.get_vocab_size(),
+        corpus_bytes=corpus_bytes,
+        tokens_hashed=int(tokens.size),
+        hash_decode_us=hash_decode * 1e6,
+        hash_prefill_ms=hash_prefill * 1e3,
+        rows=rows,
+        numpy_take_decode_us=numpy_decode * 1e6,
+        numpy_take_prefill_ms=numpy_prefill * 1e3,
+        seconds=time.perf_counter() - t0,
+    )

@@ -1,0 +1,188 @@
+"""Sidecar reader: other tools' files, and every kind of damage named precisely."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from flashnext.errors import SidecarError
+from flashnext.ple import open_sidecar, open_table, write_sidecar
+from flashnext.synthetic import embedding_rows
+
+from .reference import card_tensors, dequant64
+
+FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
+
+
+def write_card_sidecar(root, fmt, shard_rows, rng, meta=None):
+    """A sidecar as another tool writes it: safetensors' own writer, the card's names only."""
+    root.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i, rows in enumerate(shard_rows):
+        t = card_tensors(fmt, rows, rng)
+        safetensors.numpy.save_file(t, str(root / f"shard_{i}.safetensors"))
+        shards.append(t)
+    if meta is not None:
+        (root / "META.json").write_text(json.dumps(meta))
+    return shards
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("meta", [None, "card"])
+def test_reads_sidecars_written_by_other_tools(tmp_path, fmt, meta):
+    rng = np.random.default_rng()
+    sizes = [64, 64, 64, 23]
+    card_meta = {"variant": f"ples_{fmt}", "shard_rows": 64, "group_size": 16, "built_from": "x"}
+    shards = write_card_sidecar(tmp_path / fmt, fmt, sizes, rng, card_meta if meta else None)
+    sc = open_sidecar(tmp_path / fmt)
+    assert (sc.format, sc.num_rows, sc.width, sc.rows_per_shard) == (fmt, 215, 160, 64)
+    ids = rng.integers(-1, 215, size=(9, 13))
+    ids[0, 0] = -1
+    ref_rows = []
+    for t in shards:
+        if fmt == "nvfp4":
+            t = {**t, "weight_scale_2": np.full(len(t["weight_e2m1"]), t["weight_scale_2"])}
+        ref_rows.append(dequant64(fmt, t))
+    ref = np.concatenate(ref_rows)
+    for residency in ("mmap", "resident"):
+        table = open_table(tmp_path / fmt, residency)
+        got = table.lookup(ids)
+        assert got.shape == (9, 13, 160) and got.dtype == np.float32
+        expect = np.where((ids >= 0)[..., None], ref[np.maximum(ids, 0)], 0.0)
+        np.testing.assert_array_equal(got, expect.astype(np.float32))
+
+
+def test_writer_roundtrip_and_meta(tmp_path):
+    rng = np.random.default_rng()
+    x = embedding_rows(1000, 160, rng)
+    sc = write_sidecar(tmp_path / "t", "int4", x, 300, geometry={"num_rows": 1000}, source={"k": 1})
+    meta = json.loads((tmp_path / "t" / "META.json").read_text())
+    assert meta["format"] == "int4" and meta["num_shards"] == 4 and meta["rows_per_shard"] == 300
+    assert [s["rows"] for s in meta["shards"]] == [300, 300, 300, 100]
+    assert all(len(s["sha256"]) == 64 for s in meta["shards"])
+    assert meta["flashnext_version"] and meta["source"] == {"k": 1}
+    assert sc.verify_checksums() == []
+    assert not [p for p in os.listdir(tmp_path / "t") if ".tmp" in p]
+    # our files open with the safetensors library too
+    with safetensors.safe_open(str(tmp_path / "t" / "shard_1.safetensors"), "np") as f:
+        assert f.get_tensor("weight_i4").shape == (300, 80)
+
+
+def _good(tmp_path, fmt="int4", sizes=(50, 50, 50, 20)):
+    rng = np.random.default_rng()
+    write_card_sidecar(tmp_path, fmt, list(sizes), rng)
+    return rng
+
+
+def test_truncated_shard(tmp_path):
+    _good(tmp_path)
+    path = tmp_path / "shard_2.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_2\.safetensors: file is \d+ bytes but its header describes \d+ \(truncated\)",
+    ):
+        open_sidecar(tmp_path)
+
+
+def test_wrong_dtype(tmp_path):
+    rng = _good(tmp_path)
+    t = card_tensors("int4", 50, rng)
+    t["weight_scale"] = t["weight_scale"].astype(np.float32)
+    safetensors.numpy.save_file(t, str(tmp_path / "shard_1.safetensors"))
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_1\.safetensors: tensor weight_scale has dtype F32, expected F16 \(int4 format\)",
+    ):
+        open_sidecar(tmp_path)
+
+
+def test_wrong_width(tmp_path):
+    rng = _good(tmp_path)
+    t = card_tensors("int4", 50, rng)
+    t["weight_i4"] = t["weight_i4"][:, :72].copy()
+    safetensors.numpy.save_file(t, str(tmp_path / "shard_3.safetensors"))
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_3\.safetensors: tensor weight_i4 has shape \[50, 72\], expected \[50, 80\]",
+    ):
+        open_sidecar(tmp_path)
+
+
+def test_wrong_row_count(tmp_path):
+    rng = _good(tmp_path)
+    safetensors.numpy.save_file(
+        card_tensors("int4", 49, rng), str(tmp_path / "shard_1.safetensors")
+    )
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_1\.safetensors: tensor weight_i4 has 49 rows, expected 50 .*Re-run `flashnext ple quantize`",
+    ):
+        open_sidecar(tmp_path)
+
+
+def test_wrong_row_count_against_meta(tmp_path):
+    _good(tmp_path, sizes=(50, 50))
+    (tmp_path / "META.json").write_text(json.dumps({"rows_per_shard": 64}))
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_0\.safetensors: tensor weight_i4 has 50 rows, expected 64 \(rows per shard from META.json",
+    ):
+        open_sidecar(tmp_path)
+
+
+def test_missing_shard_in_middle(tmp_path):
+    _good(tmp_path)
+    (tmp_path / "shard_1.safetensors").unlink()
+    with pytest.raises(SidecarError, match=r"missing shard_1\.safetensors \(1 of 4 shards\)"):
+        open_sidecar(tmp_path)
+
+
+def test_missing_last_shard_per_meta(tmp_path):
+    _good(tmp_path)
+    (tmp_path / "META.json").write_text(json.dumps({"num_shards": 5}))
+    with pytest.raises(SidecarError, match=r"missing shard_4\.safetensors"):
+        open_sidecar(tmp_path)
+
+
+def test_mixed_formats_and_meta_disagreement(tmp_path):
+    rng = _good(tmp_path)
+    safetensors.numpy.save_file(card_tensors("fp8", 50, rng), str(tmp_path / "shard_1.safetensors"))
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_1\.safetensors: tensors \['weight_fp8', 'weight_scale'\], expected \['weight_i4', 'weight_scale'\]",
+    ):
+        open_sidecar(tmp_path)
+    other = tmp_path / "other"
+    _good(other)
+    (other / "META.json").write_text(json.dumps({"format": "nvfp4"}))
+    with pytest.raises(
+        SidecarError, match=r"META\.json says format 'nvfp4' but the shards hold int4"
+    ):
+        open_sidecar(other)
+
+
+def test_not_safetensors_and_empty(tmp_path):
+    (tmp_path / "shard_0.safetensors").write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......"
+    )
+    with pytest.raises(SidecarError, match="header is not valid JSON"):
+        open_sidecar(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SidecarError, match=r"no shard_N\.safetensors files"):
+        open_sidecar(empty)
+
+
+def test_checksum_mismatch(tmp_path):
+    rng = np.random.default_rng()
+    write_sidecar(tmp_path, "fp8", embedding_rows(100, 160, rng), 40)
+    path = tmp_path / "shard_1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # same size, different bytes: only the checksum can tell
+    path.write_bytes(bytes(data))
+    problems = open_sidecar(tmp_path).verify_checksums()
+    assert len(problems) == 1 and problems[0].startswith("shard_1.safetensors: sha256")

@@ -1,0 +1,112 @@
+import numpy as np
+import pytest
+
+from flashnext.errors import SidecarError
+from flashnext.ple import open_table, write_sidecar
+from flashnext.synthetic import embedding_rows
+
+from .reference import dequant64
+
+FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    rng = np.random.default_rng()
+    x = embedding_rows(1000, 160, rng)
+    root = tmp_path_factory.mktemp("tables")
+    for fmt in FORMATS:
+        write_sidecar(root / fmt, fmt, x, 128)
+    return root, x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("residency", ["mmap", "resident"])
+def test_lookup_equals_float64_dequant(tables, fmt, residency):
+    root, x = tables
+    rng = np.random.default_rng()
+    table = open_table(root / fmt, residency)
+    assert (table.format, table.num_rows, table.width) == (fmt, 1000, 160)
+    ids = rng.integers(-1, 1000, size=(4, 33, 16))
+    raw = table.gather_raw(ids)
+    for spec in table.codec.specs:
+        if spec.per_row:
+            assert raw[spec.name].dtype == spec.dtype
+            assert raw[spec.name].shape[:3] == ids.shape
+    flat = {k: v.reshape(ids.size, *v.shape[3:]) for k, v in raw.items()}
+    expect = dequant64(fmt, flat).reshape(*ids.shape, 160)
+    got = table.lookup(ids)
+    np.testing.assert_array_equal(got, expect.astype(np.float32))
+    assert np.all(got[ids == -1] == 0) and not np.any(np.signbit(got[ids == -1]))
+    # and the rows are the source rows, up to the format's error
+    valid = ids >= 0
+    err = np.linalg.norm(got[valid] - x[ids[valid]]) / np.linalg.norm(x[ids[valid]])
+    assert err < {"bf16": 0.005, "fp8": 0.04, "int4": 0.13, "nvfp4": 0.12}[fmt]
+
+
+def test_row_range_serves_only_its_rows(tables):
+    root, _ = tables
+    whole = open_table(root / "nvfp4")
+    ids = np.arange(-1, 1000)
+    full = whole.lookup(ids)
+    total = np.zeros_like(full)
+    for rank in range(4):
+        lo, hi = rank * 250, (rank + 1) * 250
+        part = open_table(root / "nvfp4", "resident" if rank % 2 else "mmap", row_range=(lo, hi))
+        overlapping = [
+            s.row_start
+            for s in part.sidecar.shards
+            if s.row_start < hi and s.row_start + s.rows > lo
+        ]
+        assert part._shard_starts.tolist() == overlapping  # only these shards were opened
+        rows = part.lookup(ids)
+        inside = (ids >= lo) & (ids < hi)
+        np.testing.assert_array_equal(rows[inside], full[inside])
+        assert np.all(rows[~inside] == 0)
+        total += rows
+    np.testing.assert_array_equal(total, full)  # partial sums across ranks rebuild the rows
+
+
+def test_index_errors_name_the_id(tables):
+    root, _ = tables
+    table = open_table(root / "int4")
+    with pytest.raises(IndexError, match=r"row id 1000 at index \(1,\) is outside the table"):
+        table.lookup([3, 1000])
+    with pytest.raises(IndexError, match=r"row id -2 at index \(0, 1\)"):
+        table.lookup([[0, -2]])
+    with pytest.raises(SidecarError, match=r"row_range \(10, 2000\) is not inside"):
+        open_table(root / "int4", row_range=(10, 2000))
+    with pytest.raises(SidecarError, match="residency must be 'mmap' or 'resident'"):
+        open_table(root / "int4", "pinned")  # type: ignore[arg-type]
+    assert table.lookup(np.empty((0,), np.int64)).shape == (0, 160)
+
+
+def _rss_kb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def test_mmap_is_zero_copy_and_resident_copies(tmp_path):
+    rng = np.random.default_rng()
+    rows = 200_000  # 64 MB of bf16
+    big = rng.integers(0, 2**16, size=(rows, 160), dtype=np.uint16)
+    big[(big & 0x7F80) == 0x7F80] = 0x3F80  # no NaN/inf bit patterns
+    from flashnext.ple.sidecar import SidecarWriter
+
+    w = SidecarWriter(tmp_path, "bf16", 160, rows, 50_000)
+    for i in range(4):
+        w.write_shard(i, {"weight": big[i * 50_000 : (i + 1) * 50_000].view(np.dtype("bfloat16"))})
+    w.finish()
+    before = _rss_kb()
+    mapped = open_table(tmp_path, "mmap")
+    after_map = _rss_kb()
+    resident = open_table(tmp_path, "resident")
+    after_copy = _rss_kb()
+    assert after_map - before < 8_000  # nothing read: a few pages of headers at most
+    assert after_copy - after_map > 60_000  # the 64 MB copy is anonymous memory
+    assert resident.resident_bytes == rows * 320 and mapped.resident_bytes == 0
+    ids = rng.integers(0, rows, size=512)
+    np.testing.assert_array_equal(mapped.lookup(ids), resident.lookup(ids))
