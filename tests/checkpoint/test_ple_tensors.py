@@ -109,7 +109,7 @@ def test_tp_row_mapping(tmp_path, fmt, layout):
                 ]
         if layout == "shards":
             # 8 shards over tp ranks: each rank copies exactly 8 / tp whole shards at offset 0
-            for rank, copies in enumerate(parts_seen):
+            for copies in parts_seen:
                 w = [c for c in copies if c.tensor.endswith(".weight")]
                 assert len(w) == 8 // tp and all(c.src_offset == 0 for c in w)
     # an unaligned range crossing shards: partial first and last shard
@@ -137,7 +137,7 @@ def test_uneven_last_shard(tmp_path):
     built = build_checkpoint(tmp_path / "ck", fmt="bf16", base=1000, parts=5)
     (table,) = find_ple_tables(built.root)
     S = table.rows_per_shard
-    assert S * 5 != table.num_rows and table.weights[-1].rows == table.num_rows - 4 * S
+    assert table.num_rows != S * 5 and table.weights[-1].rows == table.num_rows - 4 * S
     src = open_table_source(built.root)
     np.testing.assert_array_equal(src.read_rows(0, src.num_rows), built.refs[2])
 
@@ -234,7 +234,7 @@ def test_nvfp4_without_scale_2(shards_ckpt):
     b = shards_ckpt
     del b.tensors[f"{BASE}.weight_scale_2"]
     rewrite(b)
-    with pytest.raises(CheckpointError, match="no global scale .*weight_scale_2"):
+    with pytest.raises(CheckpointError, match=r"no global scale .*weight_scale_2"):
         find_ple_tables(b.root)
 
 
@@ -277,7 +277,7 @@ def test_truncated_file_is_named(shards_ckpt):
     with open(p, "r+b") as fh:
         fh.truncate(p.stat().st_size - 1)
     with pytest.raises(
-        CheckpointError, match="model-00002-of-00003.safetensors.*truncated.*checkpoint verify"
+        CheckpointError, match=r"model-00002-of-00003\.safetensors.*truncated.*checkpoint verify"
     ):
         find_ple_tables(b.root)
 

@@ -12,25 +12,7 @@ from pathlib import Path
 
 import click
 
-
-def _stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-def _stdout_console():
-    from rich.console import Console
-
-    return Console(soft_wrap=True)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} TB"
+from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
 
 
 @click.group("checkpoint")
@@ -53,39 +35,21 @@ def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -
     each file's sha256 (git-sha1 for small files) is compared with the value recorded by
     `hf download --local-dir` (.cache/huggingface/download/*.metadata) or the cache blob name.
     """
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     from flashnext.checkpoint.snapshot import verify_snapshot
 
-    err = _stderr_console()
     if do_hash:
-        with Progress(
-            TextColumn("hashing"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=err,
-            transient=True,
-        ) as bar:
-            task = bar.add_task("hash", total=None)
+        with progress(disable=as_json) as bar:
+            task = bar.add_task("sha256", total=None, bytes_per_unit=1, unit="B")
 
-            def progress(done: int, total: int) -> None:
+            def on_bytes(done: int, total: int) -> None:
                 bar.update(task, completed=done, total=total)
 
-            report = verify_snapshot(directory, hash=True, workers=workers, progress=progress)
+            report = verify_snapshot(directory, hash=True, workers=workers, progress=on_bytes)
     else:
         report = verify_snapshot(directory)
 
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        print_json(report.to_dict())
     else:
         _print_report(report)
     if not report.ok:
@@ -95,7 +59,7 @@ def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -
 def _print_report(report) -> None:
     from rich.table import Table
 
-    out = _stdout_console()
+    out = out_console
     table = Table(
         title=f"{report.root} ({report.layout}, weights: {report.weights})", title_justify="left"
     )
@@ -112,7 +76,7 @@ def _print_report(report) -> None:
             h = f"recorded ({f.algorithm})"
         else:
             h = "-"
-        table.add_row(f.file, _human(f.size), "" if f.tensors is None else str(f.tensors), h)
+        table.add_row(f.file, human_bytes(f.size), "" if f.tensors is None else str(f.tensors), h)
     if len(report.files) <= 40:
         out.print(table)
     for finding in report.findings:
@@ -124,7 +88,7 @@ def _print_report(report) -> None:
     hashed = sum(1 for f in report.files if f.hash_ok)
     if report.ok:
         out.print(
-            f"[green]complete[/]: {len(report.files)} files, {_human(total)}"
+            f"[green]complete[/]: {len(report.files)} files, {human_bytes(total)}"
             + (
                 f", {hashed} hashes match"
                 if report.hashed
@@ -135,7 +99,7 @@ def _print_report(report) -> None:
     else:
         out.print(
             f"[red]INCOMPLETE[/]: {len(report.errors)} problem(s) in {len({e.file for e in report.errors})} "
-            f"file(s); {len(report.files)} files, {_human(total)} on disk"
+            f"file(s); {len(report.files)} files, {human_bytes(total)} on disk"
         )
 
 
@@ -162,15 +126,15 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
                     "ranks": [[asdict(c) for c in t.tp_row_map(tp, r)] for r in range(tp)],
                 }
             doc.append(d)
-        click.echo(json.dumps({"schema_version": 1, "tables": doc}, indent=2))
+        print_json({"schema_version": 1, "tables": doc})
         return
-    out = _stdout_console()
+    out = out_console
     for t in tables:
         out.print(
             f"layer {t.layer_id} (index {t.layer_index}, ordinal {t.ordinal}): {t.format}, "
             f"layout {t.layout}, {t.prefix} prefix {t.name_prefix}, {t.num_rows:,} rows x "
             f"{t.width}, {len(t.weights)} tensor(s) in {len({p.file for p in t.parts})} file(s), "
-            f"{_human(t.nbytes)}"
+            f"{human_bytes(t.nbytes)}"
             + (f", weight_scale {t.weight_scale:g}" if t.weight_scale is not None else "")
             + (f", weight_scale_2 {t.weight_scale_2:g}" if t.weight_scale_2 is not None else "")
             + (f", buffers {sorted(t.buffers)}" if t.buffers else ""),
@@ -238,7 +202,7 @@ def override(
     mapping = parse_mapping(layer_types)
     patched, changes = override_layer_types(read_config(root), mapping)
     record = override_record(mapping, changes, root / "config.json", reason)
-    err = _stderr_console()
+    err = err_console
     for c in changes:
         err.print(f"changed {c.field}: {c.old!r} -> {c.new!r}", highlight=False)
     if hf:

@@ -10,7 +10,6 @@ import numpy as np
 from rich.table import Table
 
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
-from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.quantize import RowSource, SidecarSource, quantize_table
 from flashnext.ple.sidecar import META_NAME, open_sidecar
@@ -88,15 +87,15 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
 
 
 def open_row_source(src: Path, layer: int | None) -> RowSource:
-    """The rows to quantize: a sidecar directory (any format).
+    """The rows to quantize: a checkpoint directory (one with config.json, or a hub-cache
+    repo folder) in any table layout and format, or a sidecar directory (any format).
 
     ``layer`` (a PLE layer ordinal) only applies to checkpoint sources.
     """
-    if (src / "config.json").exists():
-        raise SidecarError(
-            f"{src}: reading the table straight from a checkpoint is not available in this "
-            "build; quantize from a bf16 sidecar"
-        )
+    if (src / "config.json").exists() or (src / "snapshots").is_dir():
+        from flashnext.checkpoint import open_table_source
+
+        return open_table_source(src, layer)
     if layer not in (None, 0):
         raise click.BadParameter("--layer applies to checkpoint sources only", param_hint="--layer")
     return SidecarSource(src)

@@ -258,6 +258,10 @@ def quantize_table(
     )
     done = _load_state(dst, params)
     (dst / META_NAME).unlink(missing_ok=True)  # META.json marks a finished sidecar; not yet
+    # A run killed mid-write leaves its temporary files (atomic_write's ".NAME.tmp-PID").
+    for leftover in dst.glob(".*.tmp-*"):
+        if leftover.name.startswith((".shard_", f".{META_NAME}", f".{STATE_NAME}")):
+            leftover.unlink(missing_ok=True)
     kept: dict[int, dict[str, Any]] = {}
     for index, record in done.items():
         path = dst / shard_name(index)

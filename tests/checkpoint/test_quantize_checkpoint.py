@@ -1,0 +1,176 @@
+"""`flashnext ple quantize CKPT_DIR ...`: rows straight from a checkpoint in any layout and
+format, checked against float64 references; NaN/inf rows refused by row id; SIGKILL + resume
+gives the same bytes as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashnext.checkpoint import open_table_source
+from flashnext.errors import FormatError
+from flashnext.ple.quantize import STATE_NAME, quantize_table
+from flashnext.ple.sidecar import META_NAME
+from flashnext.ple.table import open_table
+
+from .builder import build_checkpoint, rewrite
+from .test_snapshot import run_cli
+
+# rel. RMSE bounds for Gaussian-like rows: bf16 keeps 8 bits, e4m3 3 mantissa bits, 4-bit
+# formats ~3 effective bits. Loose enough to never flake, tight enough to catch a wrong scale.
+BOUNDS = {"bf16": 4e-3, "fp8": 0.05, "int4": 0.12, "nvfp4": 0.16}
+
+
+def _rel_rmse(ref: np.ndarray, got: np.ndarray) -> float:
+    diff = got.astype(np.float64) - ref
+    return float(np.sqrt((diff * diff).sum() / (ref * ref).sum()))
+
+
+@pytest.mark.parametrize(
+    ("src_fmt", "layout", "prefix"),
+    [("bf16", "shards", "long"), ("fp8", "whole", "short"), ("nvfp4", "empty-shard", "vl")],
+)
+def test_quantize_from_checkpoint(tmp_path, capsys, src_fmt, layout, prefix):
+    built = build_checkpoint(
+        tmp_path / "ck", fmt=src_fmt, layout=layout, prefix=prefix, base=600, ple_layer_ids=(2, 4)
+    )
+    ref = built.refs[4]
+    for fmt in ("bf16", "fp8", "int4", "nvfp4"):
+        dst = tmp_path / f"out-{fmt}"
+        code, out, _ = run_cli(
+            [
+                "ple",
+                "quantize",
+                str(built.root),
+                str(dst),
+                "--format",
+                fmt,
+                "--layer",
+                "1",
+                "--json",
+            ],
+            capsys,
+        )
+        assert code == 0
+        summary = json.loads(out)
+        with open_table(dst, "mmap") as table:
+            assert table.format == fmt and table.num_rows == ref.shape[0]
+            got = table.lookup(np.arange(table.num_rows, dtype=np.int64))
+        err = _rel_rmse(ref, got)
+        assert err < BOUNDS[fmt], (src_fmt, fmt, err)
+        # the reported rel. RMSE is the one we measure against the float64 source
+        assert summary["rel_rmse"] == pytest.approx(err, rel=1e-3, abs=1e-9)
+        assert summary["source"]["kind"] == "checkpoint" and summary["source"]["layer_id"] == 4
+        meta = json.loads((dst / META_NAME).read_text())
+        # output shards follow the checkpoint's split_ngram_parts
+        assert meta["num_shards"] == 4 and meta["geometry"]["layer_ordinal"] == 1
+        if fmt == "bf16" and src_fmt == "bf16":
+            np.testing.assert_array_equal(got, ref)  # lossless copy
+
+
+def test_parallel_workers_same_bytes(tmp_path):
+    built = build_checkpoint(tmp_path / "ck", fmt="nvfp4", layout="shards", base=600)
+    src = open_table_source(built.root)
+    one = quantize_table(src, tmp_path / "w1", "int4", 1024, workers=1)
+    two = quantize_table(src, tmp_path / "w2", "int4", 1024, workers=2)
+    assert one.sidecar.num_rows == two.sidecar.num_rows and len(one.sidecar.shards) > 4
+    for p in sorted((tmp_path / "w1").iterdir()):
+        assert p.read_bytes() == (tmp_path / "w2" / p.name).read_bytes(), p.name
+
+
+def _poison(built, base, shard, local_row, col, value, kind="weight"):
+    name = f"{base}.shard_{shard}.{kind}"
+    arr = built.tensors[name].copy()
+    arr[local_row, col] = value
+    built.tensors[name] = arr
+    rewrite(built)
+
+
+BASE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_rows_are_named(tmp_path, bad):
+    built = build_checkpoint(tmp_path / "ck", fmt="bf16", base=600)
+    S = open_table_source(built.root).rows_per_shard
+    local = int(np.random.default_rng().integers(0, S))
+    _poison(built, BASE, 2, local, 17, ml_dtypes.bfloat16(bad))
+    src = open_table_source(built.root)
+    with pytest.raises(FormatError, match=rf"source row {2 * S + local} column 17 is -?(nan|inf)"):
+        quantize_table(src, tmp_path / "out", "fp8", S)
+    assert not (tmp_path / "out" / META_NAME).exists()
+
+
+def test_non_finite_nvfp4_block_scale_is_named(tmp_path):
+    """A NaN e4m3 block scale (0x7F) poisons 16 columns of one row."""
+    built = build_checkpoint(tmp_path / "ck", fmt="nvfp4", base=600)
+    S = open_table_source(built.root).rows_per_shard
+    nan_e4m3 = np.array(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    _poison(built, BASE, 1, 5, 3, nan_e4m3, kind="weight_scale")
+    with pytest.raises(FormatError, match=rf"source row {S + 5} column 48 is nan"):
+        quantize_table(open_table_source(built.root), tmp_path / "out", "int4", S)
+
+
+def _cli(*args):
+    # the real console entry point in a fresh interpreter, as a user would run it
+    return [sys.executable, "-c", "from flashnext.cli import main; main()", *args]
+
+
+def test_sigkill_then_resume_is_byte_identical(tmp_path, capsys):
+    built = build_checkpoint(tmp_path / "ck", fmt="bf16", layout="whole", base=2000)
+    args = ["ple", "quantize", str(built.root)]
+    opts = ["--format", "nvfp4", "--rows-per-shard", "2048", "--workers", "2", "--json"]
+
+    # the uninterrupted run
+    code, out, _ = run_cli([*args, str(tmp_path / "clean"), *opts], capsys)
+    assert code == 0
+    num_shards = json.loads(out)["num_shards"]
+    assert num_shards >= 16
+
+    # a run killed (with its worker processes) once at least one shard is recorded as done
+    dst = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cli(*args, str(dst), *opts),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    state = dst / STATE_NAME
+    deadline = time.monotonic() + 20
+    done = 0
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                done = len(json.loads(state.read_text())["shards"])
+            except (OSError, ValueError, KeyError):
+                done = 0
+            if done >= 1:
+                break
+            time.sleep(0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    # killed mid-run: some shards recorded, not all, no META.json
+    recorded = len(json.loads(state.read_text())["shards"])
+    assert 1 <= recorded < num_shards and not (dst / META_NAME).exists()
+
+    # the same command again resumes and finishes
+    rerun = subprocess.run(_cli(*args, str(dst), *opts), capture_output=True, timeout=60)
+    assert rerun.returncode == 0, rerun.stderr.decode()[-2000:]
+    summary = json.loads(rerun.stdout)
+    assert summary["shards_kept"] >= recorded and summary["shards_written"] >= 1
+    assert summary["shards_kept"] + summary["shards_written"] == num_shards
+
+    clean = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert sorted(p.name for p in dst.iterdir()) == clean  # no temp files or state left
+    for name in clean:
+        assert (dst / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
