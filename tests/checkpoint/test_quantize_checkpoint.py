@@ -174,3 +174,16 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, capsys):
     assert sorted(p.name for p in dst.iterdir()) == clean  # no temp files or state left
     for name in clean:
         assert (dst / name).read_bytes() == (tmp_path / "clean" / name).read_bytes(), name
+
+
+def test_rerun_keeps_shards_unless_the_checkpoint_changed(tmp_path):
+    built = build_checkpoint(tmp_path / "ck", fmt="bf16", base=400)
+    first = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
+    again = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
+    assert first.shards_written == again.shards_kept > 1 and again.shards_written == 0
+    # a re-downloaded table file (new mtime): nothing from the old run may be trusted
+    f = built.path_of(f"{BASE}.shard_0.weight")
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    redo = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
+    assert redo.shards_kept == 0 and redo.shards_written == first.shards_written

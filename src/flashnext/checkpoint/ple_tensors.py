@@ -609,6 +609,7 @@ class CheckpointTableSource:
     def __init__(self, info: PLETableInfo, root: str | os.PathLike[str]):
         self.info = info
         self.root = str(Path(root).resolve())
+        self._base = str(Path(root))  # the parts' file names start with it
         self.num_rows = info.num_rows
         self.width = info.width
         self.format = info.format
@@ -667,7 +668,15 @@ class CheckpointTableSource:
         return arr.reshape(rows, part.cols)
 
     def describe(self) -> dict[str, Any]:
-        """Where the rows come from (recorded in the sidecar's META.json ``source``)."""
+        """Where the rows come from (recorded in the sidecar's META.json ``source``).
+
+        Includes each table file's size and mtime, so a resumed quantization notices a file
+        that was replaced (re-downloaded) since the interrupted run and starts over.
+        """
+        files = {}
+        for name in sorted({p.file for p in self.info.parts}):
+            st = os.stat(name)
+            files[os.path.relpath(name, self._base)] = [st.st_size, st.st_mtime_ns]
         return {
             "kind": "checkpoint",
             "path": self.root,
@@ -675,6 +684,7 @@ class CheckpointTableSource:
             "tensor_prefix": self.info.name_prefix,
             "layout": self.info.layout,
             "format": self.info.format,
+            "files": files,
         }
 
 
