@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the JSON record on stdout")
     args = ap.parse_args()
 
+    load_start = os.getloadavg()  # other processes on the host skew every number: record it
     seed = int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     scratch = Path(tempfile.mkdtemp(prefix="fn-bench-", dir=args.dir))
@@ -176,6 +177,8 @@ def main() -> None:
             "numpy": np.__version__,
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
             "seed": seed,
             "checkpoint": {
                 "format": args.src_format,
@@ -192,7 +195,8 @@ def main() -> None:
         else:
             print(
                 f"\n{src.num_rows:,} rows x {src.width} {args.src_format} "
-                f"({table_bytes / 1e6:.0f} MB), {os.cpu_count()} CPUs\n"
+                f"({table_bytes / 1e6:.0f} MB), {os.cpu_count()} CPUs, load average "
+                f"{load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end\n"
             )
             print("| cache | what | workers | input MB/s | vs read | rows/s | rel. RMSE |")
             print("|---|---|---|---|---|---|---|")

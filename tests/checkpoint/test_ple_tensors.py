@@ -312,3 +312,23 @@ def test_cli_ple_json(tmp_path, capsys):
     (b.root / "config.json").write_text(json.dumps({**b.config, "ple_layer_ids": [3]}))
     code, _, err = run_cli(["checkpoint", "ple", str(b.root)], capsys)
     assert code == 1 and err.startswith("error: ")
+
+
+def test_missing_weight_file_is_named(tmp_path):
+    b = build_checkpoint(tmp_path / "ck", fmt="bf16", base=400)
+    (b.root / "model-00003-of-00003.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"model-00003-of-00003\.safetensors: missing .*checkpoint verify"
+    ):
+        find_ple_tables(b.root)
+
+
+def test_hub_cache_layout(tmp_path):
+    from .builder import to_hf_cache
+
+    b = build_checkpoint(tmp_path / "ck", fmt="nvfp4", layout="whole", prefix="short", base=400)
+    repo = to_hf_cache(b, tmp_path / "hub")
+    (table,) = find_ple_tables(repo)
+    assert (table.layout, table.format, table.prefix) == ("whole", "nvfp4", "short")
+    src = open_table_source(repo)
+    np.testing.assert_allclose(src.read_rows(0, src.num_rows), b.refs[2], rtol=3e-7, atol=0)
