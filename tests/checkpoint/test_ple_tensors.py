@@ -332,3 +332,12 @@ def test_hub_cache_layout(tmp_path):
     assert (table.layout, table.format, table.prefix) == ("whole", "nvfp4", "short")
     src = open_table_source(repo)
     np.testing.assert_allclose(src.read_rows(0, src.num_rows), b.refs[2], rtol=3e-7, atol=0)
+
+
+def test_invalid_geometry_buffer(tmp_path):
+    b = build_checkpoint(tmp_path / "ck", fmt="bf16", base=400, buffers=True)
+    name = "model.language_model.layers.1.ple.ple_embedding.layer_multipliers"
+    b.tensors[name] = b.tensors[name][:2].copy()
+    rewrite(b)
+    with pytest.raises(CheckpointError, match=r"layer_multipliers has shape \[2\], expected \[3\]"):
+        find_ple_tables(b.root)

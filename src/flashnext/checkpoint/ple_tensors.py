@@ -351,9 +351,10 @@ def _describe_table(
         try:
             geo = geo.with_buffers(**buffers)
         except GeometryError as exc:
+            first_buf = next(iter(ln.buffers.values()))
             raise CheckpointError(
-                f"layer {layer_id} ({ln.buffers and names[next(iter(ln.buffers.values()))][0]}): "
-                f"geometry buffers are invalid: {exc}"
+                f"{names[first_buf][0]}: layer {layer_id}'s geometry buffers "
+                f"({', '.join(sorted(ln.buffers.values()))}) are invalid: {exc}"
             ) from None
     layouts = [
         lay

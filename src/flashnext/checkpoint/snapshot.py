@@ -30,6 +30,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -261,8 +262,6 @@ def verify_snapshot(
     Raises:
         CheckpointError: ``path`` is not a directory (everything else is reported, not raised).
     """
-    import time
-
     t0 = time.perf_counter()
     root, layout = resolve_snapshot(path)
     report = VerifyReport(root=root, layout=layout, weights="none")
