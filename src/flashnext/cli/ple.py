@@ -140,6 +140,10 @@ def quantize(
     Streams shard by shard with bounded memory and resumes an interrupted run: run the same
     command again and finished shards are kept (verified by sha256), the rest redone.
     """
+    if dst.resolve() == src.resolve():
+        raise click.BadParameter(
+            "DST must differ from SRC (the sidecar is rewritten)", param_hint="DST"
+        )
     source = open_row_source(src, layer)
     if rows_per_shard is None:
         rows_per_shard = source.rows_per_shard
