@@ -184,7 +184,7 @@ def quantize(
         f"{summary['num_shards']} ({result.shards_written} written, "
         f"{result.shards_kept} kept from an earlier run)",
     )
-    table.add_row("size", human_bytes(summary["size_bytes"]))
+    table.add_row("size", human_bytes(result.sidecar.nbytes))
     table.add_row(
         "rel. RMSE", f"{result.rel_rmse:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})"
     )

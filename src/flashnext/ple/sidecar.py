@@ -232,9 +232,9 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
         scalars = {}
         for spec in codec.specs:
             if not spec.per_row:
-                entry = header.tensors[spec.name]
+                scalar = header.tensors[spec.name]
                 scalars[spec.name] = float(
-                    np.fromfile(header.path, entry.dtype, 1, offset=entry.offset)[0]
+                    np.fromfile(header.path, scalar.dtype, 1, offset=scalar.offset)[0]
                 )
         shards.append(Shard(i, header.path, row_start, rows, header.tensors, scalars))
         row_start += rows
