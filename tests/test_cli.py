@@ -57,6 +57,7 @@ def test_quantize_info_lookup(bf16):
     info = json.loads(run("ple", "info", bf16 / "int4", "--json").stdout)
     assert info["format"] == "int4" and info["checksums"] == "ok" and info["bytes_per_row"] == 100
     assert info["rel_rmse"] == pytest.approx(out["rel_rmse"])
+    assert info["resident_bytes"] == 2000 * 100 and info["resident_fits"] is True
 
     rows = json.loads(run("ple", "lookup", bf16 / "int4", "--ids", "0,-1,1999", "--json").stdout)
     assert len(rows["rows"]) == 3 and all(v == 0 for v in rows["rows"][1])

@@ -12,6 +12,7 @@ from rich.table import Table
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
+from flashnext.ple.preflight import DEFAULT_HEADROOM, GIB, host_memory
 from flashnext.ple.quantize import RowSource, SidecarSource, quantize_table
 from flashnext.ple.sidecar import META_NAME, open_sidecar
 from flashnext.ple.table import open_table
@@ -46,6 +47,8 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     else:
         checks = "ok" if not problems else f"{len(problems)} mismatched"
     quant = sidecar.meta.get("quantization") or {}
+    memory = host_memory()
+    resident_bytes = sidecar.num_rows * sidecar.codec.bytes_per_row(sidecar.width)
     record: dict[str, Any] = {
         "path": str(sidecar.path),
         "format": sidecar.format,
@@ -59,6 +62,9 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         "checksums": checks,
         "problems": problems,
         "rel_rmse": quant.get("rel_rmse"),
+        "resident_bytes": resident_bytes,
+        "host_available_bytes": memory.available,
+        "resident_fits": resident_bytes + DEFAULT_HEADROOM <= memory.available,
         "geometry": sidecar.geometry,
     }
     if as_json:
@@ -78,6 +84,11 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
             value = record[key]
             table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
         table.add_row("size", human_bytes(record["size_bytes"]))
+        fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
+        table.add_row(
+            "resident copy",
+            f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})",
+        )
         if record["rel_rmse"] is not None:
             table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
         out_console.print(table)
