@@ -193,12 +193,10 @@ def write_file(
     blob += b" " * (-len(blob) % 8)  # the data area starts 8-byte aligned
     digest = hashlib.sha256()
     with atomic_write(path) as fh:
-        for chunk in (
-            struct.pack("<Q", len(blob)),
-            blob,
-            *(a.reshape(-1).view(np.uint8) for a in arrays),
-        ):
-            data = memoryview(chunk)
+        chunks: list[bytes | np.ndarray] = [struct.pack("<Q", len(blob)), blob]
+        chunks += [a.reshape(-1).view(np.uint8) for a in arrays]
+        for chunk in chunks:
+            data = chunk if isinstance(chunk, bytes) else chunk.data
             digest.update(data)
             fh.write(data)
     return digest.hexdigest()

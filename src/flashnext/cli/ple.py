@@ -11,6 +11,7 @@ from rich.table import Table
 
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
 from flashnext.ple.formats import FORMATS, get_codec
+from flashnext.ple.preflight import DEFAULT_HEADROOM, GIB, host_memory
 from flashnext.ple.quantize import RowSource, SidecarSource, quantize_table
 from flashnext.ple.sidecar import META_NAME, open_sidecar
 from flashnext.ple.table import open_table
@@ -45,6 +46,8 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     else:
         checks = "ok" if not problems else f"{len(problems)} mismatched"
     quant = sidecar.meta.get("quantization") or {}
+    memory = host_memory()
+    resident_bytes = sidecar.num_rows * sidecar.codec.bytes_per_row(sidecar.width)
     record: dict[str, Any] = {
         "path": str(sidecar.path),
         "format": sidecar.format,
@@ -58,6 +61,9 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         "checksums": checks,
         "problems": problems,
         "rel_rmse": quant.get("rel_rmse"),
+        "resident_bytes": resident_bytes,
+        "host_available_bytes": memory.available,
+        "resident_fits": resident_bytes + DEFAULT_HEADROOM <= memory.available,
         "geometry": sidecar.geometry,
     }
     if as_json:
@@ -77,6 +83,11 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
             value = record[key]
             table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
         table.add_row("size", human_bytes(record["size_bytes"]))
+        fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
+        table.add_row(
+            "resident copy",
+            f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})",
+        )
         if record["rel_rmse"] is not None:
             table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
         out_console.print(table)
@@ -139,6 +150,10 @@ def quantize(
     Streams shard by shard with bounded memory and resumes an interrupted run: run the same
     command again and finished shards are kept (verified by sha256), the rest redone.
     """
+    if dst.resolve() == src.resolve():
+        raise click.BadParameter(
+            "DST must differ from SRC (the sidecar is rewritten)", param_hint="DST"
+        )
     source = open_row_source(src, layer)
     if rows_per_shard is None:
         rows_per_shard = source.rows_per_shard
@@ -179,7 +194,7 @@ def quantize(
         f"{summary['num_shards']} ({result.shards_written} written, "
         f"{result.shards_kept} kept from an earlier run)",
     )
-    table.add_row("size", human_bytes(summary["size_bytes"]))
+    table.add_row("size", human_bytes(result.sidecar.nbytes))
     table.add_row(
         "rel. RMSE", f"{result.rel_rmse:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})"
     )

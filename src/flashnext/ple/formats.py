@@ -222,19 +222,24 @@ class _GroupCodec(Codec):
         n, w = x.shape
         xg = x.reshape(n, w // GROUP, GROUP)
         amax = np.abs(xg).max(axis=2, keepdims=True)
-        best_err = best_codes = best_scale = None
+        best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         for ratio in CLIP_RATIOS:
             raw = amax * np.float32(ratio) / np.float32(self.qmax) / global_scale
             stored = self._store_scale(raw)
             codes, deq = self._encode(xg, stored.astype(np.float32) * global_scale)
             err = ((deq - xg) ** 2).sum(axis=2, keepdims=True)
-            if best_err is None:
-                best_err, best_codes, best_scale = err, codes, stored
+            if best is None:
+                best = (err, codes, stored)
             else:
-                better = err < best_err
-                best_err = np.where(better, err, best_err)
-                best_codes = np.where(better, codes, best_codes)
-                best_scale = np.where(better, stored, best_scale)
+                better = err < best[0]
+                best = (
+                    np.where(better, err, best[0]),
+                    np.where(better, codes, best[1]),
+                    np.where(better, stored, best[2]),
+                )
+        if best is None:
+            raise FormatError(f"{self.name}: CLIP_RATIOS is empty")
+        _, best_codes, best_scale = best
         return _pack_nibbles(best_codes.reshape(n, w)), best_scale.reshape(n, w // GROUP)
 
     def _store_scale(self, raw: np.ndarray) -> np.ndarray:

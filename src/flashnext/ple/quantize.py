@@ -36,6 +36,7 @@ from flashnext.ple.sidecar import (
     shard_name,
     write_shard_file,
 )
+from flashnext.ple.table import PLETable, open_table
 from flashnext.safetensors_file import sha256_file
 
 STATE_NAME = ".flashnext-quantize.json"
@@ -69,15 +70,13 @@ class SidecarSource:
         self.rows_per_shard = sidecar.rows_per_shard
         self.format = sidecar.format
         self.geometry = sidecar.geometry
-        self._table = None
+        self._table: PLETable | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_table": None}
 
     def read_rows(self, start: int, end: int) -> np.ndarray:
         if self._table is None:
-            from flashnext.ple.table import open_table
-
             self._table = open_table(self.path, "mmap")
         return self._table.lookup(np.arange(start, end, dtype=np.int64))
 

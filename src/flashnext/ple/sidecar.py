@@ -46,7 +46,7 @@ import numpy as np
 from flashnext import __version__
 from flashnext.atomic import write_json
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple.formats import Codec, detect_format, get_codec
+from flashnext.ple.formats import FORMATS, Codec, detect_format, get_codec
 from flashnext.safetensors_file import (
     Header,
     SafetensorsError,
@@ -179,7 +179,7 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
             found[int(m.group(1))] = entry
     if not found:
         raise SidecarError(f"{root}: no shard_N.safetensors files")
-    num_shards = _meta_int(meta, "num_shards")
+    num_shards = _meta_int(meta, "num_shards", "shards")
     last = max(found) if num_shards is None else max(num_shards - 1, max(found))
     missing = [i for i in range(last + 1) if i not in found]
     if missing:
@@ -204,18 +204,10 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
         codec = detect_format(headers[0].tensors)
     except FormatError as exc:
         raise SidecarError(f"{headers[0].path}: {exc}") from None
+    # Other tools name the format "variant" and may prefix it like the card's folders.
     meta_format = meta.get("format", meta.get("variant"))
-    if (
-        isinstance(meta_format, str)
-        and meta_format.removeprefix("ples_")
-        in (
-            "bf16",
-            "fp8",
-            "int4",
-            "nvfp4",
-        )
-        and meta_format.removeprefix("ples_") != codec.name
-    ):
+    named = meta_format.removeprefix("ples_") if isinstance(meta_format, str) else None
+    if named in FORMATS and named != codec.name:
         raise SidecarError(
             f"{root}: {META_NAME} says format {meta_format!r} but the shards hold {codec.name} "
             f"tensors {list(codec.tensor_names)}"
@@ -232,9 +224,9 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
         scalars = {}
         for spec in codec.specs:
             if not spec.per_row:
-                entry = header.tensors[spec.name]
+                scalar = header.tensors[spec.name]
                 scalars[spec.name] = float(
-                    np.fromfile(header.path, entry.dtype, 1, offset=entry.offset)[0]
+                    np.fromfile(header.path, scalar.dtype, 1, offset=scalar.offset)[0]
                 )
         shards.append(Shard(i, header.path, row_start, rows, header.tensors, scalars))
         row_start += rows

@@ -18,6 +18,7 @@ import numpy as np
 
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import Codec
+from flashnext.ple.preflight import HostMemory, check_fits
 from flashnext.ple.sidecar import Sidecar, open_sidecar
 from flashnext.safetensors_file import read_tensor
 
@@ -37,7 +38,13 @@ class _Segment:
 class PLETable:
     """Read-only access to one PLE layer's table; build it with :func:`open_table`."""
 
-    def __init__(self, sidecar: Sidecar, residency: Residency, row_range: tuple[int, int] | None):
+    def __init__(
+        self,
+        sidecar: Sidecar,
+        residency: Residency,
+        row_range: tuple[int, int] | None,
+        preflight: bool | HostMemory = True,
+    ):
         if residency not in ("mmap", "resident"):
             raise SidecarError(f"residency must be 'mmap' or 'resident', found {residency!r}")
         self.sidecar = sidecar
@@ -62,6 +69,12 @@ class PLETable:
             spec.name: np.array([sh.scalars[spec.name] for sh in shards], dtype=np.float32)
             for spec in self._scalar_specs
         }
+        if residency == "resident" and preflight is not False:
+            check_fits(
+                (end - start) * self.codec.bytes_per_row(self.width),
+                f"a resident copy of {sidecar.path} ({self.format}, rows {start}..{end})",
+                memory=preflight if isinstance(preflight, HostMemory) else None,
+            )
         self._segments = self._open_segments(shards, start, end)
         self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
 
@@ -217,6 +230,7 @@ def open_table(
     path: str | os.PathLike[str] | Sidecar,
     residency: Residency = "mmap",
     row_range: tuple[int, int] | None = None,
+    preflight: bool | HostMemory = True,
 ) -> PLETable:
     """Open a sidecar directory for lookups.
 
@@ -226,12 +240,16 @@ def open_table(
             rows into anonymous memory now).
         row_range: ``(start, end)`` global rows this process serves (a tensor-parallel rank's
             rows); only overlapping shards are opened. ``None`` = the whole table.
+        preflight: for ``resident``, refuse up front when host memory (MemAvailable, and the
+            cgroup limit less usage plus reclaimable page cache) cannot hold the copy; a
+            :class:`HostMemory` checks against that reading instead (another host's, say).
 
     Raises:
         SidecarError: the directory is not a valid sidecar or ``row_range`` is out of bounds.
+        PreflightError: a resident copy would not fit in host memory.
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
-    return PLETable(sidecar, residency, row_range)
+    return PLETable(sidecar, residency, row_range, preflight)
 
 
 def dequantize_raw(codec: Codec, raw: Mapping[str, np.ndarray], width: int) -> np.ndarray:

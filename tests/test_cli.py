@@ -1,0 +1,116 @@
+"""The console script end to end, as a user runs it (real subprocesses, real files)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flashnext.ple import write_sidecar
+from flashnext.synthetic import embedding_rows
+
+
+def run(*args, check=True):
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashnext", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+        )
+    return proc
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    x = embedding_rows(2000, 160, np.random.default_rng())
+    write_sidecar(root / "bf16", "bf16", x, 500)
+    return root
+
+
+def test_quantize_info_lookup(bf16):
+    out = json.loads(
+        run(
+            "ple",
+            "quantize",
+            bf16 / "bf16",
+            bf16 / "int4",
+            "--format",
+            "int4",
+            "--workers",
+            "2",
+            "--json",
+        ).stdout
+    )
+    assert out["num_rows"] == 2000 and out["num_shards"] == 4 and out["shards_written"] == 4
+    assert 0.05 < out["rel_rmse"] < 0.13
+    again = json.loads(
+        run("ple", "quantize", bf16 / "bf16", bf16 / "int4", "--format", "int4", "--json").stdout
+    )
+    assert again["shards_kept"] == 4 and again["shards_written"] == 0
+
+    info = json.loads(run("ple", "info", bf16 / "int4", "--json").stdout)
+    assert info["format"] == "int4" and info["checksums"] == "ok" and info["bytes_per_row"] == 100
+    assert info["rel_rmse"] == pytest.approx(out["rel_rmse"])
+    assert info["resident_bytes"] == 2000 * 100 and info["resident_fits"] is True
+
+    rows = json.loads(run("ple", "lookup", bf16 / "int4", "--ids", "0,-1,1999", "--json").stdout)
+    assert len(rows["rows"]) == 3 and all(v == 0 for v in rows["rows"][1])
+    human = run("ple", "lookup", bf16 / "int4", "--ids", "5", "--raw").stdout
+    assert "row 5 (int4)" in human and "weight_scale" in human
+
+
+def test_errors_are_one_line_with_exit_status(bf16):
+    bad = run("ple", "lookup", bf16 / "bf16", "--ids", "2000", check=False)
+    assert bad.returncode == 2 and "row id 2000 at index (0,) is outside the table" in bad.stderr
+    (bf16 / "broken").mkdir()
+    (bf16 / "broken" / "shard_0.safetensors").write_bytes(b"abc")
+    broken = run("ple", "info", bf16 / "broken", check=False)
+    assert broken.returncode == 1
+    assert (
+        broken.stderr.startswith("error: ") and "too short for a safetensors file" in broken.stderr
+    )
+    assert broken.stdout == ""
+    same = run("ple", "quantize", bf16 / "bf16", bf16 / "bf16", "--format", "fp8", check=False)
+    assert same.returncode == 2 and "DST must differ from SRC" in same.stderr
+
+
+def test_info_reports_checksum_mismatch(bf16):
+    run("ple", "quantize", bf16 / "bf16", bf16 / "fp8", "--format", "fp8")
+    shard = bf16 / "fp8" / "shard_3.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    proc = run("ple", "info", bf16 / "fp8", "--json", check=False)
+    assert proc.returncode == 1
+    info = json.loads(proc.stdout)
+    assert info["checksums"] == "1 mismatched" and info["problems"][0].startswith(
+        "shard_3.safetensors"
+    )
+
+
+def test_help_lists_commands():
+    out = run("--help").stdout
+    assert "demo" in out and "ple" in out
+
+
+def test_demo_runs_and_measures(tmp_path):
+    proc = run("demo", "--base", "2000", "--out", tmp_path / "demo", "--json")
+    result = json.loads(proc.stdout)
+    formats = [r["format"] for r in result["rows"]]
+    assert formats == ["bf16", "fp8", "int4", "nvfp4"]
+    rmse = {r["format"]: r["rel_rmse"] for r in result["rows"]}
+    assert rmse["bf16"] < rmse["fp8"] < rmse["nvfp4"] < 0.13 and rmse["int4"] < 0.13
+    sizes = {r["format"]: r["size_bytes"] for r in result["rows"]}
+    assert sizes["bf16"] > sizes["fp8"] > sizes["int4"] > sizes["nvfp4"]
+    geo = result["geometry"]
+    assert geo["num_heads"] == 16 and geo["width"] == 160 and geo["split_ngram_parts"] == 128
+    assert geo["vocab_size"] == result["tokenizer_vocab"] > 1000
+    for row in result["rows"]:
+        assert row["decode_us"]["mmap"] > 0 and row["prefill_ms"]["resident"] > 0
+    assert (tmp_path / "demo" / "ple_nvfp4" / "META.json").exists()
