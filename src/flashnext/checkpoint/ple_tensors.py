@@ -589,13 +589,13 @@ def find_ple_tables(
             )
     out = []
     for d, layer_id in enumerate(ids):
-        ln = layers.get(layer_id - 1)
-        if ln is None:
+        found = layers.get(layer_id - 1)
+        if found is None:
             raise CheckpointError(
                 f"{root}: no PLE table for decoder layer {layer_id} (ple_layer_ids {ids}); "
                 f"expected tensors like {PREFIXES['long']}{layer_id - 1}.{_TABLE_HEAD}shard_0.weight"
             )
-        out.append(_describe_table(ln, names, config, layer_id, d))
+        out.append(_describe_table(found, names, config, layer_id, d))
     return out
 
 
@@ -625,8 +625,8 @@ class CheckpointTableSource:
                 header says (changed since it was opened).
         """
         out = np.empty((end - start, self.width), dtype=np.float32)
-        weights = {}
-        scales = {}
+        weights: dict[int, tuple[TablePart, np.ndarray]] = {}
+        scales: dict[int, tuple[TablePart, np.ndarray]] = {}
         for copy in self.info.row_map(start, end):
             part = self._parts[copy.tensor]
             arr = self._read(part, copy.src_offset, copy.rows)
@@ -650,7 +650,7 @@ class CheckpointTableSource:
                     {
                         "weight_e2m1": raw,
                         "weight_scale": scales[dst][1],
-                        "weight_scale_2": np.float32(self.info.weight_scale_2),
+                        "weight_scale_2": np.array(self.info.weight_scale_2, dtype=np.float32),
                     }
                 )
             out[dst : dst + n] = rows

@@ -169,7 +169,7 @@ def _rel(root: Path, p: Path) -> str:
 
 def _snapshot_files(root: Path) -> list[Path]:
     """Every file under ``root`` except the ``.cache`` bookkeeping, sorted."""
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         if here == root:
@@ -183,7 +183,7 @@ def _incomplete_files(root: Path, layout: str) -> list[Path]:
     places = [root]
     if layout == "hf-cache":
         places.append(root.parent.parent / "blobs")
-    found = []
+    found: list[Path] = []
     for place in places:
         for dirpath, _dirs, filenames in os.walk(place):
             found.extend(Path(dirpath) / f for f in filenames if f.endswith(".incomplete"))
@@ -390,18 +390,18 @@ def _check_weights(root: Path, report: VerifyReport, checks: dict[str, FileCheck
                 misplaced.setdefault((fname, where[tensor]), []).append(tensor)
             else:
                 absent.setdefault(fname, []).append(tensor)
-    for (fname, actual), tensors in sorted(misplaced.items()):
+    for (fname, actual), moved in sorted(misplaced.items()):
         report.error(
             fname,
-            f"{INDEX_NAME} places {len(tensors)} tensor(s) here that the header does not hold; "
-            f"they are in {actual} (e.g. {tensors[0]}): the index and the shards come from "
+            f"{INDEX_NAME} places {len(moved)} tensor(s) here that the header does not hold; "
+            f"they are in {actual} (e.g. {moved[0]}): the index and the shards come from "
             "different revisions; re-download both",
         )
-    for fname, tensors in sorted(absent.items()):
+    for fname, phantom in sorted(absent.items()):
         report.error(
             fname,
-            f"{INDEX_NAME} places {len(tensors)} tensor(s) here that no file holds "
-            f"(e.g. {tensors[0]}); re-download this file and the index",
+            f"{INDEX_NAME} places {len(phantom)} tensor(s) here that no file holds "
+            f"(e.g. {phantom[0]}); re-download this file and the index",
         )
     for fname, tensors in headers.items():
         extra = [t for t in tensors if weight_map.get(t) != fname]
@@ -501,7 +501,7 @@ def _hash_files(
         if check.hash_ok is False and check.digest:
             report.error(
                 check.file,
-                f"{check.algorithm} {check.digest[:16]}..., expected {check.expected[:16]}... "
+                f"{check.algorithm} {check.digest[:16]}..., expected {(check.expected or '')[:16]}... "
                 f"({check.expected_from}): the file is corrupt or from another revision; "
                 "delete and re-download it",
             )

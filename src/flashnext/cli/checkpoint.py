@@ -205,7 +205,7 @@ def override(
     err = err_console
     for c in changes:
         err.print(f"changed {c.field}: {c.old!r} -> {c.new!r}", highlight=False)
-    if hf:
+    if out is None:
         click.echo(json.dumps(hf_overrides(patched, changes)))
     else:
         write_overridden_snapshot(root, out, patched, record)
