@@ -187,3 +187,38 @@ def test_rerun_keeps_shards_unless_the_checkpoint_changed(tmp_path):
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     redo = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
     assert redo.shards_kept == 0 and redo.shards_written == first.shards_written
+
+
+_MEASURE = """
+import sys
+from flashnext.checkpoint import open_table_source
+from flashnext.ple.quantize import quantize_table
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+src = open_table_source(sys.argv[1])
+src.read_rows(0, 4096)  # warm up numpy/ml_dtypes allocations
+base = status("VmRSS:")
+quantize_table(src, sys.argv[2], "bf16", src.rows_per_shard, block_rows=4096)
+print(base, status("VmHWM:"))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc for VmHWM")
+def test_memory_is_bounded_by_block_not_table(tmp_path):
+    """Peak RSS grows by about a block and an output shard, never by the table."""
+    built = build_checkpoint(tmp_path / "ck", fmt="bf16", base=20000, parts=16, files=2)
+    table_f32 = built.refs[2].shape[0] * 160 * 4  # ~205 MB as float32
+    run = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(built.root), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    base, peak = (int(v) for v in run.stdout.split())
+    # one 4096-row block with its float64 error terms (~20 MB) + one output shard (~6.5 MB)
+    assert peak - base < table_f32 // 4, (base, peak, table_f32)
