@@ -64,7 +64,6 @@ def _pair_table(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     )
 
 
-_E2M1_MIDPOINTS = (E2M1_VALUES[1:] + E2M1_VALUES[:-1]) / 2
 _E2M1_PAIRS = _pair_table(E2M1_CODES[np.arange(256) & 0xF], E2M1_CODES[np.arange(256) >> 4])
 _E4M3_PAIRS = _pair_table(_E4M3_LUT[np.arange(65536) & 0xFF], _E4M3_LUT[np.arange(65536) >> 8])
 
@@ -214,33 +213,43 @@ class _GroupCodec(Codec):
     scale_dtype: np.dtype
     qmax: float
 
-    def _encode(self, xg: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """xg [n, g, 16] / stored scale s [n, g, 1] -> (codes uint8, dequantized float32)."""
+    def _round(self, y: np.ndarray) -> np.ndarray:
+        """Values in units of the group scale -> the nearest representable value (float32)."""
+        raise NotImplementedError
+
+    def _codes(self, q: np.ndarray) -> np.ndarray:
+        """Representable values from :meth:`_round` -> their 4-bit codes (uint8)."""
         raise NotImplementedError
 
     def _search(self, x: np.ndarray, global_scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
         n, w = x.shape
         xg = x.reshape(n, w // GROUP, GROUP)
         amax = np.abs(xg).max(axis=2, keepdims=True)
-        best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+        def scaled(stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            s = stored.astype(np.float32) * global_scale
+            with np.errstate(divide="ignore"):
+                inv = np.where(s > 0, np.float32(1) / s, np.float32(0))
+            return s, xg * inv
+
+        # The search compares errors only; codes are made once, for the winning scale.
+        best_err = best_scale = None
         for ratio in CLIP_RATIOS:
-            raw = amax * np.float32(ratio) / np.float32(self.qmax) / global_scale
-            stored = self._store_scale(raw)
-            codes, deq = self._encode(xg, stored.astype(np.float32) * global_scale)
-            err = ((deq - xg) ** 2).sum(axis=2, keepdims=True)
-            if best is None:
-                best = (err, codes, stored)
+            stored = self._store_scale(amax * np.float32(ratio / self.qmax) / global_scale)
+            s, y = scaled(stored)
+            diff = self._round(y) * s - xg
+            err = np.einsum("ngk,ngk->ng", diff, diff)[:, :, None]
+            if best_err is None or best_scale is None:
+                best_err, best_scale = err, stored
             else:
-                better = err < best[0]
-                best = (
-                    np.where(better, err, best[0]),
-                    np.where(better, codes, best[1]),
-                    np.where(better, stored, best[2]),
-                )
-        if best is None:
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_scale = np.where(better, stored, best_scale)
+        if best_scale is None:
             raise FormatError(f"{self.name}: CLIP_RATIOS is empty")
-        _, best_codes, best_scale = best
-        return _pack_nibbles(best_codes.reshape(n, w)), best_scale.reshape(n, w // GROUP)
+        _, y = scaled(best_scale)
+        codes = self._codes(self._round(y))
+        return _pack_nibbles(codes.reshape(n, w)), best_scale.reshape(n, w // GROUP)
 
     def _store_scale(self, raw: np.ndarray) -> np.ndarray:
         # Rounding can carry the top scale a hair past e4m3's 448, which would cast to NaN.
@@ -264,9 +273,11 @@ class Int4Codec(_GroupCodec):
             )
         return raw.astype(np.float16)
 
-    def _encode(self, xg: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        q = np.clip(np.rint(_safe_div(xg, s)), -8, 7)
-        return (q + 8).astype(np.uint8), (q * s).astype(np.float32)
+    def _round(self, y: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(y), -8, 7)
+
+    def _codes(self, q: np.ndarray) -> np.ndarray:
+        return (q + 8).astype(np.uint8)
 
     def quantize(
         self, rows: np.ndarray, scalars: Mapping[str, float] | None = None
@@ -298,12 +309,16 @@ class NVFP4Codec(_GroupCodec):
     scale_dtype = E4M3
     qmax = 6.0
 
-    def _encode(self, xg: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        y = _safe_div(xg, s)
-        mag = np.searchsorted(_E2M1_MIDPOINTS, np.abs(y), side="left").astype(np.uint8)
-        mag = np.minimum(mag, 7)
-        codes = mag | (np.signbit(y).astype(np.uint8) << 3)
-        return codes, (E2M1_CODES[codes] * s).astype(np.float32)
+    def _round(self, y: np.ndarray) -> np.ndarray:
+        # E2M1 steps are 0.5 below 2, 1 below 4, 2 up to 6: round on the step of the range.
+        a = np.abs(y)
+        q = np.where(a < 2, np.rint(a * 2) * 0.5, np.where(a < 4, np.rint(a), np.rint(a * 0.5) * 2))
+        return np.copysign(np.minimum(q, np.float32(6)), y).astype(np.float32)
+
+    def _codes(self, q: np.ndarray) -> np.ndarray:
+        a = np.abs(q)
+        mag = np.where(a < 2, a * 2, np.where(a < 4, a + 2, a * 0.5 + 4)).astype(np.uint8)
+        return mag | (np.signbit(q).astype(np.uint8) << 3)
 
     def shard_scalars(self, absmax: float) -> dict[str, float]:
         # The per-shard scale puts the largest group scale at e4m3's top (448).
