@@ -52,11 +52,12 @@ class HostMemory:
     def explain(self) -> str:
         """One line: every number that went into :attr:`available`."""
         text = f"MemAvailable {self.mem_available / GIB:.1f} GiB"
-        if self.cgroup_available is not None:
+        cg = self.cgroup_available
+        if cg is not None:
             text += (
-                f"; cgroup {self.cgroup_path} limit {self.cgroup_limit / GIB:.1f} GiB less usage "
-                f"{(self.cgroup_usage or 0) / GIB:.1f} GiB plus reclaimable page cache "
-                f"{(self.cgroup_reclaimable or 0) / GIB:.1f} GiB = {self.cgroup_available / GIB:.1f} GiB"
+                f"; cgroup {self.cgroup_path} limit {(self.cgroup_limit or 0) / GIB:.1f} GiB less "
+                f"usage {(self.cgroup_usage or 0) / GIB:.1f} GiB plus reclaimable page cache "
+                f"{(self.cgroup_reclaimable or 0) / GIB:.1f} GiB = {cg / GIB:.1f} GiB"
             )
         return text
 
@@ -92,7 +93,8 @@ def _stat_value(path: Path, *keys: str) -> int | None:
 
 def _cgroup_dirs(cgroup_root: Path, proc_cgroup: Path) -> list[tuple[str, Path]]:
     """Candidate (version, directory) pairs holding this process's memory controller files."""
-    rel_v2 = rel_v1 = None
+    rel_v2: str | None = None
+    rel_v1: str | None = None
     try:
         for line in proc_cgroup.read_text().splitlines():
             hid, controllers, rel = line.split(":", 2)
