@@ -105,15 +105,15 @@ def _cgroup_dirs(cgroup_root: Path, proc_cgroup: Path) -> list[tuple[str, Path]]
     except (OSError, ValueError):
         pass
     out = []
-    for version, base, rel in (
+    for version, base, own in (
         ("v1", cgroup_root / "memory", rel_v1),
         ("v2", cgroup_root, rel_v2),
         ("v2", cgroup_root / "unified", rel_v2),
     ):
-        if rel is None:
+        if own is None:
             continue
         # Inside a container the mount usually shows the process's own cgroup as the root.
-        for directory in (base / rel.lstrip("/"), base):
+        for directory in (base / own.lstrip("/"), base):
             out.append((version, directory))
     return out
 
