@@ -177,7 +177,8 @@ def write_file(
     pos = 0
     arrays = []
     for name, value in tensors.items():
-        arr = np.ascontiguousarray(value)
+        # np.ascontiguousarray would turn a scalar [] into [1]; the card's scale_2 is [].
+        arr = np.require(np.asarray(value), requirements="C")
         if arr.dtype not in _NAMES:
             raise SafetensorsError(
                 f"{path}: tensor {name}: dtype {arr.dtype} has no safetensors name"

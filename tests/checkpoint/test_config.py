@@ -108,6 +108,10 @@ def test_bad_override_requests(tmp_path, capsys):
     assert code == 1 and "no layer_types entry equals ['mamba']" in err
     code, _, err = run_cli(["checkpoint", "override", root, *MAPPING, "--out", root], capsys)
     assert code == 1 and "never edited in place" in err
+    inside = str(built.root / "patched")
+    code, _, err = run_cli(["checkpoint", "override", root, *MAPPING, "--out", inside], capsys)
+    assert code == 1 and "is the checkpoint or inside it" in err
+    assert not (built.root / "patched").exists()
     code, _, err = run_cli(["checkpoint", "override", root, *MAPPING], capsys)
     assert code == 1 and "exactly one of" in err
     with pytest.raises(CheckpointError, match="expected OLD=NEW"):

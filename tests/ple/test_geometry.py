@@ -137,3 +137,19 @@ def test_eos_list_and_roundtrip_and_tp():
     assert g.tp_rows(4, 3) == (3 * 80_000_384, 320_001_536)
     with pytest.raises(GeometryError, match="rank 4 is not in a tensor-parallel group of size 4"):
         g.tp_rows(4, 4)
+
+
+def test_mixed_top_level_and_text_config_fields_all_count():
+    # a field only at the top level is used, never silently replaced by its default
+    nested = {"seed": 5, "text_config": {k: v for k, v in FLASH_NEXT.items() if k != "seed"}}
+    assert PLEGeometry.from_config(nested).seed == 5
+    assert PLEGeometry.from_config(nested) == PLEGeometry.from_config({**FLASH_NEXT, "seed": 5})
+    # text_config wins where both have the field
+    both = {"vocab_size": 1000, "text_config": FLASH_NEXT}
+    assert PLEGeometry.from_config(both).vocab_size == 248320
+
+
+@pytest.mark.parametrize("ids", [[0, 3], [-1], [1, True]])
+def test_bad_ple_layer_ids(ids):
+    with pytest.raises(GeometryError, match="1-based decoder layer numbers"):
+        PLEGeometry.from_config({**FLASH_NEXT, "ple_layer_ids": ids})

@@ -129,3 +129,5 @@ def test_bad_inputs_are_named():
         ngram_ids_packed(g, [1, 2, 3], [0, 2])
     with pytest.raises(GeometryError, match="must hold integer token ids"):
         ngram_ids(g, [1.5])
+    with pytest.raises(GeometryError, match=r"tokens has shape \[2, 2\], expected 1-D \[T\]"):
+        ngram_ids(g, [[1, 2], [3, 4]])

@@ -177,6 +177,28 @@ def test_not_safetensors_and_empty(tmp_path):
         open_sidecar(empty)
 
 
+def test_two_files_for_one_shard(tmp_path):
+    rng = _good(tmp_path)
+    safetensors.numpy.save_file(
+        card_tensors("int4", 50, rng), str(tmp_path / "shard_01.safetensors")
+    )
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_0?1\.safetensors and shard_0?1\.safetensors both claim shard 1",
+    ):
+        open_sidecar(tmp_path)
+
+
+def test_scalar_tensors_keep_shape_empty(tmp_path):
+    from safetensors import safe_open
+
+    x = np.random.default_rng().standard_normal((40, 160)).astype(np.float32)
+    write_sidecar(tmp_path, "nvfp4", x, 16)
+    for i in range(3):
+        with safe_open(str(tmp_path / f"shard_{i}.safetensors"), "np") as f:
+            assert f.get_slice("weight_scale_2").get_shape() == []  # the card: [] fp32
+
+
 def test_checksum_mismatch(tmp_path):
     rng = np.random.default_rng()
     write_sidecar(tmp_path, "fp8", embedding_rows(100, 160, rng), 40)

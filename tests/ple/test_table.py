@@ -79,6 +79,9 @@ def test_index_errors_name_the_id(tables):
     with pytest.raises(SidecarError, match="residency must be 'mmap' or 'resident'"):
         open_table(root / "int4", "pinned")  # type: ignore[arg-type]
     assert table.lookup(np.empty((0,), np.int64)).shape == (0, 160)
+    table.close()
+    with pytest.raises(SidecarError, match="lookup on a closed table"):
+        table.lookup([0])
 
 
 def _rss_kb():

@@ -171,13 +171,13 @@ def write_overridden_snapshot(
     is symlinked, so no weights are copied. Returns the names symlinked.
 
     Raises:
-        CheckpointError: ``out`` is ``src`` itself, or holds a config.json that is not ours.
+        CheckpointError: ``out`` is ``src`` or inside it, or holds a config.json that is not ours.
     """
     src_p, out_p = Path(src).resolve(), Path(out)
-    if out_p.exists() and out_p.resolve() == src_p:
+    if out_p.resolve() == src_p or src_p in out_p.resolve().parents:
         raise CheckpointError(
-            f"--out {out_p} is the checkpoint itself; the original config.json is never edited "
-            "in place: choose another directory"
+            f"--out {out_p} is the checkpoint or inside it; the original checkpoint is never "
+            "edited in place: choose a directory outside it"
         )
     out_p.mkdir(parents=True, exist_ok=True)
     existing = out_p / CONFIG_NAME

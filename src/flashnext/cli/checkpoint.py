@@ -106,7 +106,10 @@ def _print_report(report) -> None:
 @checkpoint.command("ple")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
-    "--tp", type=int, default=None, help="Also show each rank's row copies for this TP size."
+    "--tp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also show each rank's row copies for this TP size.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the tables as JSON on stdout.")
 def ple(directory: Path, tp: int | None, as_json: bool) -> None:

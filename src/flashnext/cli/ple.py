@@ -10,6 +10,7 @@ import numpy as np
 from rich.table import Table
 
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
+from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.preflight import DEFAULT_HEADROOM, GIB, host_memory
 from flashnext.ple.quantize import RowSource, SidecarSource, quantize_table
@@ -204,11 +205,14 @@ def quantize(
 
 def _parse_ids(text: str) -> np.ndarray:
     try:
-        return np.array([int(v) for v in text.replace(",", " ").split()], dtype=np.int64)
+        ids = np.array([int(v) for v in text.replace(",", " ").split()], dtype=np.int64)
     except ValueError:
+        ids = np.empty(0, dtype=np.int64)
+    if ids.size == 0:
         raise click.BadParameter(
             f"expected integers separated by commas, found {text!r}", param_hint="--ids"
-        ) from None
+        )
+    return ids
 
 
 @ple.command()
@@ -227,7 +231,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) 
             rows = table.lookup(row_ids)
             stored = table.gather_raw(row_ids) if raw else {}
     except IndexError as exc:
-        raise click.BadParameter(str(exc), param_hint="--ids") from None
+        raise SidecarError(f"--ids: {exc}") from None
     if as_json:
         print_json(
             {

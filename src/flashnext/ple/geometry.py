@@ -106,10 +106,16 @@ def _round_up(x: int, k: int) -> int:
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The text part of a model config: ``config["text_config"]`` when present, else ``config``."""
+    """The text model's fields: ``config["text_config"]`` over the top-level fields.
+
+    Multimodal configs keep the text model's fields under ``text_config``; a field found only
+    at the top level still counts, so a mixed config never falls back to a default silently.
+    """
     inner = config.get("text_config")
     if isinstance(inner, Mapping):
-        return inner
+        merged = {k: v for k, v in config.items() if k != "text_config"}
+        merged.update(inner)
+        return merged
     return config
 
 
@@ -118,8 +124,15 @@ def ple_layer_ids(config: Mapping[str, Any]) -> list[int]:
     ids = text_config(config).get("ple_layer_ids")
     if ids is None:
         return []
-    if not isinstance(ids, Sequence) or not all(isinstance(i, int) for i in ids):
-        raise GeometryError(f"config field ple_layer_ids must be a list of ints, found {ids!r}")
+    if (
+        not isinstance(ids, Sequence)
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        or any(i < 1 for i in ids)
+    ):
+        raise GeometryError(
+            f"config field ple_layer_ids must list 1-based decoder layer numbers (ints >= 1), "
+            f"found {ids!r}"
+        )
     return sorted(set(ids))
 
 

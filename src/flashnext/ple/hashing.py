@@ -23,8 +23,19 @@ from flashnext.errors import GeometryError
 from flashnext.ple.geometry import PLEGeometry
 
 
-def _as_tokens(tokens: object, what: str, geometry: PLEGeometry) -> np.ndarray:
+def _as_tokens(
+    tokens: object, what: str, geometry: PLEGeometry, ndim: int | None = None
+) -> np.ndarray:
     arr = np.asarray(tokens)
+    if ndim is not None and arr.ndim != ndim:
+        raise GeometryError(
+            f"{what} has shape {list(arr.shape)}, expected {ndim}-D"
+            + (
+                " [T] (one request's tokens; pack a batch with ngram_ids_packed)"
+                if ndim == 1
+                else ""
+            )
+        )
     if arr.dtype.kind not in "iu" and arr.size:
         raise GeometryError(f"{what} must hold integer token ids, found dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
@@ -83,7 +94,7 @@ def ngram_ids(geometry: PLEGeometry, tokens: object, context: object = None) -> 
     Raises:
         GeometryError: a token is outside ``[0, vocab_size)`` or the context has the wrong length.
     """
-    toks = _as_tokens(tokens, "tokens", geometry).reshape(-1)
+    toks = _as_tokens(tokens, "tokens", geometry, ndim=1)
     ctx = None if context is None else np.asarray(context).reshape(1, -1)
     qsl = np.array([0, toks.size], dtype=np.int64)
     return ngram_ids_packed(geometry, toks, qsl, ctx)
@@ -108,7 +119,7 @@ def ngram_ids_packed(
     Returns:
         int64 [N, num_heads] global row ids.
     """
-    toks = _as_tokens(tokens, "tokens", geometry).reshape(-1)
+    toks = _as_tokens(tokens, "tokens", geometry, ndim=1)
     qsl = np.asarray(query_start_loc, dtype=np.int64).reshape(-1)
     if qsl.size < 1 or qsl[0] != 0 or qsl[-1] != toks.size or np.any(np.diff(qsl) < 0):
         raise GeometryError(

@@ -176,7 +176,13 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
     for entry in root.iterdir():
         m = _SHARD_RE.match(entry.name)
         if m:
-            found[int(m.group(1))] = entry
+            index = int(m.group(1))
+            if index in found:
+                raise SidecarError(
+                    f"{root}: {found[index].name} and {entry.name} both claim shard {index}; "
+                    "remove the one that does not belong"
+                )
+            found[index] = entry
     if not found:
         raise SidecarError(f"{root}: no shard_N.safetensors files")
     num_shards = _meta_int(meta, "num_shards", "shards")

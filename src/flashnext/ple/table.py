@@ -132,6 +132,8 @@ class PLETable:
 
     # -- lookups -------------------------------------------------------------------------
     def _check_ids(self, ids: object) -> np.ndarray:
+        if not self._segments:
+            raise SidecarError(f"{self.sidecar.path}: lookup on a closed table")
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu" and arr.size:
             raise IndexError(f"row ids must be integers, found dtype {arr.dtype}")
