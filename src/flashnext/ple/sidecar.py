@@ -172,7 +172,7 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
             f"{root}: not a directory (expected a PLE sidecar: shard_N.safetensors + META.json)"
         )
     meta = _load_meta(root)
-    found = {}
+    found: dict[int, Path] = {}
     for entry in root.iterdir():
         m = _SHARD_RE.match(entry.name)
         if m:
