@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import re
 import shutil
 import subprocess
@@ -40,7 +39,7 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Parse Prometheus text exposition into ``{name: [(labels, value), ...]}``.
 
-    Comment and malformed lines are skipped; values that are not numbers become NaN.
+    Comment lines and lines without a numeric value are skipped.
     """
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for line in text.splitlines():
@@ -51,9 +50,9 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
             continue
         name, _, labels, value = m.groups()
         try:
-            v = float(value)
+            v = float(value)  # also parses the exposition format's NaN, +Inf, -Inf
         except ValueError:
-            v = math.nan
+            continue
         out.setdefault(name, []).append((dict(_LABEL.findall(labels or "")), v))
     return out
 

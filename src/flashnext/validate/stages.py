@@ -223,7 +223,8 @@ class Run:
         self, messages: list[dict[str, Any]], max_tokens: int, temperature: float = 0.0
     ) -> RequestResult:
         """One streamed chat completion against the served model."""
-        assert self.model is not None  # internal invariant: discover() ran before any stage
+        if self.model is None:  # discover() runs before any stage; this is a programming error
+            raise RuntimeError("no served model known: /v1/models was not read")
         return await self.client.chat(self.model, messages, max_tokens, temperature)
 
     async def wait_healthy(self, deadline_s: float) -> tuple[bool, str]:
@@ -309,11 +310,11 @@ async def stage_long(run: Run, res: StageResult) -> None:
     target = int(run.max_model_len * cfg.long_fraction)
     target = min(target, run.max_model_len - max_tokens)
     fact = f"{uuid.uuid4().int % 10**6:06d}"
-    assert run.model is not None
+    model = run.model or ""
     # Proportional search for the filler size, counting with the server's own tokenizer.
     repeats, counted, method = 1, None, "tokenize"
     for _ in range(8):
-        n = await run.client.count_tokens(run.model, _long_messages(fact, repeats))
+        n = await run.client.count_tokens(model, _long_messages(fact, repeats))
         if n is None:
             method = "estimate"
             # No /tokenize: assume ~4 characters per token and stay 20% under the target.
@@ -594,7 +595,8 @@ async def _run_one(run: Run, name: str, restarts: list[int | None]) -> StageResu
     await run.metrics.scrape()
     # The server went away: wait for it (a supervisor may bring it back) so that the restart
     # is attributed to this stage and the next stage starts against a live server.
-    if not run.metrics.reachable:
+    # (Not after `ready`: a server that never came up is not coming back.)
+    if name != "ready" and not run.metrics.reachable:
         run.progress(name, "server unreachable: waiting for it to come back", None)
         ok, last = await run.wait_healthy(run.cfg.recovery_timeout_s)
         await run.metrics.scrape()
@@ -618,10 +620,14 @@ async def _run_one(run: Run, name: str, restarts: list[int | None]) -> StageResu
                 f"{restarts[-1]} -> {count}, {how})"
             )
         restarts.append(count)
-    res.evidence["probes"] = {
-        "server": _window_gauges(run.metrics.samples, res.t_start, res.t_end),
-        "gpu": run.nvml.summary(res.t_start, res.t_end),
-    }
+    gauges = _window_gauges(run.metrics.samples, res.t_start, res.t_end)
+    res.evidence["probes"] = {"server": gauges, "gpu": run.nvml.summary(res.t_start, res.t_end)}
+    if gauges["preemptions"]:
+        # Preemptions are not a failure (vLLM recomputes), but they are the KV-pressure signal.
+        res.key["preemptions"] = gauges["preemptions"]
+    gpu_peak = res.evidence["probes"]["gpu"].get("peak_used_bytes")
+    if gpu_peak is not None:
+        res.key["gpu_peak_gib"] = round(gpu_peak / 2**30, 2)
     if res.status == "pass":
         res.reason = ""
     run.progress(name, res.status, 1.0)
