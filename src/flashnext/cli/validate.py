@@ -122,6 +122,12 @@ def _positive(name: str, value: float) -> None:
 @click.option("--sustained-concurrency", default=8, show_default=True)
 @click.option("--sustained-max-tokens", default=128, show_default=True)
 @click.option(
+    "--sustained-max-requests",
+    default=10_000,
+    show_default=True,
+    help="Sustained stage: stop after this many requests even before the duration.",
+)
+@click.option(
     "--probe-interval",
     default=0.5,
     show_default=True,
@@ -175,6 +181,7 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         "prefix_requests",
         "sustained_concurrency",
         "sustained_max_tokens",
+        "sustained_max_requests",
     ):
         _positive("--" + flag.replace("_", "-"), opts[flag])
     if opts["long_fraction"] >= 1:
@@ -197,6 +204,7 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         sustained_s=opts["sustained_seconds"],
         sustained_concurrency=opts["sustained_concurrency"],
         sustained_max_tokens=opts["sustained_max_tokens"],
+        sustained_max_requests=opts["sustained_max_requests"],
         probe_interval_s=opts["probe_interval"],
         gpu_index=opts["gpu_index"],
         nvml=opts["nvml"],
