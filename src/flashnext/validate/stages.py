@@ -681,7 +681,6 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> dic
                 )
                 continue
             results.append(await _run_one(run, name, restarts))
-        await run.metrics.stop()
         env = await _server_environment(run)
     finally:
         await run.metrics.stop()
