@@ -98,7 +98,10 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     for r in c["evidence"]["rounds"]:
         assert r["stopped"] + r["length_limited"] == 16
         assert r["ttft_s"]["p50"] > 0 and r["e2e_s"]["p90"] >= r["ttft_s"]["p90"]
-        assert r["itl_s"]["p50"] > 0 and r["output_tokens_per_s"] > 0
+        # Chunks bunched into one read have near-zero gaps, so the median may round to 0;
+        # the mean gap is (last - first chunk) / (chunks - 1) and must be positive.
+        assert r["itl_s"]["p50"] >= 0 and r["itl_s"]["mean"] > 0
+        assert r["output_tokens_per_s"] > 0
         assert r["errors"] == {}
     assert c["evidence"]["probes"]["server"]["peak_running"] >= 1
     # prefix cache: the warm requests hit the shared prefix

@@ -133,12 +133,13 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
         lo, hi = math.floor(pos), math.ceil(pos)
         return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
+    # Microsecond resolution: chunks that arrive in one TCP read are microseconds apart.
     return {
-        "p50": round(q(0.5), 4),
-        "p90": round(q(0.9), 4),
-        "p99": round(q(0.99), 4),
-        "mean": round(sum(xs) / len(xs), 4),
-        "max": round(xs[-1], 4),
+        "p50": round(q(0.5), 6),
+        "p90": round(q(0.9), 6),
+        "p99": round(q(0.99), 6),
+        "mean": round(sum(xs) / len(xs), 6),
+        "max": round(xs[-1], 6),
     }
 
 
