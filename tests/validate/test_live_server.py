@@ -255,28 +255,32 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: 
 
 
 def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
-    server: VllmServer = make_server(extra=["--num-gpu-blocks-override", "8"])
+    # The validator starts first and waits in `ready` while the server boots.
+    server: VllmServer = make_server(extra=["--num-gpu-blocks-override", "8"], start=False)
     out = tmp_path / "kv"
-    p = flashnext(
-        "validate",
-        "--url",
-        server.url,
-        "--stages",
-        "ready,concurrency",
-        "--rounds",
-        "1",
-        "--max-tokens",
-        "400",
-        "--out",
-        str(out),
-        "--json",
-    )
-    report = json.loads(p.stdout)
-    conc = by_name(report)["concurrency"]
+    p = subprocess.Popen(
+        [*FLASHNEXT, "validate", "--url", server.url, "--stages", "ready,concurrency",
+         "--rounds", "1", "--max-tokens", "400", "--ready-timeout", "240", "--out", str(out),
+         "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(1.0)
+        server.start()
+        stdout, stderr = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    report = json.loads(stdout)
+    ready, conc = by_name(report)["ready"], by_name(report)["concurrency"]
+    assert ready["status"] == "pass", ready
+    assert ready["key"]["time_to_ready_s"] > 1.0
+    assert [e["kind"] for e in report["probes"]["metrics"]["events"]] == [
+        "unreachable", "reachable"]  # fmt: skip
     assert report["environment"]["cache_config_info"]["num_gpu_blocks_override"] == "8"
     assert conc["evidence"]["probes"]["server"]["preemptions"] > 0
     assert conc["key"]["preemptions"] > 0
     assert conc["evidence"]["probes"]["server"]["peak_kv_usage"] > 0.5
     # preempted requests are recomputed: the stage still completes every request
-    assert conc["key"]["completed"] == "16/16" and p.returncode == 0
+    assert conc["key"]["completed"] == "16/16" and p.returncode == 0, stderr[-2000:]
     assert "preemptions" in (out / "report.md").read_text()
