@@ -253,7 +253,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from flashnext.validate.report import _key_text
+    from flashnext.validate.report import key_text
 
     console = Console()
     verdict = "[green]PASSED" if report["passed"] else "[red]FAILED"
@@ -267,7 +267,7 @@ def _print_summary(report: dict[str, Any]) -> None:
             s["name"],
             f"[{colours[s['status']]}]{status}",
             f"{s['duration_s']:.1f}",
-            _key_text(s["key"]),
+            key_text(s["key"]),
         )
     console.print(table)
     for s in report["stages"]:

@@ -91,7 +91,8 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _key_text(key: dict[str, Any]) -> str:
+def key_text(key: dict[str, Any]) -> str:
+    """A stage's key numbers as one line: ``name value, name value``."""
     return ", ".join(f"{k} {_fmt(v)}" for k, v in key.items() if v is not None)
 
 
@@ -115,7 +116,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         status = status.replace("|", "/")
         lines.append(
             f"| {s['name']} | {status} | {s['duration_s']:.1f} | "
-            f"{_key_text(s['key']).replace('|', '/')} |"
+            f"{key_text(s['key']).replace('|', '/')} |"
         )
     failures = [s for s in report["stages"] if s["status"] == "fail"]
     events = report["probes"]["metrics"]["events"]
