@@ -159,3 +159,21 @@ def test_load_report_checks_schema(tmp_path: Path) -> None:
     p.write_text('{"schema_version": 99}')
     with pytest.raises(ValidationError, match="schema_version 99, expected 1"):
         load_report(p)
+
+
+def test_sse_lines_split_only_at_line_feeds() -> None:
+    import asyncio
+
+    from flashnext.validate.client import sse_lines
+
+    # U+2028 and U+0085 are legal unescaped inside JSON strings; CRLF and split chunks too.
+    payload = 'data: {"c": "a\u2028b\x85c"}\r\n\r\ndata: [DO'.encode() + b"NE]\n"
+
+    async def chunks():  # the bytes arrive in awkward pieces, as from a socket
+        for i in range(0, len(payload), 5):
+            yield payload[i : i + 5]
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(chunks())]
+
+    assert asyncio.run(collect()) == ['data: {"c": "a\u2028b\x85c"}', "", "data: [DONE]"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,6 +63,23 @@ def _error_message(body: bytes) -> str:
         if "message" in data:
             return str(data["message"])[:500]
     return json.dumps(data)[:500]
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Server-sent-event lines from a byte stream, split only at LF (an optional CR stripped).
+
+    Not ``httpx``'s ``aiter_lines``: it splits like ``str.splitlines``, also at U+2028, U+0085,
+    U+001C and friends, which JSON leaves unescaped inside strings, so a model that generates one
+    of them would cut a ``data:`` line in two.
+    """
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", "replace")
 
 
 class Client:
@@ -174,7 +192,7 @@ class Client:
                     res.error = _error_message(body)
                     res.e2e_s = time.monotonic() - t0
                     return res
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r.aiter_bytes()):
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
