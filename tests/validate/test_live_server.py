@@ -67,7 +67,8 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
         "status"
     ].startswith("not available: ")
     assert report["probes"]["metrics"]["available"] is True
-    assert report["probes"]["metrics"]["events"] == []
+    # "slow" (a scrape past 10 s on a starved machine) is evidence; outages are not allowed
+    assert [e for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"] == []
     assert len(report["probes"]["metrics"]["samples"]) >= 10
 
     s = by_name(report)
@@ -246,7 +247,7 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: 
     assert "server unreachable at t=" in text and f"GET {server.url}/metrics" in text
     assert "server restarted at t=" in text and "process_start_time_seconds changed" in text
     assert conc["evidence"]["rounds"][0]["errors"].get("unreachable", 0) >= 1
-    kinds = [e["kind"] for e in report["probes"]["metrics"]["events"]]
+    kinds = [e["kind"] for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"]
     assert kinds == ["unreachable", "reachable", "restart"]
     # the stage after the restart runs against the new process and passes
     assert s["short"]["status"] == "pass"
@@ -275,7 +276,7 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     ready, conc = by_name(report)["ready"], by_name(report)["concurrency"]
     assert ready["status"] == "pass", ready
     assert ready["key"]["time_to_ready_s"] > 1.0
-    assert [e["kind"] for e in report["probes"]["metrics"]["events"]] == [
+    assert [e["kind"] for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"] == [
         "unreachable", "reachable"]  # fmt: skip
     assert report["environment"]["cache_config_info"]["num_gpu_blocks_override"] == "8"
     assert conc["evidence"]["probes"]["server"]["preemptions"] > 0

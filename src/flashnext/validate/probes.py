@@ -75,7 +75,9 @@ class MetricsProbe:
     """Scrape ``/metrics`` every ``interval_s`` in the background; keep samples and events.
 
     Each sample: ``{"t": seconds since the run started, "ok": bool, <METRIC_NAMES keys>}``.
-    Events: ``{"t", "kind": "unreachable" | "reachable" | "restart", "detail"}``.
+    Events: ``{"t", "kind": "unreachable" | "reachable" | "restart" | "slow", "detail"}``;
+    ``slow`` (a scrape timed out) is evidence only. ``client`` should be the probe's own, so
+    that its connections do not queue behind the load the stages generate.
     """
 
     def __init__(self, client: Client, t0: float, interval_s: float = 0.5) -> None:
@@ -86,6 +88,8 @@ class MetricsProbe:
         self.events: list[dict[str, Any]] = []
         self.available: bool | None = None  # None until the first successful scrape
         self.reachable = True
+        self.timing_out = False
+        self.scrape_timeout_s = 10.0
         self.start_time: float | None = None
         self.last: dict[str, Any] = {}
         self._task: asyncio.Task[None] | None = None
@@ -97,8 +101,22 @@ class MetricsProbe:
 
     async def scrape(self) -> dict[str, Any]:
         """Take one sample now (also used by stages for before/after counter deltas)."""
-        status, text, _ = await self.client.get("/metrics", timeout_s=max(2.0, self.interval_s * 4))
+        status, text, err = await self.client.get("/metrics", timeout_s=self.scrape_timeout_s)
         t = round(time.monotonic() - self.t0, 3)
+        if err == "timeout":
+            # A busy server (or a starved client) answering late is evidence, not an outage:
+            # only a refused or reset connection counts as unreachable.
+            if not self.timing_out:
+                self.timing_out = True
+                self._event(
+                    "slow",
+                    f"GET {self.client.base_url}/metrics: no answer within "
+                    f"{self.scrape_timeout_s:g} s ({text})",
+                )
+            sample = {"t": t, "ok": False, "error": "timeout"}
+            self.samples.append(sample)
+            return sample
+        self.timing_out = False
         if status is None:
             if self.reachable:
                 self.reachable = False

@@ -12,7 +12,8 @@
   ``evidence`` (stage specific; always ``probes`` {``server``, ``gpu``} for stages that ran)};
 - ``probes``: ``metrics`` {``interval_s``, ``available``, ``samples`` [{``t``, ``ok``,
   ``running``, ``waiting``, ``kv_usage``, ``preemptions``, ``prefix_hits``, ``prefix_queries``,
-  ``start_time``}], ``events`` [{``t``, ``kind``, ``detail``}]}, ``nvml`` {``status``,
+  ``start_time``}], ``events`` [{``t``, ``kind`` (unreachable | reachable | restart | slow),
+  ``detail``}]}, ``nvml`` {``status``,
   ``interval_s``, ``device``, ``summary``, ``samples`` [{``t``, ``used``, ``free``, ``procs``}]},
   ``container`` {``name``, ``runtime``, ``restart_count_start``, ``restart_count_end``} or {};
 - ``environment`` {``server_version``, ``served_model``, ``max_model_len``, ``models``,
@@ -189,7 +190,8 @@ def render_png(report: dict[str, Any]) -> bytes:
         )
     for e in report["probes"]["metrics"]["events"]:
         for ax in axes:
-            ax.axvline(e["t"], color="red" if e["kind"] != "reachable" else "green", lw=0.8)
+            colour = {"reachable": "green", "slow": "orange"}.get(e["kind"], "red")
+            ax.axvline(e["t"], color=colour, lw=0.8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)

@@ -184,7 +184,9 @@ class Run:
         self.cfg = cfg
         self.t0 = time.monotonic()
         self.client = Client(cfg.url, cfg.api_key, cfg.request_timeout_s)
-        self.metrics = MetricsProbe(self.client, self.t0, cfg.probe_interval_s)
+        # The probe has its own connection pool so that scrapes never wait behind the load.
+        self.probe_client = Client(cfg.url, cfg.api_key, timeout_s=10.0, max_connections=4)
+        self.metrics = MetricsProbe(self.probe_client, self.t0, cfg.probe_interval_s)
         self.nvml = NvmlSampler(self.t0, cfg.gpu_index, cfg.probe_interval_s)
         if not cfg.nvml:
             self.nvml.status = "not available: disabled with --no-nvml"
@@ -688,6 +690,7 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> dic
         await run.metrics.stop()
         run.nvml.stop()
         await run.client.aclose()
+        await run.probe_client.aclose()
     if cfg.container:
         container_info["restart_count_end"] = restarts[-1] if restarts else None
     return {
