@@ -281,7 +281,8 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     assert report["environment"]["cache_config_info"]["num_gpu_blocks_override"] == "8"
     assert conc["evidence"]["probes"]["server"]["preemptions"] > 0
     assert conc["key"]["preemptions"] > 0
-    assert conc["evidence"]["probes"]["server"]["peak_kv_usage"] > 0.5
+    # (No assertion on the sampled KV peak: a 0.5 s sampler can miss it on a starved machine;
+    # the preemption count comes from counters read at the stage boundaries.)
     # preempted requests are recomputed: the stage still completes every request
     assert conc["key"]["completed"] == "16/16" and p.returncode == 0, stderr[-2000:]
     assert "preemptions" in (out / "report.md").read_text()
