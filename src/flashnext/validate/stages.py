@@ -314,26 +314,28 @@ async def stage_long(run: Run, res: StageResult) -> None:
     target = min(target, run.max_model_len - max_tokens)
     fact = f"{uuid.uuid4().int % 10**6:06d}"
     model = run.model or ""
-    # Proportional search for the filler size, counting with the server's own tokenizer.
-    repeats, counted, method = 1, None, "tokenize"
+    # Proportional search for the filler size, counting with the server's own tokenizer;
+    # the largest filler whose count fits the target is used.
+    repeats, method = 1, "tokenize"
+    best: tuple[int, int] | None = None  # (repeats, prompt tokens) with tokens <= target
     for _ in range(8):
         n = await run.client.count_tokens(model, _long_messages(fact, repeats))
         if n is None:
             method = "estimate"
             # No /tokenize: assume ~4 characters per token and stay 20% under the target.
-            per = len(_FILLER) / 4
-            repeats = max(1, int(target * 0.8 / per))
+            repeats = max(1, int(target * 0.8 / (len(_FILLER) / 4)))
             break
-        counted = n
+        if n <= target and (best is None or repeats > best[0]):
+            best = (repeats, n)
         if n <= target and (target - n) < 40:
             break
-        per_repeat = max(1.0, (n - 30) / repeats)
+        per_repeat = max(1.0, (n - 30) / repeats)  # ~30 tokens of template, fact and question
         new = max(1, int(repeats + (target - n) / per_repeat))
         if new == repeats:
             break
         repeats = new
-    if counted is not None and counted > target:
-        repeats = max(1, repeats - 1)
+    if method == "tokenize":
+        repeats = best[0] if best else 1
     messages = _long_messages(fact, repeats)
     r = await run.chat(messages, max_tokens)
     res.evidence["request"] = r.summary()
@@ -347,10 +349,8 @@ async def stage_long(run: Run, res: StageResult) -> None:
         e2e_s=round(r.e2e_s or 0, 3),
     )
     if not r.ok:
-        res.fail(
-            f"long request ({r.prompt_tokens or counted} prompt tokens) failed "
-            f"({r.error_kind}): {r.error}"
-        )
+        tokens = r.prompt_tokens or (best[1] if best else "unknown")
+        res.fail(f"long request ({tokens} prompt tokens) failed ({r.error_kind}): {r.error}")
 
 
 async def stage_multimodal(run: Run, res: StageResult) -> None:
