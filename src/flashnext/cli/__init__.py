@@ -25,6 +25,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "demo": ("flashnext.cli.demo", "demo", "Run the PLE pipeline end to end on synthetic data."),
     "ple": ("flashnext.cli.ple", "ple", "Inspect, quantize and query PLE sidecar tables."),
+    "validate": ("flashnext.cli.validate", "validate", "Validate a live server stage by stage."),
 }
 
 

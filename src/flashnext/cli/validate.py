@@ -1,0 +1,289 @@
+"""``flashnext validate``: staged checks of a live OpenAI-compatible server, one report.
+
+Parses flags into a :class:`~flashnext.validate.stages.Config`, runs the stages with a rich
+progress display on stderr, writes the report and prints a one-screen summary (or, with
+``--json``, the report) on stdout. Exits 0 only if no selected stage failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
+
+import click
+
+from flashnext.errors import ValidationError
+
+if TYPE_CHECKING:
+    from flashnext.validate.stages import Config
+
+
+def _parse_url(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValidationError(
+            f"--url {url!r}: expected the server root, e.g. http://127.0.0.1:8000"
+        )
+    path = parsed.path.rstrip("/")
+    # People paste the OpenAI base URL; the validator needs the root for /health and /metrics.
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    return f"{parsed.scheme}://{parsed.netloc}{path}"
+
+
+def _parse_stages(text: str) -> tuple[str, ...]:
+    from flashnext.validate.stages import STAGES
+
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [n for n in names if n not in STAGES]
+    if not names or unknown:
+        raise ValidationError(
+            f"--stages {text!r}: unknown stage(s) {unknown or '(none given)'}; "
+            f"expected a comma-separated subset of {','.join(STAGES)}"
+        )
+    return names
+
+
+def _positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ValidationError(f"{name} {value}: expected a number > 0")
+
+
+@click.group("validate", invoke_without_command=True)
+@click.option("--url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped).")
+@click.option("--model", default=None, help="Served model name (default: the first served).")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="FLASHNEXT_API_KEY",
+    help="Bearer token (or FLASHNEXT_API_KEY).",
+)
+@click.option(
+    "--stages",
+    "stages_text",
+    default=None,
+    help="Comma-separated stages (default: all): "
+    "ready,short,long,multimodal,concurrency,prefix-cache,sustained.",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("validate-report"),
+    show_default=True,
+    help="Directory for report.json, report.md, report.png.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@click.option(
+    "--ready-timeout", default=600.0, show_default=True, help="Seconds to wait for /health."
+)
+@click.option(
+    "--recovery-timeout",
+    default=180.0,
+    show_default=True,
+    help="Seconds to wait for a server lost during a stage to come back.",
+)
+@click.option(
+    "--timeout",
+    "request_timeout",
+    default=180.0,
+    show_default=True,
+    help="Client timeout per request (s).",
+)
+@click.option("--rounds", default=3, show_default=True, help="Concurrency stage: rounds.")
+@click.option(
+    "--concurrency", default=16, show_default=True, help="Concurrency stage: requests per round."
+)
+@click.option(
+    "--max-tokens",
+    default=700,
+    show_default=True,
+    help="Concurrency stage: max_tokens per request.",
+)
+@click.option("--temperature", default=0.8, show_default=True, help="Concurrency and sustained.")
+@click.option(
+    "--long-fraction",
+    default=0.9,
+    show_default=True,
+    help="Long stage: prompt length as a fraction of max_model_len.",
+)
+@click.option("--long-max-tokens", default=32, show_default=True)
+@click.option(
+    "--prefix-requests",
+    default=4,
+    show_default=True,
+    help="Prefix-cache stage: requests sharing the prefix.",
+)
+@click.option("--sustained-seconds", default=60.0, show_default=True)
+@click.option("--sustained-concurrency", default=8, show_default=True)
+@click.option("--sustained-max-tokens", default=128, show_default=True)
+@click.option(
+    "--sustained-max-requests",
+    default=10_000,
+    show_default=True,
+    help="Sustained stage: stop after this many requests even before the duration.",
+)
+@click.option(
+    "--probe-interval",
+    default=0.5,
+    show_default=True,
+    help="Seconds between /metrics scrapes and NVML samples.",
+)
+@click.option("--gpu-index", default=0, show_default=True, help="NVML GPU index to sample.")
+@click.option(
+    "--nvml/--no-nvml",
+    default=True,
+    show_default=True,
+    help="Sample GPU memory through NVML (meaningful on the server host).",
+)
+@click.option(
+    "--container",
+    default=None,
+    help="docker/podman container of the server: its RestartCount is watched.",
+)
+@click.option("--no-png", is_flag=True, help="Skip report.png (no matplotlib needed).")
+@click.pass_context
+def validate(ctx: click.Context, **opts: object) -> None:
+    """Validate a live OpenAI-compatible server stage by stage; exit 0 only if none failed.
+
+    \b
+    flashnext validate --url http://127.0.0.1:8000 --out report/
+    flashnext validate compare old/report.json new/report.json
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not opts["url"]:
+        raise ValidationError("--url is required, e.g. --url http://127.0.0.1:8000")
+    code = run_cli(opts, sys.argv)
+    sys.exit(code)
+
+
+def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
+    """Build the config from parsed flags, run, write and print; return the exit status."""
+    from flashnext.validate.report import build_report, write_report
+    from flashnext.validate.stages import STAGES, Config
+
+    for flag in (
+        "ready_timeout",
+        "recovery_timeout",
+        "request_timeout",
+        "long_fraction",
+        "probe_interval",
+        "sustained_seconds",
+        "rounds",
+        "concurrency",
+        "max_tokens",
+        "long_max_tokens",
+        "prefix_requests",
+        "sustained_concurrency",
+        "sustained_max_tokens",
+        "sustained_max_requests",
+    ):
+        _positive("--" + flag.replace("_", "-"), opts[flag])
+    if opts["long_fraction"] >= 1:
+        raise ValidationError(f"--long-fraction {opts['long_fraction']}: expected 0 < f < 1")
+    cfg = Config(
+        url=_parse_url(opts["url"]),
+        model=opts["model"],
+        api_key=opts["api_key"],
+        stages=_parse_stages(opts["stages_text"]) if opts["stages_text"] else STAGES,
+        ready_timeout_s=opts["ready_timeout"],
+        recovery_timeout_s=opts["recovery_timeout"],
+        request_timeout_s=opts["request_timeout"],
+        rounds=opts["rounds"],
+        concurrency=opts["concurrency"],
+        max_tokens=opts["max_tokens"],
+        temperature=opts["temperature"],
+        long_fraction=opts["long_fraction"],
+        long_max_tokens=opts["long_max_tokens"],
+        prefix_requests=opts["prefix_requests"],
+        sustained_s=opts["sustained_seconds"],
+        sustained_concurrency=opts["sustained_concurrency"],
+        sustained_max_tokens=opts["sustained_max_tokens"],
+        sustained_max_requests=opts["sustained_max_requests"],
+        probe_interval_s=opts["probe_interval"],
+        gpu_index=opts["gpu_index"],
+        nvml=opts["nvml"],
+        container=opts["container"],
+    )
+    out_dir: Path = opts["out_dir"]
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValidationError(f"--out {out_dir}: exists and is not a directory")
+    raw = asyncio.run(_run_with_progress(cfg))
+    report = build_report(raw, argv)
+    paths = write_report(report, out_dir, png=not opts["no_png"])
+    if opts["as_json"]:
+        click.echo(json.dumps(report, default=str))
+    else:
+        _print_summary(report)
+    click.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    return 0 if report["passed"] else 1
+
+
+async def _run_with_progress(cfg: Config) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from flashnext.validate.stages import run_validation
+
+    console = Console(stderr=True)
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("[bold]{task.fields[stage]:<13}"),
+        BarColumn(),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("starting", total=1.0, stage="")
+
+        def update(stage: str, message: str, fraction: float | None) -> None:
+            kw = {"completed": fraction} if fraction is not None else {}
+            progress.update(task, description=message, stage=stage, **kw)
+
+        return await run_validation(cfg, update)
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from flashnext.validate.report import key_text
+
+    console = Console()
+    verdict = "[green]PASSED" if report["passed"] else "[red]FAILED"
+    table = Table(title=f"flashnext validate {report['target']['url']}: {verdict}")
+    for col in ("stage", "status", "s", "key numbers"):
+        table.add_column(col)
+    colours = {"pass": "green", "fail": "red", "skipped": "yellow"}
+    for s in report["stages"]:
+        status = s["status"] + (f": {s['reason']}" if s["status"] == "skipped" else "")
+        table.add_row(
+            s["name"],
+            f"[{colours[s['status']]}]{status}",
+            f"{s['duration_s']:.1f}",
+            key_text(s["key"]),
+        )
+    console.print(table)
+    for s in report["stages"]:
+        for m in s["failures"][:3]:
+            console.print(f"[red]{s['name']}[/]: {m}", highlight=False)
+    nvml = report["probes"]["nvml"]
+    console.print(f"GPU memory: {nvml['status']}", highlight=False)
+
+
+@validate.command("compare")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
+def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
+    """Show what changed between two report.json files (A then B)."""
+    from flashnext.validate.report import compare, load_report, render_compare
+
+    diff = compare(load_report(a), load_report(b))
+    click.echo(json.dumps(diff, default=str) if as_json else render_compare(diff))

@@ -1,0 +1,233 @@
+"""Async HTTP client for an OpenAI-compatible server, with per-request timings.
+
+Every chat request is streamed (``stream: true`` with ``stream_options.include_usage``) so that
+the time to first token (TTFT), the gaps between content chunks (inter-token latency, ITL) and
+the end-to-end latency are measured on the client, the way a user sees them. A request never
+raises: its outcome, including the kind of error, is a :class:`RequestResult`.
+
+Error kinds (``RequestResult.error_kind``):
+
+- ``unreachable``: connection refused or reset, or the stream broke off (the server went away);
+- ``timeout``: no answer within the client timeout;
+- ``http_<status>``: the server answered with an HTTP error; ``error`` holds its message;
+- ``missing_finish_reason``: the stream ended without any choice carrying a finish_reason;
+- ``bad_response``: the body was not the JSON an OpenAI-compatible server sends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flashnext._extras import require
+
+
+@dataclass
+class RequestResult:
+    """The outcome and client-side timings of one chat completion (seconds throughout)."""
+
+    ok: bool
+    started: float  # time.monotonic() when the request was sent
+    e2e_s: float | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    content: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    status: int | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready record without the bulky per-chunk gaps and content."""
+        d = asdict(self)
+        d.pop("itl_s")
+        d["content_chars"] = len(d.pop("content"))
+        return d
+
+
+def _error_message(body: bytes) -> str:
+    """The server's error text from an OpenAI-style error body, else the raw body (truncated)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")[:500]
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:500]
+        if "message" in data:
+            return str(data["message"])[:500]
+    return json.dumps(data)[:500]
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """Server-sent-event lines from a byte stream, split only at LF (an optional CR stripped).
+
+    Not ``httpx``'s ``aiter_lines``: it splits like ``str.splitlines``, also at U+2028, U+0085,
+    U+001C and friends, which JSON leaves unescaped inside strings, so a model that generates one
+    of them would cut a ``data:`` line in two.
+    """
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", "replace")
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", "replace")
+
+
+class Client:
+    """A thin async wrapper over ``httpx.AsyncClient`` for one server.
+
+    ``base_url`` is the server root (``http://host:port``); OpenAI routes are under ``/v1``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 180.0,
+        max_connections: int = 256,
+    ) -> None:
+        httpx = require("httpx", "validate", "flashnext validate")
+        self._httpx = httpx
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=limits,
+        )
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self.http.aclose()
+
+    def _kind(self, exc: BaseException) -> str:
+        httpx = self._httpx
+        if isinstance(exc, httpx.TimeoutException):
+            return "timeout"
+        if isinstance(exc, (httpx.TransportError, ConnectionError)):
+            return "unreachable"
+        return "bad_response"
+
+    async def get(self, path: str, timeout_s: float = 10.0) -> tuple[int | None, str, str | None]:
+        """GET ``path``: (status or None, body text, error kind or None). Never raises."""
+        try:
+            r = await self.http.get(path, timeout=timeout_s)
+        except Exception as exc:  # every failure is data for the report
+            return None, f"{type(exc).__name__}: {exc}", self._kind(exc)
+        return r.status_code, r.text, None
+
+    async def get_json(self, path: str, timeout_s: float = 10.0) -> Any | None:
+        """GET ``path`` and decode JSON; None on any failure (callers record that as absence)."""
+        status, text, _ = await self.get(path, timeout_s)
+        if status != 200:
+            return None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return None
+
+    async def count_tokens(self, model: str, messages: list[dict[str, Any]]) -> int | None:
+        """Prompt tokens of ``messages`` with the chat template, from the server's ``/tokenize``.
+
+        vLLM and SGLang expose it; None when the server has no such route.
+        """
+        try:
+            r = await self.http.post(
+                "/tokenize", json={"model": model, "messages": messages}, timeout=30.0
+            )
+        except Exception:
+            return None
+        if r.status_code != 200:
+            return None
+        try:
+            data = r.json()
+        except ValueError:
+            return None
+        count = data.get("count") if isinstance(data, dict) else None
+        if count is None and isinstance(data, dict) and isinstance(data.get("tokens"), list):
+            count = len(data["tokens"])
+        return int(count) if count is not None else None
+
+    async def chat(
+        self,
+        model: str,
+        messages: list[dict[str, Any]],
+        max_tokens: int,
+        temperature: float = 0.0,
+        extra: dict[str, Any] | None = None,
+    ) -> RequestResult:
+        """One streamed chat completion; timings from the first byte of each content chunk."""
+        payload: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if extra:
+            payload.update(extra)
+        t0 = time.monotonic()
+        res = RequestResult(ok=False, started=t0)
+        last: float | None = None
+        parts: list[str] = []
+        try:
+            async with self.http.stream("POST", "/v1/chat/completions", json=payload) as r:
+                res.status = r.status_code
+                if r.status_code != 200:
+                    body = await r.aread()
+                    res.error_kind = f"http_{r.status_code}"
+                    res.error = _error_message(body)
+                    res.e2e_s = time.monotonic() - t0
+                    return res
+                async for line in sse_lines(r.aiter_bytes()):
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        res.error_kind = "server_error"
+                        res.error = _error_message(data.encode())
+                        break
+                    now = time.monotonic()
+                    for choice in chunk.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") or delta.get("reasoning_content") or ""
+                        if text:
+                            parts.append(text)
+                            if res.ttft_s is None:
+                                res.ttft_s = now - t0
+                            elif last is not None:
+                                res.itl_s.append(now - last)
+                            last = now
+                        if choice.get("finish_reason"):
+                            res.finish_reason = choice["finish_reason"]
+                    usage = chunk.get("usage")
+                    if usage:
+                        res.prompt_tokens = usage.get("prompt_tokens")
+                        res.completion_tokens = usage.get("completion_tokens")
+        except ValueError as exc:
+            res.error_kind, res.error = "bad_response", f"undecodable stream chunk: {exc}"
+        except Exception as exc:  # transport failures are outcomes, not crashes
+            res.error_kind, res.error = self._kind(exc), f"{type(exc).__name__}: {exc}"
+        res.e2e_s = time.monotonic() - t0
+        res.content = "".join(parts)
+        if res.error_kind is None and res.finish_reason is None:
+            res.error_kind = "missing_finish_reason"
+            res.error = "the stream ended without a finish_reason"
+        res.ok = res.error_kind is None
+        return res

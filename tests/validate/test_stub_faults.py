@@ -1,0 +1,97 @@
+"""Faults a real vLLM server cannot be made to produce, injected by a named stub server.
+
+``StubServerMissingFinishReason`` is a real HTTP server on 127.0.0.1 that speaks just enough of
+the OpenAI API to be validated, but streams completions that never carry a finish_reason.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from .test_live_server import by_name, flashnext
+
+
+class StubServerMissingFinishReason(BaseHTTPRequestHandler):
+    """OpenAI-style endpoints whose chat stream ends without any finish_reason."""
+
+    def log_message(self, *args: object) -> None:  # keep the test output quiet
+        pass
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, b"")
+        elif self.path == "/v1/models":
+            data = {"data": [{"id": "stub", "max_model_len": 256}]}
+            self._send(200, json.dumps(data).encode())
+        else:
+            self._send(404, b'{"error": {"message": "not found"}}')
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.path != "/v1/chat/completions":
+            self._send(404, b'{"error": {"message": "not found"}}')
+            return
+        chunks = [
+            {"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+            for w in ("hello", " there")
+        ]
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self._send(200, body.encode(), "text/event-stream")
+
+
+@pytest.fixture
+def stub_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubServerMissingFinishReason)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_missing_finish_reason_fails_short_and_concurrency(stub_url: str, tmp_path: Path) -> None:
+    p = flashnext(
+        "validate",
+        "--url",
+        stub_url,
+        "--stages",
+        "ready,short,concurrency",
+        "--rounds",
+        "1",
+        "--concurrency",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--no-png",
+    )
+    assert p.returncode == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    s = by_name(report)
+    assert s["ready"]["status"] == "pass"
+    assert s["short"]["status"] == "fail"
+    assert s["short"]["reason"] == (
+        "request failed (missing_finish_reason): the stream ended without a finish_reason"
+    )
+    conc = s["concurrency"]
+    assert conc["status"] == "fail"
+    assert conc["evidence"]["rounds"][0]["errors"] == {"missing_finish_reason": 4}
+    assert conc["key"]["completed"] == "0/4"
+    # /metrics is absent here: the probe says so instead of inventing restarts
+    assert report["probes"]["metrics"]["available"] is False
+    assert report["probes"]["metrics"]["events"] == []

@@ -1,0 +1,179 @@
+"""Pieces of the validator that need no server: parser, image, percentiles, NVML, CLI input."""
+
+from __future__ import annotations
+
+import ctypes.util
+import io
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flashnext.cli import main
+from flashnext.validate.images import make_png, png_data_url
+from flashnext.validate.probes import NvmlSampler, metric_value, parse_prometheus
+from flashnext.validate.report import load_report
+from flashnext.validate.stages import percentiles
+
+
+def _nvml_gpu() -> str | None:
+    """None when NVML sees a GPU here, else the reason it does not."""
+    try:
+        import pynvml
+    except ImportError:
+        return "nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+    except Exception as exc:
+        return f"NVML not usable: {exc}"
+    return None if n > 0 else "NVML sees no GPU"
+
+
+NO_GPU_REASON = _nvml_gpu()
+
+
+def test_parse_prometheus_labels_and_sums() -> None:
+    text = (
+        "# HELP x y\n"
+        'vllm:num_requests_running{engine="0",model_name="a,b"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="say \\"hi\\""} 2\n'
+        "process_start_time_seconds 1.7e+09\n"
+        "garbage line\n"
+        "vllm:kv_cache_usage_perc NaN\n"
+    )
+    m = parse_prometheus(text)
+    assert m["vllm:num_requests_running"][0][0] == {"engine": "0", "model_name": "a,b"}
+    assert m["vllm:num_requests_running"][1][0]["model_name"] == 'say \\"hi\\"'
+    assert metric_value(m, "running") == 5.0
+    assert metric_value(m, "start_time") == 1.7e9
+    assert metric_value(m, "preemptions") is None
+    assert "garbage" not in m
+
+
+def test_png_is_a_valid_image() -> None:
+    from PIL import Image
+
+    png = make_png(40, 24)
+    img = Image.open(io.BytesIO(png))
+    img.load()
+    assert img.size == (40, 24) and img.mode == "RGB"
+    assert img.getpixel((20, 12)) == (255, 0, 0)
+    assert img.getpixel((0, 0)) == (0, 0, 128)
+    assert png_data_url(png).startswith("data:image/png;base64,iVBORw0KGgo")
+    with pytest.raises(ValueError, match="image size 0x5"):
+        make_png(0, 5)
+
+
+def test_percentiles() -> None:
+    assert percentiles([]) is None
+    p = percentiles([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert p == {"p50": 3.0, "p90": 4.6, "p99": 4.96, "mean": 3.0, "max": 5.0}
+
+
+def test_nvml_degrades_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml now raises ImportError
+    s = NvmlSampler(time.monotonic())
+    s.start()
+    s.stop()
+    assert s.status == (
+        "not available: the 'nvidia-ml-py' package is not installed (pip install 'flashnext[nvml]')"
+    )
+    assert s.to_dict()["summary"] == {"status": s.status}
+
+
+@pytest.mark.skipif(
+    ctypes.util.find_library("nvidia-ml") is not None,
+    reason="libnvidia-ml is present; the no-library degradation is tested where it is absent",
+)
+def test_nvml_not_available_without_driver() -> None:
+    s = NvmlSampler(time.monotonic())
+    s.start()
+    s.stop()
+    assert s.status == "not available: NVML Shared Library Not Found"
+    assert s.samples == []
+
+
+@pytest.mark.skipif(NO_GPU_REASON is not None, reason=f"needs an NVIDIA GPU: {NO_GPU_REASON}")
+def test_nvml_samples_gpu_memory() -> None:
+    s = NvmlSampler(time.monotonic(), gpu_index=0, interval_s=0.1)
+    s.start()
+    time.sleep(1.2)
+    s.stop()
+    assert s.status == "ok"
+    assert s.device["name"] and s.device["driver"] and s.device["total_bytes"] > 0
+    rows = [x for x in s.samples if "used" in x]
+    assert len(rows) >= 6  # a fixed interval, not a one-off reading
+    assert all(0 < x["used"] <= s.device["total_bytes"] for x in rows)
+    assert all(x["used"] + x["free"] <= s.device["total_bytes"] for x in rows)
+    summary = s.summary()
+    assert summary["peak_used_bytes"] == max(x["used"] for x in rows)
+    assert summary["min_free_bytes"] == min(x["free"] for x in rows)
+
+
+@pytest.mark.skipif(NO_GPU_REASON is not None, reason=f"needs an NVIDIA GPU: {NO_GPU_REASON}")
+def test_nvml_gpu_index_out_of_range() -> None:
+    s = NvmlSampler(time.monotonic(), gpu_index=999)
+    s.start()
+    s.stop()
+    assert s.status.startswith("not available: --gpu-index 999 but NVML sees ")
+
+
+def _cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(list(args))
+    assert exc.value.code != 0
+    return capsys.readouterr().err.strip()
+
+
+def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert _cli_error(capsys, "validate", "--url", "ftp://x") == (
+        "error: --url 'ftp://x': expected the server root, e.g. http://127.0.0.1:8000"
+    )
+    assert _cli_error(capsys, "validate") == (
+        "error: --url is required, e.g. --url http://127.0.0.1:8000"
+    )
+    assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--stages", "short,x") == (
+        "error: --stages 'short,x': unknown stage(s) ['x']; expected a comma-separated subset "
+        "of ready,short,long,multimodal,concurrency,prefix-cache,sustained"
+    )
+    assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--rounds", "0") == (
+        "error: --rounds 0: expected a number > 0"
+    )
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--out", str(f)) == (
+        f"error: --out {f}: exists and is not a directory"
+    )
+    assert _cli_error(capsys, "validate", "compare", str(f), str(f)).startswith(
+        f"error: {f}: cannot read a report.json"
+    )
+
+
+def test_load_report_checks_schema(tmp_path: Path) -> None:
+    from flashnext.errors import ValidationError
+
+    p = tmp_path / "r.json"
+    p.write_text('{"schema_version": 99}')
+    with pytest.raises(ValidationError, match="schema_version 99, expected 1"):
+        load_report(p)
+
+
+def test_sse_lines_split_only_at_line_feeds() -> None:
+    import asyncio
+
+    from flashnext.validate.client import sse_lines
+
+    # U+2028 and U+0085 are legal unescaped inside JSON strings; CRLF and split chunks too.
+    payload = 'data: {"c": "a\u2028b\x85c"}\r\n\r\ndata: [DO'.encode() + b"NE]\n"
+
+    async def chunks():  # the bytes arrive in awkward pieces, as from a socket
+        for i in range(0, len(payload), 5):
+            yield payload[i : i + 5]
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(chunks())]
+
+    assert asyncio.run(collect()) == ['data: {"c": "a\u2028b\x85c"}', "", "data: [DONE]"]
