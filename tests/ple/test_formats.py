@@ -107,3 +107,15 @@ def test_bad_inputs():
     with pytest.raises(FormatError, match="match no PLE table format"):
         F.detect_format(["weight_i4"])
     assert F.detect_format(["weight_scale", "weight_i4"]).name == "int4"
+
+
+def test_e2m1_rounding_is_nearest_and_codes_round_trip():
+    codec = F.get_codec("nvfp4")
+    rng = np.random.default_rng()
+    y = np.concatenate([rng.uniform(-8, 8, 20000), F.E2M1_CODES, [0.24, 0.26, 0.74, 5.01, 1e-9]])
+    y = y.astype(np.float32)
+    q = codec._round(y)
+    grid = np.unique(F.E2M1_CODES)
+    nearest = np.abs(y[:, None].astype(np.float64) - grid[None, :]).min(axis=1)
+    assert np.all(np.abs(q.astype(np.float64) - y) <= nearest + 1e-7)
+    assert np.array_equal(F.E2M1_CODES[codec._codes(q)], q)

@@ -310,14 +310,26 @@ class NVFP4Codec(_GroupCodec):
     qmax = 6.0
 
     def _round(self, y: np.ndarray) -> np.ndarray:
-        # E2M1 steps are 0.5 below 2, 1 below 4, 2 up to 6: round on the step of the range.
+        # From 1 up, E2M1 is float32 cut to one mantissa bit: round the bits (half away from
+        # zero), clamp at 6. Below 1 the grid is 0, 0.5, 1. In place: this is the hot loop.
         a = np.abs(y)
-        q = np.where(a < 2, np.rint(a * 2) * 0.5, np.where(a < 4, np.rint(a), np.rint(a * 0.5) * 2))
-        return np.copysign(np.minimum(q, np.float32(6)), y).astype(np.float32)
+        bits = a.view(np.uint32) + np.uint32(1 << 21)
+        bits &= np.uint32(0xFFC00000)
+        q = bits.view(np.float32)
+        small = a * np.float32(2)
+        np.rint(small, out=small)
+        small *= np.float32(0.5)
+        np.copyto(q, small, where=a < 1)
+        np.minimum(q, np.float32(6), out=q)
+        np.copysign(q, y, out=q)
+        return q
 
     def _codes(self, q: np.ndarray) -> np.ndarray:
+        # Magnitude index: 2a below 1; from 1 up, 2 * (exponent + 1) + the mantissa bit.
         a = np.abs(q)
-        mag = np.where(a < 2, a * 2, np.where(a < 4, a + 2, a * 0.5 + 4)).astype(np.uint8)
+        bits = a.view(np.uint32)
+        mag = ((bits >> 23) - np.uint32(126)) * np.uint32(2) + ((bits >> 22) & np.uint32(1))
+        mag = np.where(a < 1, a * 2, mag).astype(np.uint8)
         return mag | (np.signbit(q).astype(np.uint8) << 3)
 
     def shard_scalars(self, absmax: float) -> dict[str, float]:
