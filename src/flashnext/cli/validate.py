@@ -243,8 +243,10 @@ async def _run_with_progress(cfg: Config) -> dict[str, Any]:
         task = progress.add_task("starting", total=1.0, stage="")
 
         def update(stage: str, message: str, fraction: float | None) -> None:
-            kw = {"completed": fraction} if fraction is not None else {}
-            progress.update(task, description=message, stage=stage, **kw)
+            if fraction is None:
+                progress.update(task, description=message, stage=stage)
+            else:
+                progress.update(task, description=message, stage=stage, completed=fraction)
 
         return await run_validation(cfg, update)
 

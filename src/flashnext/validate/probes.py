@@ -138,7 +138,7 @@ class MetricsProbe:
         sample = {"t": t, "ok": True}
         for key in METRIC_NAMES:
             sample[key] = metric_value(metrics, key)
-        st = sample["start_time"]
+        st = metric_value(metrics, "start_time")
         if st is not None:
             if self.start_time is not None and abs(st - self.start_time) > 0.5:
                 self._event(

@@ -538,9 +538,9 @@ async def stage_sustained(run: Run, res: StageResult) -> None:
 
     first, last = windows[0], windows[-1]
     drift = {}
-    for k in ("ttft_s", "e2e_s"):
-        a, b = med(first, k), med(last, k)
-        drift[f"{k}_p50_last_over_first"] = round(b / a, 3) if a and b else None
+    for measure in ("ttft_s", "e2e_s"):
+        a, b = med(first, measure), med(last, measure)
+        drift[f"{measure}_p50_last_over_first"] = round(b / a, 3) if a and b else None
     a, b = first["output_tokens_per_s"], last["output_tokens_per_s"]
     drift["tok_s_last_over_first"] = round(b / a, 3) if a and b else None
     res.evidence["drift"] = drift
