@@ -39,6 +39,7 @@ from flashnext import __version__
 from flashnext.checkpoint import open_table_source
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.quantize import quantize_table
+from flashnext.synthetic import flash_next_config
 
 SCHEMA_VERSION = 1
 
@@ -47,17 +48,7 @@ def build(root: Path, base: int, parts: int, fmt: str, rng: np.random.Generator)
     """One PLE layer (decoder layer 1) in the numbered-shard layout, over two files."""
     config = {
         "architectures": ["Qwen4ExpForCausalLM"],
-        "model_type": "qwen4_exp_text",
-        "vocab_size": 248320,
-        "ngram_size": 3,
-        "heads_per_ngram": 8,
-        "ngram_vocab_size_base": base,
-        "make_ngram_vocab_size_divisible_by": 128,
-        "seed": 1234,
-        "split_ngram_parts": parts,
-        "ple_embed_dim": 2560,
-        "ple_layer_ids": [1],
-        "eos_token_id": 248044,
+        **flash_next_config(ngram_vocab_size_base=base, split_ngram_parts=parts, ple_layer_ids=[1]),
     }
     geo = PLEGeometry.from_config(config)
     root.mkdir(parents=True)

@@ -21,6 +21,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -203,9 +204,13 @@ def write_file(
     return digest.hexdigest()
 
 
-def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20, progress=None) -> str:
-    """sha256 of a file, read in ``chunk``-byte pieces; ``progress(n)`` is called per piece."""
-    digest = hashlib.sha256()
+def hash_file(
+    path: str | os.PathLike[str], digest: Any, chunk: int = 8 << 20, progress=None
+) -> str:
+    """Feed a file to the hashlib object ``digest`` in ``chunk``-byte pieces; return the hex digest.
+
+    ``progress(n)`` is called per piece. hashlib releases the GIL, so threads hash in parallel.
+    """
     buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as fh:
@@ -217,3 +222,8 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20, progress=Non
             if progress is not None:
                 progress(got)
     return digest.hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 8 << 20, progress=None) -> str:
+    """sha256 of a file, read in ``chunk``-byte pieces; ``progress(n)`` is called per piece."""
+    return hash_file(path, hashlib.sha256(), chunk, progress)

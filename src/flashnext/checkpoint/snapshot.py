@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from flashnext import __version__
 from flashnext.errors import CheckpointError
-from flashnext.safetensors_file import SafetensorsError, TensorEntry, read_header
+from flashnext.safetensors_file import SafetensorsError, TensorEntry, hash_file, read_header
 
 SCHEMA_VERSION = 1
 INDEX_NAME = "model.safetensors.index.json"
@@ -225,17 +225,7 @@ def file_digest(
         digest.update(b"blob %d\0" % p.stat().st_size)
     else:
         raise CheckpointError(f"unknown hash algorithm {algorithm!r}")
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(p, "rb", buffering=0) as fh:
-        while True:
-            got = fh.readinto(buf)
-            if not got:
-                break
-            digest.update(view[:got])  # hashlib releases the GIL: threads hash in parallel
-            if progress is not None:
-                progress(got)
-    return digest.hexdigest()
+    return hash_file(p, digest, chunk, progress)
 
 
 # -- the checks -------------------------------------------------------------------------------
