@@ -61,14 +61,14 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
             f"Total {result.seconds:.0f} s."
         ),
     )
-    table.add_column("format")
-    table.add_column("size on disk", justify="right")
-    table.add_column("B/row", justify="right")
-    table.add_column("rel. RMSE", justify="right")
-    table.add_column("decode 32x1\nmmap", justify="right")
-    table.add_column("decode 32x1\nresident", justify="right")
-    table.add_column("prefill 8K\nmmap", justify="right")
-    table.add_column("prefill 8K\nresident", justify="right")
+    table.add_column("format", no_wrap=True)
+    table.add_column("on disk", justify="right", no_wrap=True)
+    table.add_column("B/row", justify="right", no_wrap=True)
+    table.add_column("rel.\nRMSE", justify="right", no_wrap=True)
+    table.add_column("decode\n32x1\nmmap", justify="right", no_wrap=True)
+    table.add_column("decode\n32x1\nresident", justify="right", no_wrap=True)
+    table.add_column("prefill\n8K\nmmap", justify="right", no_wrap=True)
+    table.add_column("prefill\n8K\nresident", justify="right", no_wrap=True)
     for row in result.rows:
         table.add_row(
             row.format,
