@@ -195,7 +195,7 @@ def test_unreachable_at_start_without_ready_stage(tmp_path: Path) -> None:
     assert p.returncode == 1
     assert p.stderr.strip().splitlines()[-1] == (
         f"error: GET http://127.0.0.1:{port}/v1/models gave no model list "
-        "(add the 'ready' stage to wait for the server)"
+        "(ConnectError: All connection attempts failed) (add the 'ready' stage to wait for the server)"
     )
 
 
@@ -257,12 +257,16 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: 
 
 def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     # The validator starts first and waits in `ready` while the server boots.
-    server: VllmServer = make_server(extra=["--num-gpu-blocks-override", "8"], start=False)
+    # The server also requires an API key: the key must work and never reach the report.
+    key = "kv-test-secret-7d1f"
+    server: VllmServer = make_server(
+        extra=["--num-gpu-blocks-override", "8", "--api-key", key], start=False
+    )
     out = tmp_path / "kv"
     p = subprocess.Popen(
         [*FLASHNEXT, "validate", "--url", server.url, "--stages", "ready,concurrency",
          "--rounds", "1", "--max-tokens", "400", "--ready-timeout", "240", "--out", str(out),
-         "--json"],
+         "--api-key", key, "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -286,3 +290,6 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     # preempted requests are recomputed: the stage still completes every request
     assert conc["key"]["completed"] == "16/16" and p.returncode == 0, stderr[-2000:]
     assert "preemptions" in (out / "report.md").read_text()
+    for text in (stdout, (out / "report.json").read_text(), (out / "report.md").read_text()):
+        assert key not in text
+    assert report["command"][report["command"].index("--api-key") + 1] == "<redacted>"

@@ -150,6 +150,39 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert _cli_error(capsys, "validate", "compare", str(f), str(f)).startswith(
         f"error: {f}: cannot read a report.json"
     )
+    # checked before any stage runs: the run's evidence would be lost otherwise
+    assert _cli_error(
+        capsys, "validate", "--url", "http://127.0.0.1:1", "--out", str(f / "sub")
+    ).startswith(f"error: --out {f / 'sub'}: cannot create the directory")
+    assert (
+        _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--temperature", "-1")
+        == "error: --temperature -1.0: expected 0 <= t <= 2"
+    )
+    incomplete = tmp_path / "incomplete.json"
+    incomplete.write_text('{"schema_version": 1}')
+    assert _cli_error(capsys, "validate", "compare", str(incomplete), str(incomplete)).startswith(
+        f"error: {incomplete}: not a flashnext validate report"
+    )
+
+
+def test_secrets_never_reach_the_report() -> None:
+    from flashnext.validate.report import redact_argv, redact_url
+
+    argv = [
+        "flashnext",
+        "validate",
+        "--url",
+        "http://bob:hunter2@10.0.0.1:8000",
+        "--api-key",
+        "sekret",
+        "--model",
+        "m",
+    ]
+    out = " ".join(redact_argv(argv, ["sekret", "bob:hunter2", "bob", "hunter2"]))
+    assert "sekret" not in out and "hunter2" not in out
+    assert "--api-key <redacted>" in out and "http://<redacted>@10.0.0.1:8000" in out
+    assert redact_argv(["--api-key=sekret"], ["sekret"]) == ["--api-key=<redacted>"]
+    assert redact_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
 
 
 def test_load_report_checks_schema(tmp_path: Path) -> None:

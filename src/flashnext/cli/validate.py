@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,14 +211,23 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         nvml=opts["nvml"],
         container=opts["container"],
     )
+    if not 0 <= opts["temperature"] <= 2:
+        raise ValidationError(f"--temperature {opts['temperature']}: expected 0 <= t <= 2")
     out_dir: Path = opts["out_dir"]
     if out_dir.exists() and not out_dir.is_dir():
         raise ValidationError(f"--out {out_dir}: exists and is not a directory")
+    # Before the run, not after it: a report that cannot be written loses every stage's evidence.
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValidationError(f"--out {out_dir}: cannot create the directory ({exc})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise ValidationError(f"--out {out_dir}: not writable")
     raw = asyncio.run(_run_with_progress(cfg))
     report = build_report(raw, argv)
     paths = write_report(report, out_dir, png=not opts["no_png"])
     if opts["as_json"]:
-        click.echo(json.dumps(report, default=str))
+        click.echo(json.dumps(report, default=str, allow_nan=False))
     else:
         _print_summary(report)
     click.echo("wrote " + ", ".join(str(p) for p in paths), err=True)

@@ -168,10 +168,6 @@ class MetricsProbe:
                 await self._task
             self._task = None
 
-    def events_between(self, t_start: float, t_end: float) -> list[dict[str, Any]]:
-        """Events with ``t_start <= t <= t_end`` (times relative to the run start)."""
-        return [e for e in self.events if t_start <= e["t"] <= t_end]
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready record of the probe."""
         return {

@@ -28,11 +28,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import platform
 import socket
 import sys
 import tempfile
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -43,36 +45,107 @@ from flashnext.errors import ValidationError
 SCHEMA_VERSION = 1
 
 
+REDACTED = "<redacted>"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``<redacted>@``."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}"))
+
+
+def redact_argv(argv: list[str], secrets: list[str]) -> list[str]:
+    """The command line with the API key and URL credentials removed."""
+    out = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        if arg == "--api-key":
+            out.append(arg)
+            hide_next = True
+            continue
+        if arg.startswith("--api-key="):
+            out.append(f"--api-key={REDACTED}")
+            continue
+        if "://" in arg:
+            arg = redact_url(arg)
+        for secret in secrets:
+            if secret:
+                arg = arg.replace(secret, REDACTED)
+        out.append(arg)
+    return out
+
+
+def _clean(value: Any, secrets: list[str]) -> Any:
+    """Secrets out of every string (messages quote URLs); NaN and infinities, which a server
+    may export, become None so that report.json is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {k: _clean(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v, secrets) for v in value]
+    return value
+
+
 def build_report(raw: dict[str, Any], argv: list[str]) -> dict[str, Any]:
-    """Assemble the JSON-ready report from :func:`~flashnext.validate.stages.run_validation`."""
+    """Assemble the JSON-ready report from :func:`~flashnext.validate.stages.run_validation`.
+
+    Secrets never reach the report: the API key and any credentials in the URL are redacted,
+    in the config and in the recorded command line alike.
+    """
     run = raw["run"]
     cfg = dataclasses.asdict(run.cfg)
     if cfg.get("api_key"):
-        cfg["api_key"] = "<redacted>"
+        cfg["api_key"] = REDACTED
+    cfg["url"] = redact_url(cfg["url"])
+    secrets = [run.cfg.api_key or ""]
+    userinfo = urllib.parse.urlsplit(run.cfg.url).netloc.rpartition("@")[0]
+    if userinfo:
+        secrets += [userinfo, *userinfo.split(":")]
+    # Longest first, so that "user:pw" goes before its parts; short fragments would mangle text.
+    secrets = sorted({x for x in secrets if len(x) >= 3}, key=len, reverse=True)
     cfg["stages"] = list(cfg["stages"])
     stages = [s.to_dict() for s in raw["stages"]]
     failed = [s["name"] for s in stages if s["status"] == "fail"]
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "tool": {"name": "flashnext", "version": __version__},
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": list(argv),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "client_host": socket.gethostname(),
-        "target": {"url": run.cfg.url, "model": run.model, "max_model_len": run.max_model_len},
-        "config": cfg,
-        "passed": not failed,
-        "failed_stages": failed,
-        "duration_s": raw["duration_s"],
-        "stages": stages,
-        "probes": {
-            "metrics": run.metrics.to_dict(),
-            "nvml": run.nvml.to_dict(),
-            "container": raw["container"],
+    return _clean(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "tool": {"name": "flashnext", "version": __version__},
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": redact_argv(list(argv), secrets),
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "client_host": socket.gethostname(),
+            "target": {
+                "url": redact_url(run.cfg.url),
+                "model": run.model,
+                "max_model_len": run.max_model_len,
+            },
+            "config": cfg,
+            "passed": not failed,
+            "failed_stages": failed,
+            "duration_s": raw["duration_s"],
+            "stages": stages,
+            "probes": {
+                "metrics": run.metrics.to_dict(),
+                "nvml": run.nvml.to_dict(),
+                "container": raw["container"],
+            },
+            "environment": raw["environment"],
         },
-        "environment": raw["environment"],
-    }
+        secrets,
+    )
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -206,7 +279,9 @@ def write_report(report: dict[str, Any], out_dir: Path, png: bool = True) -> lis
     except OSError as exc:
         raise ValidationError(f"--out {out_dir}: cannot create the directory ({exc})") from exc
     paths = [out_dir / "report.json", out_dir / "report.md"]
-    _atomic_write(paths[0], (json.dumps(report, indent=1, default=str) + "\n").encode())
+    _atomic_write(
+        paths[0], (json.dumps(report, indent=1, default=str, allow_nan=False) + "\n").encode()
+    )
     _atomic_write(paths[1], render_markdown(report).encode())
     if png:
         paths.append(out_dir / "report.png")
@@ -224,9 +299,12 @@ def load_report(path: Path) -> dict[str, Any]:
         raise ValidationError(f"{path}: not a flashnext validate report (no schema_version)")
     if data["schema_version"] != SCHEMA_VERSION:
         raise ValidationError(
-            f"{path}: schema_version {data['schema_version']}, expected {SCHEMA_VERSION}; "
+            f"{path}: schema_version {data['schema_version']!r}, expected {SCHEMA_VERSION}; "
             "re-run flashnext validate with this version to compare"
         )
+    missing = [k for k in ("environment", "stages", "target", "passed") if k not in data]
+    if missing:
+        raise ValidationError(f"{path}: not a flashnext validate report (no {', '.join(missing)})")
     return data
 
 

@@ -11,6 +11,7 @@ Stages, in run order (see :data:`STAGES`): ``ready``, ``short``, ``long``, ``mul
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import traceback
@@ -143,6 +144,11 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     }
 
 
+def _worst(values: list[float | None], pick: Callable[[list[float]], float]) -> float | None:
+    known = [v for v in values if v is not None]
+    return pick(known) if known else None
+
+
 def load_stats(results: list[RequestResult], wall_s: float) -> dict[str, Any]:
     """Per-round (or per-window) measures over a batch of requests."""
     done = [r for r in results if r.finish_reason is not None and r.error_kind is None]
@@ -194,6 +200,8 @@ class Run:
         self.max_model_len: int | None = None
         self.models_payload: Any = None
         self.down_since: str | None = None  # stage during which the server was lost for good
+        self.server_version: str | None = None  # read while the server is up, not at the end
+        self.event_cursor = 0  # probe events up to here belong to stages already reported
         self._progress = progress
 
     def now(self) -> float:
@@ -207,9 +215,21 @@ class Run:
 
     async def discover(self) -> str | None:
         """Read ``/v1/models``: the served model and ``max_model_len``. Returns an error or None."""
-        data = await self.client.get_json("/v1/models")
+        status, text, _ = await self.client.get("/v1/models", timeout_s=10.0)
+        if status in (401, 403):
+            key = "a wrong --api-key" if self.cfg.api_key else "no --api-key"
+            return f"GET {self.cfg.url}/v1/models: HTTP {status} (unauthorized: {key} was sent)"
+        try:
+            data = json.loads(text) if status == 200 else None
+        except ValueError:
+            data = None
         if not isinstance(data, dict) or not data.get("data"):
-            return f"GET {self.cfg.url}/v1/models gave no model list"
+            seen = f"HTTP {status}" if status is not None else text
+            return f"GET {self.cfg.url}/v1/models gave no model list ({seen})"
+        if self.server_version is None:
+            version = await self.client.get_json("/version")
+            if isinstance(version, dict) and version.get("version"):
+                self.server_version = str(version["version"])
         self.models_payload = data
         cards = data["data"]
         ids = [c.get("id") for c in cards]
@@ -238,6 +258,11 @@ class Run:
             status, text, _ = await self.client.get("/health", timeout_s=5.0)
             if status == 200:
                 return True, "HTTP 200"
+            if status == 404:
+                # Not every OpenAI-compatible server has /health: a model list means ready.
+                m_status, _, _ = await self.client.get("/v1/models", timeout_s=5.0)
+                if m_status == 200:
+                    return True, "no /health (HTTP 404); /v1/models answered HTTP 200"
             last = f"HTTP {status}" if status is not None else text
             if time.monotonic() >= end:
                 return False, last
@@ -423,9 +448,12 @@ async def stage_concurrency(run: Run, res: StageResult) -> None:
         completed=f"{done}/{cfg.rounds * cfg.concurrency}",
         stopped=sum(r["stopped"] for r in rounds),
         length_limited=sum(r["length_limited"] for r in rounds),
-        ttft_p90_s=max((r["ttft_s"] or {}).get("p90", 0) for r in rounds) if rounds else None,
-        e2e_p90_s=max((r["e2e_s"] or {}).get("p90", 0) for r in rounds) if rounds else None,
-        output_tok_s=min((r["output_tokens_per_s"] or 0) for r in rounds) if rounds else None,
+        # Worst round; None (not 0) when no request completed, so `compare` shows no "gain".
+        ttft_p90_s=_worst([(r["ttft_s"] or {}).get("p90") for r in rounds], max),
+        e2e_p90_s=_worst([(r["e2e_s"] or {}).get("p90") for r in rounds], max),
+        output_tok_s=_worst(
+            [r["output_tokens_per_s"] if r["completed"] else None for r in rounds], min
+        ),
     )
     if total < cfg.rounds * cfg.concurrency and res.status != "fail":
         res.fail(f"only {total} of {cfg.rounds * cfg.concurrency} requests were sent")
@@ -610,7 +638,11 @@ async def _run_one(run: Run, name: str, restarts: list[int | None]) -> StageResu
                 f"the stage (last: {last})"
             )
     res.t_end = run.now()
-    for ev in run.metrics.events_between(res.t_start, res.t_end):
+    # Each probe event belongs to exactly one stage: the one that was running (or closing) when
+    # the probe saw it. Time stamps alone are ambiguous at a boundary (same millisecond).
+    events = run.metrics.events[run.event_cursor :]
+    run.event_cursor = len(run.metrics.events)
+    for ev in events:
         # Before `ready` passes, an unreachable server is the expected state, not a failure.
         if ev["kind"] == "unreachable" and name != "ready":
             res.fail(f"server unreachable at t={ev['t']:.1f}s: {ev['detail']}")
@@ -661,7 +693,9 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> dic
         if "ready" not in cfg.stages:
             err = await run.discover()
             if err:
-                raise ValidationError(f"{err} (add the 'ready' stage to wait for the server)")
+                unanswered = "gave no model list" in err
+                hint = " (add the 'ready' stage to wait for the server)" if unanswered else ""
+                raise ValidationError(err + hint)
         run.metrics.start()
         for name in STAGES:
             if name not in cfg.stages:
@@ -703,9 +737,12 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> dic
 
 
 async def _server_environment(run: Run) -> dict[str, Any]:
-    version = await run.client.get_json("/version")
+    if run.server_version is None and run.metrics.reachable:
+        version = await run.client.get_json("/version")
+        if isinstance(version, dict) and version.get("version"):
+            run.server_version = str(version["version"])
     return {
-        "server_version": version.get("version") if isinstance(version, dict) else None,
+        "server_version": run.server_version,
         "served_model": run.model,
         "max_model_len": run.max_model_len,
         "models": run.models_payload,
