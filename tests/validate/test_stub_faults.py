@@ -95,3 +95,32 @@ def test_missing_finish_reason_fails_short_and_concurrency(stub_url: str, tmp_pa
     # /metrics is absent here: the probe says so instead of inventing restarts
     assert report["probes"]["metrics"]["available"] is False
     assert report["probes"]["metrics"]["events"] == []
+    # no request completed: the key numbers say "unknown", not 0 (which `compare` would
+    # read as an improvement)
+    assert conc["key"]["ttft_p90_s"] is None and conc["key"]["output_tok_s"] is None
+
+
+class StubServerWithoutHealth(StubServerMissingFinishReason):
+    """An OpenAI-compatible server with no /health route (vLLM always has one)."""
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(404, b'{"error": {"message": "not found"}}')
+        else:
+            super().do_GET()
+
+
+def test_server_without_health_route_is_ready_by_its_model_list(tmp_path: Path) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubServerWithoutHealth)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        p = flashnext("validate", "--url", url, "--stages", "ready", "--ready-timeout", "60",
+                      "--out", str(tmp_path), "--no-png")  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    report = json.loads((tmp_path / "report.json").read_text())
+    ready = by_name(report)["ready"]
+    assert p.returncode == 0 and ready["status"] == "pass", ready
+    assert ready["duration_s"] < 10  # not the 60 s deadline
