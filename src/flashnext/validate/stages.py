@@ -617,13 +617,18 @@ def _window_gauges(samples: list[dict[str, Any]], t0: float, t1: float) -> dict[
 async def _run_one(run: Run, name: str, restarts: list[int | None]) -> StageResult:
     res = StageResult(name=name, t_start=run.now())
     run.progress(name, "running", None)
-    await run.metrics.scrape()  # a sample at the boundary, so counter deltas cover the stage
+    # A sample at each boundary, so counter deltas cover the stage. Not around `ready`: a
+    # server that accepts connections but never answers would stretch its deadline by the
+    # scrape timeout on each side.
+    if name != "ready":
+        await run.metrics.scrape()
     try:
         await STAGE_FUNCS[name](run, res)
     except Exception as exc:  # a validator bug must not hide the other stages' evidence
         res.fail(f"validator error in stage {name}: {type(exc).__name__}: {exc}")
         res.evidence["traceback"] = traceback.format_exc()
-    await run.metrics.scrape()
+    if name != "ready":
+        await run.metrics.scrape()
     # The server went away: wait for it (a supervisor may bring it back) so that the restart
     # is attributed to this stage and the next stage starts against a live server.
     # (Not after `ready`: a server that never came up is not coming back.)
@@ -737,7 +742,7 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> dic
 
 
 async def _server_environment(run: Run) -> dict[str, Any]:
-    if run.server_version is None and run.metrics.reachable:
+    if run.server_version is None and run.model is not None and run.metrics.reachable:
         version = await run.client.get_json("/version")
         if isinstance(version, dict) and version.get("version"):
             run.server_version = str(version["version"])
