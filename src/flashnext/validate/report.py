@@ -29,17 +29,16 @@ import dataclasses
 import datetime as dt
 import json
 import math
-import os
 import platform
 import socket
 import sys
-import tempfile
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from flashnext import __version__
 from flashnext._extras import require
+from flashnext.atomic import atomic_write
 from flashnext.errors import ValidationError
 
 SCHEMA_VERSION = 1
@@ -149,14 +148,8 @@ def build_report(raw: dict[str, Any], argv: list[str]) -> dict[str, Any]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as fh:
+        fh.write(data)
 
 
 def _fmt(v: Any) -> str:
