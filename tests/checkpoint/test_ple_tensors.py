@@ -165,6 +165,20 @@ def shards_ckpt(tmp_path):
 BASE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 
 
+def test_config_without_split_ngram_parts_is_named(shards_ckpt):
+    cfg_path = shards_ckpt.root / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for part in (cfg, cfg.get("text_config") or {}):
+        part.pop("split_ngram_parts", None)
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(
+        CheckpointError,
+        match=r"config.json has no split_ngram_parts, so the released checkpoints' 128 shards "
+        r"were assumed, but 4 shard tensors are stored",
+    ):
+        find_ple_tables(shards_ckpt.root)
+
+
 def test_wrong_row_count(shards_ckpt):
     b = shards_ckpt
     name = f"{BASE}.shard_1.weight"

@@ -50,7 +50,7 @@ from flashnext.checkpoint.config import read_config
 from flashnext.checkpoint.snapshot import resolve_snapshot, tensor_map
 from flashnext.errors import CheckpointError, GeometryError
 from flashnext.ple.formats import GROUP, get_codec
-from flashnext.ple.geometry import PLEGeometry, ple_layer_ids
+from flashnext.ple.geometry import PLEGeometry, ple_layer_ids, text_config
 from flashnext.safetensors_file import DTYPES, TensorEntry
 
 #: Tensor-name prefixes before the 0-based layer index, by the name we report them under.
@@ -396,6 +396,14 @@ def _describe_table(
         missing = [k for k in range(parts_n) if "weight" not in ln.shards.get(k, {})]
         missing = [k for k in missing if min((k + 1) * S, R) - k * S > 0]
         if missing:
+            if "split_ngram_parts" not in text_config(config):
+                # The count came from the default, not the checkpoint's config: say so.
+                raise CheckpointError(
+                    f"layer {layer_id}: config.json has no split_ngram_parts, so the released "
+                    f"checkpoints' {parts_n} shards were assumed, but {len(ln.shards)} shard "
+                    f'tensors are stored under {base}; add "split_ngram_parts": '
+                    f"{len(ln.shards)} to config.json if that is the table's shard count"
+                )
             raise CheckpointError(
                 f"layer {layer_id}: missing {len(missing)} of {parts_n} table shards, e.g. "
                 f"{base}shard_{missing[0]}.weight; the checkpoint is incomplete: run "
