@@ -101,7 +101,6 @@ class QuantizeResult:
     shards_kept: int
     seconds: float
     source_bytes: int
-    rows_written: int = 0
     per_shard_rmse: list[float] = field(default_factory=list)
 
 
@@ -329,7 +328,6 @@ def quantize_table(
         shards_kept=len(kept),
         seconds=time.perf_counter() - t0,
         source_bytes=written * source.width * 4,
-        rows_written=written,
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
     )
 

@@ -131,9 +131,6 @@ class Sidecar:
                 )
         return problems
 
-    def shard_of_row(self, row: int) -> int:
-        return row // self.rows_per_shard
-
 
 def _meta_int(meta: Mapping[str, Any], *keys: str) -> int | None:
     for k in keys:
