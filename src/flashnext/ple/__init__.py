@@ -7,7 +7,7 @@ from flashnext.ple.formats import FORMATS, detect_format, get_codec
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import next_context, ngram_ids, ngram_ids_packed
 from flashnext.ple.sidecar import Sidecar, SidecarWriter, open_sidecar, write_sidecar
-from flashnext.ple.table import PLETable, open_table
+from flashnext.ple.table import PLETable, StoredSegment, StoredTable, open_table
 
 __all__ = [
     "FORMATS",
@@ -15,6 +15,8 @@ __all__ = [
     "PLETable",
     "Sidecar",
     "SidecarWriter",
+    "StoredSegment",
+    "StoredTable",
     "detect_format",
     "get_codec",
     "next_context",

@@ -35,6 +35,40 @@ class _Segment:
     arrays: dict[str, np.ndarray]  # per-row tensors, leading dim = rows
 
 
+@dataclass(frozen=True)
+class StoredSegment:
+    """Global rows ``[start, start + rows)`` as the format's stored per-row tensors.
+
+    ``tensors[name]`` has shape ``[rows, *cols]`` (``[rows]`` for fp8's per-row scale) in the
+    stored dtype: zero-copy views of the shard files (mmap) or anonymous copies (resident).
+    """
+
+    start: int
+    rows: int
+    tensors: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class StoredTable:
+    """What a :class:`PLETable` holds, for code that gathers rows itself (GPU kernels).
+
+    ``segments`` are sorted, contiguous and cover exactly ``row_range``. Per-shard scalars
+    (nvfp4 ``weight_scale_2``) are float32 ``[S]`` in ``shard_scalars[name]``, one per opened
+    shard; shard ``k`` starts at global row ``shard_starts[k]`` (int64 ``[S]``). Format facts
+    (names, dtypes, pad bytes) come from ``codec``.
+    """
+
+    format: str
+    codec: Codec
+    width: int
+    num_rows: int
+    row_range: tuple[int, int]
+    residency: Residency
+    segments: tuple[StoredSegment, ...]
+    shard_starts: np.ndarray
+    shard_scalars: Mapping[str, np.ndarray]
+
+
 class PLETable:
     """Read-only access to one PLE layer's table; build it with :func:`open_table`."""
 
@@ -102,6 +136,26 @@ class PLETable:
         if self.residency == "mmap":
             return 0
         return sum(a.nbytes for seg in self._segments for a in seg.arrays.values())
+
+    def stored(self) -> StoredTable:
+        """The stored tensors of the open rows (no copy); see :class:`StoredTable`.
+
+        Raises:
+            SidecarError: the table is closed.
+        """
+        if not self._segments:
+            raise SidecarError(f"{self.sidecar.path}: stored() on a closed table")
+        return StoredTable(
+            format=self.format,
+            codec=self.codec,
+            width=self.width,
+            num_rows=self.num_rows,
+            row_range=self.row_range,
+            residency=self.residency,
+            segments=tuple(StoredSegment(s.start, s.rows, dict(s.arrays)) for s in self._segments),
+            shard_starts=self._shard_starts.copy(),
+            shard_scalars={k: v.copy() for k, v in self._shard_scalars.items()},
+        )
 
     # -- opening -------------------------------------------------------------------------
     def _open_segments(self, shards: list, start: int, end: int) -> list[_Segment]:

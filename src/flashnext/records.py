@@ -1,0 +1,195 @@
+"""Typed, versioned records: the one shape of every machine-readable output flashnext writes.
+
+Every ``--json`` output, state file and report is a JSON object with this envelope::
+
+    {
+      "schema_version": 1,                  # version of this kind's payload (int)
+      "kind": "flashnext.ple.info",         # what the record is: flashnext.<area>.<what>
+      "environment": {                      # who wrote it, where, how (the same in every record)
+        "flashnext": "0.1.0",
+        "python": "3.11.7",
+        "platform": "Linux-6.1-x86_64-with-glibc2.36",
+        "command": ["flashnext", "ple", "info", "DIR", "--json"],   # secrets redacted
+        "created": "2026-11-30T23:59:59+00:00"
+      },
+      ...                                   # the kind's own fields, at the top level
+    }
+
+Payload fields sit beside the envelope (not under a key) so that a reader can use a record like
+the plain dict it always was. A payload may not use the envelope's keys.
+
+Secrets never reach a record: :func:`redact_argv` hides the values of flags whose names contain
+key/token/secret/password and credentials in URLs; :func:`redact_text` removes known secret
+strings from any text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import platform
+import re
+import sys
+import urllib.parse
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from flashnext import __version__
+from flashnext.errors import FlashnextError
+
+ENVELOPE_KEYS = ("schema_version", "kind", "environment")
+REDACTED = "<redacted>"
+#: Flag and environment-variable names whose values are secrets.
+SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|credential)", re.IGNORECASE)
+
+
+class RecordError(FlashnextError, ValueError):
+    """A file or document is not the flashnext record it should be."""
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``<redacted>@``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return url
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}"))
+
+
+def redact_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
+    """A command line with secret flag values, URL credentials and ``secrets`` removed.
+
+    ``--api-key X``, ``--api-key=X``, ``--hf-token X`` (any flag whose name matches
+    :data:`SECRET_NAME`) and ``NAME=VALUE`` words with a secret NAME keep the name and lose
+    the value.
+    """
+    known = sorted({s for s in secrets if s and len(s) >= 3}, key=len, reverse=True)
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        name, eq, _value = arg.partition("=")
+        if arg.startswith("-") and SECRET_NAME.search(name):
+            if eq:
+                out.append(f"{name}={REDACTED}")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        is_env = eq and not arg.startswith("-") and re.fullmatch(r"[A-Za-z_]\w*", name)
+        if is_env and SECRET_NAME.search(name):
+            out.append(f"{name}={REDACTED}")
+            continue
+        if "://" in arg:
+            arg = redact_url(arg)
+        out.append(redact_text(arg, known))
+    return out
+
+
+def redact_text(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every secret string (longest first) replaced by ``<redacted>``."""
+    for secret in sorted({s for s in secrets if s and len(s) >= 3}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def environment(argv: Sequence[str] | None = None, secrets: Iterable[str] = ()) -> dict[str, Any]:
+    """The environment block: flashnext version, Python, platform, command (redacted), time."""
+    command = list(sys.argv if argv is None else argv)
+    if command and command[0].endswith(("/flashnext", "__main__.py")):
+        command[0] = "flashnext"
+    return {
+        "flashnext": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "command": redact_argv(command, secrets),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses, paths, tuples and numpy scalars to plain JSON values; NaN/inf to None."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_jsonable(dataclasses.asdict(value))
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    item = getattr(value, "item", None)  # numpy scalars
+    if callable(item):
+        return to_jsonable(item())
+    return str(value)
+
+
+def make_record(
+    kind: str,
+    payload: Mapping[str, Any] | Any,
+    *,
+    schema_version: int = 1,
+    argv: Sequence[str] | None = None,
+    secrets: Iterable[str] = (),
+) -> dict[str, Any]:
+    """A record of ``kind``: the envelope plus ``payload``'s fields (a mapping or dataclass).
+
+    Raises:
+        RecordError: ``kind`` is not ``flashnext.<area>...`` or the payload uses an envelope key.
+    """
+    if not re.fullmatch(r"flashnext(\.[a-z0-9_]+)+", kind):
+        raise RecordError(f"record kind {kind!r} is not of the form flashnext.<area>.<what>")
+    body = to_jsonable(payload)
+    if not isinstance(body, dict):
+        raise RecordError(f"record {kind}: payload must be a mapping, found {type(body).__name__}")
+    clash = [k for k in ENVELOPE_KEYS if k in body]
+    if clash:
+        raise RecordError(f"record {kind}: payload uses the envelope key(s) {clash}")
+    return {
+        "schema_version": int(schema_version),
+        "kind": kind,
+        "environment": environment(argv, secrets),
+        **body,
+    }
+
+
+def dumps(record: Mapping[str, Any], indent: int | None = 2) -> str:
+    """Strict JSON text of a record (no NaN), newline-terminated."""
+    return json.dumps(to_jsonable(record), indent=indent, allow_nan=False) + "\n"
+
+
+def check_record(
+    data: Any, kind: str | None = None, schema_version: int | None = None, source: str = "record"
+) -> dict[str, Any]:
+    """Validate a parsed record's envelope (and its kind/version when given); return it.
+
+    Raises:
+        RecordError: naming ``source``, the field and what was expected.
+    """
+    if not isinstance(data, dict):
+        raise RecordError(f"{source}: expected a JSON object, found {type(data).__name__}")
+    for key in ENVELOPE_KEYS:
+        if key not in data:
+            raise RecordError(f"{source}: not a flashnext record (no {key!r})")
+    if not isinstance(data["schema_version"], int):
+        raise RecordError(f"{source}: schema_version must be an integer")
+    env = data["environment"]
+    if not isinstance(env, dict) or not {"flashnext", "python", "platform", "command"} <= set(env):
+        raise RecordError(f"{source}: environment block lacks flashnext/python/platform/command")
+    if kind is not None and data["kind"] != kind:
+        raise RecordError(f"{source}: is a {data['kind']!r} record, expected {kind!r}")
+    if schema_version is not None and data["schema_version"] != schema_version:
+        raise RecordError(
+            f"{source}: schema_version {data['schema_version']}, expected {schema_version}; "
+            "written by another flashnext version"
+        )
+    return data

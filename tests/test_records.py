@@ -1,0 +1,46 @@
+"""The record envelope: every machine-readable output has the same shape."""
+
+import json
+
+import pytest
+
+from flashnext.records import (
+    REDACTED,
+    RecordError,
+    check_record,
+    dumps,
+    make_record,
+    redact_argv,
+)
+
+
+def test_record_has_envelope_and_payload():
+    rec = make_record("flashnext.test.thing", {"rows": 3, "ratio": float("nan")}, argv=["x", "y"])
+    data = json.loads(dumps(rec))
+    check_record(data, kind="flashnext.test.thing", schema_version=1)
+    assert data["rows"] == 3 and data["ratio"] is None
+    assert data["environment"]["command"] == ["x", "y"]
+
+
+def test_payload_may_not_shadow_envelope():
+    with pytest.raises(RecordError, match="envelope key"):
+        make_record("flashnext.test.thing", {"kind": 1})
+
+
+def test_check_record_names_source_and_field():
+    with pytest.raises(RecordError, match=r"a\.json: not a flashnext record \(no 'kind'\)"):
+        check_record({"schema_version": 1}, source="a.json")
+    rec = make_record("flashnext.test.a", {})
+    with pytest.raises(RecordError, match=r"expected 'flashnext\.test\.b'"):
+        check_record(rec, kind="flashnext.test.b")
+
+
+def test_redact_argv_hides_secret_flags_env_and_url_credentials():
+    argv = [
+        "vllm", "serve", "--api-key", "sk-123", "--hf-token=hf_abc", "HF_TOKEN=hf_abc",
+        "--url", "http://user:pw@host:8000/v1", "--port", "8000",
+    ]
+    out = redact_argv(argv)
+    text = " ".join(out)
+    assert "sk-123" not in text and "hf_abc" not in text and "user:pw" not in text
+    assert out[3] == REDACTED and "--port" in out and "8000" in out
