@@ -8,32 +8,32 @@ progress display on stderr, writes the report and prints a one-screen summary (o
 from __future__ import annotations
 
 import asyncio
-import json
-import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import click
 
+from flashnext.cli._common import err_console
 from flashnext.errors import ValidationError
+from flashnext.records import dumps
 
 if TYPE_CHECKING:
-    from flashnext.validate.stages import Config
+    from flashnext.validate.stages import Config, ValidationResult
 
 
 def _parse_url(url: str) -> str:
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        raise ValidationError(
-            f"--url {url!r}: expected the server root, e.g. http://127.0.0.1:8000"
-        )
-    path = parsed.path.rstrip("/")
-    # People paste the OpenAI base URL; the validator needs the root for /health and /metrics.
-    if path.endswith("/v1"):
-        path = path[: -len("/v1")]
-    return f"{parsed.scheme}://{parsed.netloc}{path}"
+    """The server root of ``--url`` (see :func:`flashnext.validate.client.server_root`)."""
+    from flashnext.validate.client import server_root
+
+    root = server_root(url)
+    if root != url.rstrip("/"):
+        from flashnext.records import redact_url
+
+        click.echo(f"note: --url: using the server root {redact_url(root)}", err=True)
+    return root
 
 
 def _parse_stages(text: str) -> tuple[str, ...]:
@@ -165,7 +165,7 @@ def validate(ctx: click.Context, **opts: object) -> None:
 
 def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     """Build the config from parsed flags, run, write and print; return the exit status."""
-    from flashnext.validate.report import build_report, write_report
+    from flashnext.validate.report import build_report, check_out_dir, write_report
     from flashnext.validate.stages import STAGES, Config
 
     for flag in (
@@ -214,40 +214,65 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     if not 0 <= opts["temperature"] <= 2:
         raise ValidationError(f"--temperature {opts['temperature']}: expected 0 <= t <= 2")
     out_dir: Path = opts["out_dir"]
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValidationError(f"--out {out_dir}: exists and is not a directory")
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValidationError(f"--out {out_dir}: cannot create the directory ({exc})") from None
-    if not os.access(out_dir, os.W_OK):
-        raise ValidationError(f"--out {out_dir}: not writable")
-    raw = asyncio.run(_run_with_progress(cfg))
-    report = build_report(raw, argv)
+    check_out_dir(out_dir, png=not opts["no_png"])
+    result = asyncio.run(_run_with_progress(cfg))
+    report = build_report(result, argv)
     paths = write_report(report, out_dir, png=not opts["no_png"])
     if opts["as_json"]:
-        click.echo(json.dumps(report, default=str, allow_nan=False))
+        sys.stdout.write(dumps(report, indent=None))
     else:
         _print_summary(report)
     click.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    if result.interrupted is not None:
+        stop = result.interrupted
+        done = sum(s.status in ("pass", "fail") for s in result.stages)
+        click.echo(
+            f"interrupted by {stop.signal} during {stop.stage or 'start-up'}: the report holds "
+            f"the {done} stage(s) that finished",
+            err=True,
+        )
+        return 128 + signal.Signals[stop.signal].value
     return 0 if report["passed"] else 1
 
 
-async def _run_with_progress(cfg: Config) -> dict[str, Any]:
-    from rich.console import Console
+class _LineProgress:
+    """Progress as plain lines on stderr when it is not a terminal (a log, CI, a pipe).
+
+    A line per stage start, end and notice; repeated updates of one stage at most every
+    :attr:`EVERY_S` seconds, so a long wait is visible but not a flood.
+    """
+
+    EVERY_S = 5.0
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+        self.last = 0.0
+
+    def __call__(self, stage: str, message: str, fraction: float | None) -> None:
+        now = time.monotonic()
+        repeat = stage == self.stage and fraction is not None and 0 < fraction < 1
+        if repeat and now - self.last < self.EVERY_S:
+            return
+        self.stage, self.last = stage, now
+        print(f"validate: {stage}: {message}" if stage else f"validate: {message}",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+async def _run_with_progress(cfg: Config) -> ValidationResult:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from flashnext.validate.stages import run_validation
 
-    console = Console(stderr=True)
+    if not err_console.is_terminal:
+        return await run_validation(cfg, _LineProgress())
     with Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.fields[stage]:<13}"),
         BarColumn(),
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         TimeElapsedColumn(),
-        console=console,
+        console=err_console,
         transient=False,
     ) as progress:
         task = progress.add_task("starting", total=1.0, stage="")
@@ -264,29 +289,34 @@ async def _run_with_progress(cfg: Config) -> dict[str, Any]:
 def _print_summary(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from flashnext.validate.report import key_text
 
     console = Console()
-    verdict = "[green]PASSED" if report["passed"] else "[red]FAILED"
-    table = Table(title=f"flashnext validate {report['target']['url']}: {verdict}")
+    colours = {"pass": "green", "fail": "red", "skipped": "yellow", "interrupted": "magenta"}
+    verdict = "PASSED" if report["passed"] else "FAILED"
+    if report["interrupted"]:
+        verdict = f"INTERRUPTED ({report['interrupted']['signal']})"
+    title = Text(f"flashnext validate {report['target']['url']}: ")
+    title.append(verdict, style="green" if report["passed"] else "red")
+    table = Table(title=title)
     for col in ("stage", "status", "s", "key numbers"):
         table.add_column(col)
-    colours = {"pass": "green", "fail": "red", "skipped": "yellow"}
     for s in report["stages"]:
         status = s["status"] + (f": {s['reason']}" if s["status"] == "skipped" else "")
         table.add_row(
-            s["name"],
-            f"[{colours[s['status']]}]{status}",
+            Text(s["name"]),
+            Text(status, style=colours[s["status"]]),
             f"{s['duration_s']:.1f}",
-            key_text(s["key"]),
+            Text(key_text(s["key"])),
         )
     console.print(table)
     for s in report["stages"]:
         for m in s["failures"][:3]:
-            console.print(f"[red]{s['name']}[/]: {m}", highlight=False)
+            console.print(Text.assemble((s["name"], "red"), f": {m}"), highlight=False)
     nvml = report["probes"]["nvml"]
-    console.print(f"GPU memory: {nvml['status']}", highlight=False)
+    console.print(Text(f"GPU memory: {nvml['status']}"), highlight=False)
 
 
 @validate.command("compare")
@@ -295,7 +325,10 @@ def _print_summary(report: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
 def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
     """Show what changed between two report.json files (A then B)."""
-    from flashnext.validate.report import compare, load_report, render_compare
+    from flashnext.validate.report import compare, compare_record, load_report, render_compare
 
     diff = compare(load_report(a), load_report(b))
-    click.echo(json.dumps(diff, default=str) if as_json else render_compare(diff))
+    if as_json:
+        sys.stdout.write(dumps(compare_record(diff, sys.argv), indent=None))
+    else:
+        click.echo(render_compare(diff))

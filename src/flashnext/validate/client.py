@@ -18,11 +18,52 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flashnext._extras import require
+from flashnext.errors import ValidationError
+from flashnext.records import redact_url
+
+#: OpenAI routes people paste instead of the server root; dropped by :func:`server_root`.
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/v1")
+_ROOT_EXAMPLE = "expected the server root, e.g. http://127.0.0.1:8000"
+
+
+def server_root(url: str, flag: str = "--url") -> str:
+    """The server root of ``url``: scheme, host, port and any proxy prefix, no OpenAI route.
+
+    ``http://h:8000/v1/chat/completions``, ``.../v1/models`` and ``.../v1`` all give
+    ``http://h:8000`` (the validator needs the root for ``/health`` and ``/metrics``).
+
+    Raises:
+        ValidationError: one line naming ``flag`` when ``url`` is not an http(s) URL, has a
+            bad host or a port outside 1-65535, carries a query or fragment, or ends in an
+            unknown ``/v1/...`` route.
+    """
+    shown = repr(redact_url(url))
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # "Invalid IPv6 URL", "Port out of range 0-65535", ...
+        raise ValidationError(f"{flag} {shown}: not a valid URL ({exc}); {_ROOT_EXAMPLE}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValidationError(f"{flag} {shown}: {_ROOT_EXAMPLE}")
+    if port == 0:
+        raise ValidationError(f"{flag} {shown}: port 0 is not a server port (1-65535)")
+    if parts.query or parts.fragment:
+        raise ValidationError(f"{flag} {shown}: has a query or fragment; {_ROOT_EXAMPLE}")
+    path = parts.path.rstrip("/")
+    route = next((r for r in OPENAI_ROUTES if path.endswith(r)), None)
+    if route is not None:
+        path = path[: -len(route)]
+    elif "/v1/" in path + "/":
+        raise ValidationError(
+            f"{flag} {shown}: {parts.path} is not a route the validator knows; {_ROOT_EXAMPLE}"
+        )
+    return f"{parts.scheme}://{parts.netloc}{path}"
 
 
 @dataclass

@@ -1,155 +1,140 @@
-"""The validation report: ``report.json`` (versioned), ``report.md`` (one screen), ``report.png``.
+"""The validation report: ``report.json`` (a record), ``report.md`` (one screen), ``report.png``.
 
-``report.json`` schema, version 1 (every key always present; absent facts are ``null``):
+``report.json`` is a :mod:`flashnext.records` record of kind ``flashnext.validate.report``,
+``schema_version`` 2. Every key is always present; absent facts are ``null``:
 
-- ``schema_version`` (int, 1), ``tool`` {``name``, ``version``}, ``created`` (UTC ISO 8601),
-  ``command`` (argv list), ``python``, ``platform``, ``client_host``;
-- ``target`` {``url``, ``model``, ``max_model_len``};
+- the envelope: ``schema_version`` (2), ``kind``, ``environment`` {``flashnext``, ``python``,
+  ``platform``, ``command`` (argv, secrets redacted), ``created`` (UTC ISO 8601)};
+- ``client_host``; ``target`` {``url``, ``model``, ``max_model_len``};
 - ``config``: the :class:`~flashnext.validate.stages.Config` used, the API key redacted;
-- ``passed`` (bool: no selected stage failed), ``failed_stages`` (names), ``duration_s``;
-- ``stages``: list of {``name``, ``status`` (pass | fail | skipped), ``reason``, ``t_start``,
-  ``t_end``, ``duration_s``, ``key`` (headline numbers), ``failures`` (messages),
+- ``passed`` (bool: not interrupted and no selected stage failed), ``failed_stages`` (names),
+  ``interrupted`` ({``signal``, ``stage``, ``t``} or null), ``duration_s``;
+- ``stages``: list of {``name``, ``status`` (pass | fail | skipped | interrupted), ``reason``,
+  ``t_start``, ``t_end``, ``duration_s``, ``key`` (headline numbers), ``failures`` (messages),
   ``evidence`` (stage specific; always ``probes`` {``server``, ``gpu``} for stages that ran)};
 - ``probes``: ``metrics`` {``interval_s``, ``available``, ``samples`` [{``t``, ``ok``,
   ``running``, ``waiting``, ``kv_usage``, ``preemptions``, ``prefix_hits``, ``prefix_queries``,
   ``start_time``}], ``events`` [{``t``, ``kind`` (unreachable | reachable | restart | slow),
-  ``detail``}]}, ``nvml`` {``status``,
-  ``interval_s``, ``device``, ``summary``, ``samples`` [{``t``, ``used``, ``free``, ``procs``}]},
-  ``container`` {``name``, ``runtime``, ``restart_count_start``, ``restart_count_end``} or {};
-- ``environment`` {``server_version``, ``served_model``, ``max_model_len``, ``models``,
+  ``detail``}]}, ``nvml`` {``status``, ``interval_s``, ``device``, ``summary``, ``samples``
+  [{``t``, ``used``, ``free``, ``procs``}]}, ``container`` {``name``, ``runtime``,
+  ``restart_count_start``, ``restart_count_end``} or {};
+- ``server`` {``server_version``, ``served_model``, ``max_model_len``, ``models``,
   ``cache_config_info`` (label dict), ``gpu`` (NVML device or its status)}.
 
-Times ``t`` are seconds since the run started. Every file is written to a temporary name
-and renamed when complete.
+Version 1 (before records) kept the host block at the top level (``tool``, ``created``,
+``command``, ``python``, ``platform``) and the server's block under ``environment``;
+:func:`load_report` reads it into the version 2 shape. Times ``t`` are seconds since the run
+started. Every file is written to a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 import json
-import math
-import platform
 import socket
-import sys
+import tempfile
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from flashnext import __version__
 from flashnext._extras import require
 from flashnext.atomic import atomic_write
 from flashnext.errors import ValidationError
+from flashnext.records import (
+    REDACTED,
+    RecordError,
+    check_record,
+    dumps,
+    make_record,
+    redact_text,
+    redact_url,
+    to_jsonable,
+)
+from flashnext.validate.stages.result import ValidationResult
 
-SCHEMA_VERSION = 1
-
-
-REDACTED = "<redacted>"
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any ``user:password@`` replaced by ``<redacted>@``."""
-    parts = urllib.parse.urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}"))
-
-
-def redact_argv(argv: list[str], secrets: list[str]) -> list[str]:
-    """The command line with the API key and URL credentials removed."""
-    out = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        if arg == "--api-key":
-            out.append(arg)
-            hide_next = True
-            continue
-        if arg.startswith("--api-key="):
-            out.append(f"--api-key={REDACTED}")
-            continue
-        if "://" in arg:
-            arg = redact_url(arg)
-        for secret in secrets:
-            if secret:
-                arg = arg.replace(secret, REDACTED)
-        out.append(arg)
-    return out
+REPORT_KIND = "flashnext.validate.report"
+SCHEMA_VERSION = 2
+COMPARE_KIND = "flashnext.validate.compare"
+REPORT_FILES = ("report.json", "report.md", "report.png")
 
 
-def _clean(value: Any, secrets: list[str]) -> Any:
-    """Secrets out of every string (messages quote URLs); NaN and infinities, which a server
-    may export, become None so that report.json is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+def _secrets(cfg_url: str, api_key: str | None) -> list[str]:
+    """The strings that must not reach a report: the API key and URL credentials."""
+    secrets = [api_key or ""]
+    userinfo = urllib.parse.urlsplit(cfg_url).netloc.rpartition("@")[0]
+    if userinfo:
+        secrets += [userinfo, *userinfo.split(":")]
+    return [x for x in secrets if len(x) >= 3]  # short fragments would mangle text
+
+
+def _redact_deep(value: Any, secrets: list[str]) -> Any:
+    """``redact_text`` over every string of a JSON-ready value (messages quote URLs)."""
     if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, REDACTED)
-        return value
+        return redact_text(value, secrets)
     if isinstance(value, dict):
-        return {k: _clean(v, secrets) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v, secrets) for v in value]
+        return {k: _redact_deep(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_deep(v, secrets) for v in value]
     return value
 
 
-def build_report(raw: dict[str, Any], argv: list[str]) -> dict[str, Any]:
-    """Assemble the JSON-ready report from :func:`~flashnext.validate.stages.run_validation`.
+def build_report(result: ValidationResult, argv: list[str]) -> dict[str, Any]:
+    """The report record of a run (see the module docstring for its fields).
 
     Secrets never reach the report: the API key and any credentials in the URL are redacted,
-    in the config and in the recorded command line alike.
+    in the config, every message and the recorded command line alike. NaN and infinities
+    (which a server may export) become null.
     """
-    run = raw["run"]
-    cfg = dataclasses.asdict(run.cfg)
-    if cfg.get("api_key"):
-        cfg["api_key"] = REDACTED
-    cfg["url"] = redact_url(cfg["url"])
-    secrets = [run.cfg.api_key or ""]
-    userinfo = urllib.parse.urlsplit(run.cfg.url).netloc.rpartition("@")[0]
-    if userinfo:
-        secrets += [userinfo, *userinfo.split(":")]
-    # Longest first, so that "user:pw" goes before its parts; short fragments would mangle text.
-    secrets = sorted({x for x in secrets if len(x) >= 3}, key=len, reverse=True)
-    cfg["stages"] = list(cfg["stages"])
-    stages = [s.to_dict() for s in raw["stages"]]
-    failed = [s["name"] for s in stages if s["status"] == "fail"]
-    return _clean(
-        {
-            "schema_version": SCHEMA_VERSION,
-            "tool": {"name": "flashnext", "version": __version__},
-            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": redact_argv(list(argv), secrets),
-            "python": sys.version.split()[0],
-            "platform": platform.platform(),
-            "client_host": socket.gethostname(),
-            "target": {
-                "url": redact_url(run.cfg.url),
-                "model": run.model,
-                "max_model_len": run.max_model_len,
-            },
-            "config": cfg,
-            "passed": not failed,
-            "failed_stages": failed,
-            "duration_s": raw["duration_s"],
-            "stages": stages,
-            "probes": {
-                "metrics": run.metrics.to_dict(),
-                "nvml": run.nvml.to_dict(),
-                "container": raw["container"],
-            },
-            "environment": raw["environment"],
+    cfg = result.config
+    secrets = _secrets(cfg.url, cfg.api_key)
+    config = dataclasses.asdict(cfg)
+    if config.get("api_key"):
+        config["api_key"] = REDACTED
+    config["url"] = redact_url(cfg.url)
+    payload = {
+        "client_host": socket.gethostname(),
+        "target": {
+            "url": redact_url(cfg.url),
+            "model": result.server.served_model,
+            "max_model_len": result.server.max_model_len,
         },
-        secrets,
-    )
+        "config": config,
+        "passed": result.passed,
+        "failed_stages": result.failed_stages,
+        "interrupted": result.interrupted,
+        "duration_s": result.duration_s,
+        "stages": [s.to_dict() for s in result.stages],
+        "probes": {"metrics": result.metrics, "nvml": result.nvml, "container": result.container},
+        "server": result.server,
+    }
+    body = _redact_deep(to_jsonable(payload), secrets)
+    return make_record(REPORT_KIND, body, schema_version=SCHEMA_VERSION, argv=argv, secrets=secrets)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    with atomic_write(path) as fh:
-        fh.write(data)
+def check_out_dir(out_dir: Path, png: bool = True) -> None:
+    """Make sure the report can be written into ``out_dir`` before a run starts.
+
+    Creates the directory, writes and removes a probe file in it, and checks that no
+    report file name is taken by a directory.
+
+    Raises:
+        ValidationError: one line naming ``--out`` and what is in the way.
+    """
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValidationError(f"--out {out_dir}: exists and is not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in REPORT_FILES if png else REPORT_FILES[:2]:
+            if (out_dir / name).is_dir():
+                raise ValidationError(
+                    f"--out {out_dir}: {name} there is a directory; remove it or choose "
+                    "another --out"
+                )
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".flashnext-probe-"):
+            pass
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ValidationError(f"--out {out_dir}: cannot write a report there ({why})") from None
 
 
 def _fmt(v: Any) -> str:
@@ -163,17 +148,22 @@ def key_text(key: dict[str, Any]) -> str:
     return ", ".join(f"{k} {_fmt(v)}" for k, v in key.items() if v is not None)
 
 
+def _verdict(report: dict[str, Any]) -> str:
+    stop = report.get("interrupted")
+    if stop:
+        return f"INTERRUPTED ({stop['signal']} during {stop['stage'] or 'start-up'})"
+    return "PASSED" if report["passed"] else f"FAILED ({', '.join(report['failed_stages'])})"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """One screen: a stage table with the key numbers, then failures with evidence."""
-    t = report["target"]
-    env = report["environment"]
-    verdict = "PASSED" if report["passed"] else f"FAILED ({', '.join(report['failed_stages'])})"
+    t, server = report["target"], report["server"]
     lines = [
-        f"# flashnext validate: {verdict}",
+        f"# flashnext validate: {_verdict(report)}",
         "",
         f"{t['url']} · model `{t['model']}` · max_model_len {t['max_model_len']} · "
-        f"server {env.get('server_version')} · GPU {_gpu_text(report)} · "
-        f"{report['duration_s']:.0f} s · flashnext {report['tool']['version']}",
+        f"server {server.get('server_version')} · GPU {_gpu_text(report)} · "
+        f"{report['duration_s']:.0f} s · flashnext {report['environment']['flashnext']}",
         "",
         "| stage | status | time (s) | key numbers |",
         "|---|---|---|---|",
@@ -185,6 +175,20 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"| {s['name']} | {status} | {s['duration_s']:.1f} | "
             f"{key_text(s['key']).replace('|', '/')} |"
         )
+    stop = report.get("interrupted")
+    if stop:
+        lines += [
+            "",
+            f"Interrupted by {stop['signal']} at t={stop['t']:.1f}s: the stages before it are "
+            "complete, the later ones were not run.",
+        ]
+    lines += _failure_lines(report)
+    lines += ["", f"Command: `{' '.join(report['environment']['command'])}`", ""]
+    return "\n".join(lines)
+
+
+def _failure_lines(report: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     failures = [s for s in report["stages"] if s["status"] == "fail"]
     events = report["probes"]["metrics"]["events"]
     if failures:
@@ -198,13 +202,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     if events:
         lines += ["", "## Server events", ""]
         lines.extend(f"- t={e['t']:.1f}s {e['kind']}: {e['detail']}" for e in events[:10])
-    lines += ["", f"Command: `{' '.join(report['command'])}`", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _gpu_text(report: dict[str, Any]) -> str:
-    gpu = report["environment"].get("gpu") or {}
-    return gpu.get("name") or gpu.get("status") or "unknown"
+    gpu = report["server"].get("gpu") or {}
+    return str(gpu.get("name") or gpu.get("status") or "unknown")
 
 
 def render_png(report: dict[str, Any]) -> bytes:
@@ -266,93 +269,169 @@ def render_png(report: dict[str, Any]) -> bytes:
 
 
 def write_report(report: dict[str, Any], out_dir: Path, png: bool = True) -> list[Path]:
-    """Write report.json, report.md and (when ``png``) report.png into ``out_dir``."""
+    """Write report.json, report.md and (when ``png``) report.png into ``out_dir``.
+
+    Raises:
+        ValidationError: a file cannot be written (the message names it and why).
+    """
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ValidationError(f"--out {out_dir}: cannot create the directory ({exc})") from exc
-    paths = [out_dir / "report.json", out_dir / "report.md"]
-    _atomic_write(
-        paths[0], (json.dumps(report, indent=1, default=str, allow_nan=False) + "\n").encode()
-    )
-    _atomic_write(paths[1], render_markdown(report).encode())
+        raise ValidationError(f"--out {out_dir}: cannot create ({exc.strerror or exc})") from None
+    files = {
+        "report.json": dumps(report, indent=1).encode(),
+        "report.md": render_markdown(report).encode(),
+    }
     if png:
-        paths.append(out_dir / "report.png")
-        _atomic_write(paths[2], render_png(report))
+        files["report.png"] = render_png(report)
+    paths = []
+    for name, data in files.items():
+        path = out_dir / name
+        try:
+            with atomic_write(path) as fh:
+                fh.write(data)
+        except OSError as exc:
+            raise ValidationError(f"{path}: cannot write ({exc.strerror or exc})") from None
+        paths.append(path)
     return paths
 
 
+def _from_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 report in the version 2 shape (host block in the envelope, ``server``)."""
+    moved = ("schema_version", "tool", "created", "command", "python", "platform", "environment")
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": REPORT_KIND,
+        "environment": {
+            "flashnext": (data.get("tool") or {}).get("version"),
+            "python": data.get("python"),
+            "platform": data.get("platform"),
+            "command": data.get("command") or [],
+            "created": data.get("created"),
+        },
+        **{k: v for k, v in data.items() if k not in moved},
+        "server": data["environment"],
+        "interrupted": None,
+        "read_from_schema_version": 1,
+    }
+
+
 def load_report(path: Path) -> dict[str, Any]:
-    """Read a report.json, checking that it is one and that its schema version is known."""
+    """Read a report.json (schema version 2, or 1 converted to the version 2 shape).
+
+    Raises:
+        ValidationError: unreadable, not JSON, not a validate report, or an unknown version.
+    """
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValidationError(f"{path}: cannot read a report.json ({exc})") from exc
+        why = getattr(exc, "strerror", None) or exc
+        raise ValidationError(f"{path}: cannot read a report.json ({why})") from None
     if not isinstance(data, dict) or "schema_version" not in data:
         raise ValidationError(f"{path}: not a flashnext validate report (no schema_version)")
-    if data["schema_version"] != SCHEMA_VERSION:
+    version = data["schema_version"]
+    if version not in (1, SCHEMA_VERSION):
         raise ValidationError(
-            f"{path}: schema_version {data['schema_version']!r}, expected {SCHEMA_VERSION}; "
+            f"{path}: schema_version {version!r}, expected 1 or {SCHEMA_VERSION}; "
             "re-run flashnext validate with this version to compare"
         )
-    missing = [k for k in ("environment", "stages", "target", "passed") if k not in data]
+    if version == 1:
+        missing = [k for k in ("environment", "stages", "target", "passed") if k not in data]
+        if missing:
+            raise ValidationError(
+                f"{path}: not a flashnext validate report (no {', '.join(missing)})"
+            )
+        return _from_v1(data)
+    try:
+        check_record(data, kind=REPORT_KIND, source=str(path))
+    except RecordError as exc:
+        raise ValidationError(str(exc)) from None
+    missing = [k for k in ("server", "stages", "target", "passed", "probes") if k not in data]
     if missing:
         raise ValidationError(f"{path}: not a flashnext validate report (no {', '.join(missing)})")
     return data
 
 
-def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """What changed from report ``a`` to ``b``: environment, stage status and key numbers."""
-    env_changes = {}
+def _server_changes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
+    sa, sb = a["server"], b["server"]
+    changes = {}
     for k in ("server_version", "served_model", "max_model_len"):
-        if a["environment"].get(k) != b["environment"].get(k):
-            env_changes[k] = [a["environment"].get(k), b["environment"].get(k)]
+        if sa.get(k) != sb.get(k):
+            changes[k] = [sa.get(k), sb.get(k)]
     if _gpu_text(a) != _gpu_text(b):
-        env_changes["gpu"] = [_gpu_text(a), _gpu_text(b)]
-    ca, cb = (
-        a["environment"].get("cache_config_info") or {},
-        b["environment"].get("cache_config_info") or {},
-    )
+        changes["gpu"] = [_gpu_text(a), _gpu_text(b)]
+    ca, cb = sa.get("cache_config_info") or {}, sb.get("cache_config_info") or {}
     for k in sorted(set(ca) | set(cb)):
         if ca.get(k) != cb.get(k):
-            env_changes[f"cache_config_info.{k}"] = [ca.get(k), cb.get(k)]
+            changes[f"cache_config_info.{k}"] = [ca.get(k), cb.get(k)]
+    return changes
+
+
+def _key_changes(kx: dict[str, Any], ky: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    changed: dict[str, dict[str, Any]] = {}
+    for k in list(kx) + [k for k in ky if k not in kx]:
+        va, vb = kx.get(k), ky.get(k)
+        if va == vb:
+            continue
+        entry: dict[str, Any] = {"a": va, "b": vb}
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
+        if numbers and va:
+            entry["ratio"] = round(vb / va, 3)
+        changed[k] = entry
+    return changed
+
+
+def _side(r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "created": r["environment"].get("created"),
+        "url": r["target"]["url"],
+        "passed": r["passed"],
+        "interrupted": r.get("interrupted"),
+    }
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """What changed from report ``a`` to ``b`` (both as :func:`load_report` returns them).
+
+    Returns ``a`` and ``b`` ({created, url, passed, interrupted}), ``server`` (changed facts:
+    {name: [a, b]}) and ``stages`` ([{name, status [a, b], changed {key: {a, b, ratio?}}}]);
+    the payload of a ``flashnext.validate.compare`` record.
+    """
     sa = {s["name"]: s for s in a["stages"]}
     sb = {s["name"]: s for s in b["stages"]}
     stages = []
     for name in list(sa) + [n for n in sb if n not in sa]:
         x, y = sa.get(name), sb.get(name)
-        row: dict[str, Any] = {
-            "name": name,
-            "status": [x["status"] if x else None, y["status"] if y else None],
-            "changed": {},
-        }
-        kx, ky = (x or {}).get("key", {}), (y or {}).get("key", {})
-        for k in list(kx) + [k for k in ky if k not in kx]:
-            va, vb = kx.get(k), ky.get(k)
-            if va == vb:
-                continue
-            entry: dict[str, Any] = {"a": va, "b": vb}
-            if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and va:
-                entry["ratio"] = round(vb / va, 3)
-            row["changed"][k] = entry
-        stages.append(row)
-    return {
-        "a": {"created": a.get("created"), "url": a["target"]["url"], "passed": a["passed"]},
-        "b": {"created": b.get("created"), "url": b["target"]["url"], "passed": b["passed"]},
-        "environment": env_changes,
-        "stages": stages,
-    }
+        stages.append(
+            {
+                "name": name,
+                "status": [x["status"] if x else None, y["status"] if y else None],
+                "changed": _key_changes((x or {}).get("key", {}), (y or {}).get("key", {})),
+            }
+        )
+    return {"a": _side(a), "b": _side(b), "server": _server_changes(a, b), "stages": stages}
+
+
+def compare_record(diff: dict[str, Any], argv: list[str] | None = None) -> dict[str, Any]:
+    """:func:`compare`'s result as a ``flashnext.validate.compare`` record (schema 1)."""
+    return make_record(COMPARE_KIND, diff, schema_version=1, argv=argv)
 
 
 def render_compare(diff: dict[str, Any]) -> str:
     """Plain text of :func:`compare` for a terminal."""
     lines = [
-        f"A: {diff['a']['url']} {diff['a']['created']} passed={diff['a']['passed']}",
-        f"B: {diff['b']['url']} {diff['b']['created']} passed={diff['b']['passed']}",
+        f"{side.upper()}: {diff[side]['url']} {diff[side]['created']} "
+        f"passed={diff[side]['passed']}"
+        + (
+            f" interrupted={diff[side]['interrupted']['signal']}"
+            if diff[side]["interrupted"]
+            else ""
+        )
+        for side in ("a", "b")
     ]
-    if diff["environment"]:
-        lines.append("environment:")
-        lines.extend(f"  {k}: {v[0]} -> {v[1]}" for k, v in diff["environment"].items())
+    if diff["server"]:
+        lines.append("server:")
+        lines.extend(f"  {k}: {v[0]} -> {v[1]}" for k, v in diff["server"].items())
     lines.append("stages:")
     for row in diff["stages"]:
         a, b = row["status"]
