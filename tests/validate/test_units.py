@@ -1,4 +1,4 @@
-"""Pieces of the validator that need no server: parser, image, percentiles, NVML, CLI input."""
+"""Pieces of the validator that need no server: parser, image, NVML, CLI input, SSE lines."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ import pytest
 from flashnext.cli import main
 from flashnext.validate.images import make_png, png_data_url
 from flashnext.validate.probes import NvmlSampler, metric_value, parse_prometheus
-from flashnext.validate.report import load_report
-from flashnext.validate.stages import percentiles
 
 
 def _nvml_gpu() -> str | None:
@@ -65,12 +63,6 @@ def test_png_is_a_valid_image() -> None:
     assert png_data_url(png).startswith("data:image/png;base64,iVBORw0KGgo")
     with pytest.raises(ValueError, match="image size 0x5"):
         make_png(0, 5)
-
-
-def test_percentiles() -> None:
-    assert percentiles([]) is None
-    p = percentiles([4.0, 1.0, 3.0, 2.0, 5.0])
-    assert p == {"p50": 3.0, "p90": 4.6, "p99": 4.96, "mean": 3.0, "max": 5.0}
 
 
 def test_nvml_degrades_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,7 +145,7 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     # checked before any stage runs: the run's evidence would be lost otherwise
     assert _cli_error(
         capsys, "validate", "--url", "http://127.0.0.1:1", "--out", str(f / "sub")
-    ).startswith(f"error: --out {f / 'sub'}: cannot create the directory")
+    ) == f"error: --out {f / 'sub'}: cannot write a report there (Not a directory)"
     assert (
         _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--temperature", "-1")
         == "error: --temperature -1.0: expected 0 <= t <= 2"
@@ -163,35 +155,6 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert _cli_error(capsys, "validate", "compare", str(incomplete), str(incomplete)).startswith(
         f"error: {incomplete}: not a flashnext validate report"
     )
-
-
-def test_secrets_never_reach_the_report() -> None:
-    from flashnext.validate.report import redact_argv, redact_url
-
-    argv = [
-        "flashnext",
-        "validate",
-        "--url",
-        "http://bob:hunter2@10.0.0.1:8000",
-        "--api-key",
-        "sekret",
-        "--model",
-        "m",
-    ]
-    out = " ".join(redact_argv(argv, ["sekret", "bob:hunter2", "bob", "hunter2"]))
-    assert "sekret" not in out and "hunter2" not in out
-    assert "--api-key <redacted>" in out and "http://<redacted>@10.0.0.1:8000" in out
-    assert redact_argv(["--api-key=sekret"], ["sekret"]) == ["--api-key=<redacted>"]
-    assert redact_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000/v1"
-
-
-def test_load_report_checks_schema(tmp_path: Path) -> None:
-    from flashnext.errors import ValidationError
-
-    p = tmp_path / "r.json"
-    p.write_text('{"schema_version": 99}')
-    with pytest.raises(ValidationError, match="schema_version 99, expected 1"):
-        load_report(p)
 
 
 def test_sse_lines_split_only_at_line_feeds() -> None:

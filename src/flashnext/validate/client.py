@@ -17,6 +17,7 @@ Error kinds (``RequestResult.error_kind``):
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -25,7 +26,7 @@ from typing import Any
 
 from flashnext._extras import require
 from flashnext.errors import ValidationError
-from flashnext.records import redact_url
+from flashnext.records import REDACTED
 
 #: OpenAI routes people paste instead of the server root; dropped by :func:`server_root`.
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/embeddings", "/v1")
@@ -43,7 +44,8 @@ def server_root(url: str, flag: str = "--url") -> str:
             bad host or a port outside 1-65535, carries a query or fragment, or ends in an
             unknown ``/v1/...`` route.
     """
-    shown = repr(redact_url(url))
+    # Credentials are hidden even in a URL too broken for urlsplit (redact_url needs it).
+    shown = repr(re.sub(r"//[^/@]*@", f"//{REDACTED}@", url))
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port

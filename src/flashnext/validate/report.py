@@ -120,9 +120,9 @@ def check_out_dir(out_dir: Path, png: bool = True) -> None:
     Raises:
         ValidationError: one line naming ``--out`` and what is in the way.
     """
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValidationError(f"--out {out_dir}: exists and is not a directory")
     try:
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ValidationError(f"--out {out_dir}: exists and is not a directory")
         out_dir.mkdir(parents=True, exist_ok=True)
         for name in REPORT_FILES if png else REPORT_FILES[:2]:
             if (out_dir / name).is_dir():
