@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from flashnext.records import check_record
 from flashnext.validate.probes import metric_value, parse_prometheus
 from flashnext.validate.stages import Config, run_validation
 
@@ -55,11 +56,11 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     assert sorted(x.name for x in out.iterdir()) == ["report.json", "report.md", "report.png"]
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    assert report["schema_version"] == 1
-    assert report["tool"]["name"] == "flashnext"
-    assert report["command"][1:3] == ["validate", "--url"]  # argv[0] is "-c" here
+    check_record(report, kind="flashnext.validate.report", schema_version=2)
+    assert report["environment"]["command"][1:3] == ["validate", "--url"]  # argv[0] is "-c"
     assert report["passed"] is True and report["failed_stages"] == []
-    env = report["environment"]
+    assert report["interrupted"] is None
+    env = report["server"]
     assert env["server_version"] == "0.32.0"
     assert env["max_model_len"] == 512
     assert env["cache_config_info"]["enable_prefix_caching"] == "True"
@@ -140,7 +141,8 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
         "validate", "compare", str(out / "report.json"), str(out_b / "report.json"), "--json"
     )
     assert p3.returncode == 0, p3.stderr
-    diff = {row["name"]: row for row in json.loads(p3.stdout)["stages"]}
+    record = check_record(json.loads(p3.stdout), kind="flashnext.validate.compare")
+    diff = {row["name"]: row for row in record["stages"]}
     assert diff["concurrency"]["changed"]["completed"] == {"a": "48/48", "b": "4/4"}
     assert diff["sustained"]["status"] == ["pass", None]
     p4 = flashnext("validate", "compare", str(out / "report.json"), str(out_b / "report.json"))
@@ -185,6 +187,8 @@ def test_never_healthy_server_hits_the_deadline(tmp_path: Path) -> None:
     for s in report["stages"][1:]:
         assert (s["status"], s["reason"]) == ("skipped", "the server never became ready")
     assert "did not answer HTTP 200" in p.stdout
+    # stderr is not a terminal here: the wait is said as plain lines, not a silent spinner
+    assert f"validate: ready: waiting up to 2 s for http://127.0.0.1:{port}/health" in p.stderr
 
 
 def test_unreachable_at_start_without_ready_stage(tmp_path: Path) -> None:
@@ -229,14 +233,15 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: 
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    raw = asyncio.run(run_validation(cfg))
+    result = asyncio.run(run_validation(cfg))
     thread.join(timeout=5)
     assert killed.is_set()
     assert server.starts == 2  # the supervisor brought it back
 
     from flashnext.validate.report import build_report, render_markdown, write_report
 
-    report = build_report(raw, ["test"])
+    assert result.failed_stages == ["concurrency"] and result.interrupted is None
+    report = build_report(result, ["test"])
     write_report(report, tmp_path, png=True)
     s = by_name(report)
     assert report["passed"] is False and report["failed_stages"] == ["concurrency"]
@@ -282,7 +287,7 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     assert ready["key"]["time_to_ready_s"] > 1.0
     assert [e["kind"] for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"] == [
         "unreachable", "reachable"]  # fmt: skip
-    assert report["environment"]["cache_config_info"]["num_gpu_blocks_override"] == "8"
+    assert report["server"]["cache_config_info"]["num_gpu_blocks_override"] == "8"
     assert conc["evidence"]["probes"]["server"]["preemptions"] > 0
     assert conc["key"]["preemptions"] > 0
     # (No assertion on the sampled KV peak: a 0.5 s sampler can miss it on a starved machine;
@@ -292,4 +297,5 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     assert "preemptions" in (out / "report.md").read_text()
     for text in (stdout, (out / "report.json").read_text(), (out / "report.md").read_text()):
         assert key not in text
-    assert report["command"][report["command"].index("--api-key") + 1] == "<redacted>"
+    command = report["environment"]["command"]
+    assert command[command.index("--api-key") + 1] == "<redacted>"
