@@ -1,8 +1,10 @@
 """``flashnext validate``: staged checks of a live OpenAI-compatible server, one report.
 
-Parses flags into a :class:`~flashnext.validate.stages.Config`, runs the stages with a rich
-progress display on stderr, writes the report and prints a one-screen summary (or, with
-``--json``, the report) on stdout. Exits 0 only if no selected stage failed.
+Parses flags into a :class:`~flashnext.validate.stages.Config`, runs the stages with progress
+on stderr (a rich display on a terminal, plain lines otherwise), writes the report and prints a
+one-screen summary (or, with ``--json``, the report record) on stdout. Exits 0 only if no
+selected stage failed; on SIGINT/SIGTERM the report of the finished stages is written and the
+exit status is 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -55,7 +57,11 @@ def _positive(name: str, value: float) -> None:
 
 
 @click.group("validate", invoke_without_command=True)
-@click.option("--url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped).")
+@click.option(
+    "--url",
+    help="Server root, e.g. http://127.0.0.1:8000 (an OpenAI route such as /v1 or "
+    "/v1/chat/completions is dropped).",
+)
 @click.option("--model", default=None, help="Served model name (default: the first served).")
 @click.option(
     "--api-key",
@@ -163,9 +169,8 @@ def validate(ctx: click.Context, **opts: object) -> None:
     sys.exit(code)
 
 
-def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
-    """Build the config from parsed flags, run, write and print; return the exit status."""
-    from flashnext.validate.report import build_report, check_out_dir, write_report
+def _config(opts: dict[str, Any]) -> Config:
+    """The run's :class:`Config` from parsed flags, each checked (one-line errors)."""
     from flashnext.validate.stages import STAGES, Config
 
     for flag in (
@@ -187,7 +192,9 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         _positive("--" + flag.replace("_", "-"), opts[flag])
     if opts["long_fraction"] >= 1:
         raise ValidationError(f"--long-fraction {opts['long_fraction']}: expected 0 < f < 1")
-    cfg = Config(
+    if not 0 <= opts["temperature"] <= 2:
+        raise ValidationError(f"--temperature {opts['temperature']}: expected 0 <= t <= 2")
+    return Config(
         url=_parse_url(opts["url"]),
         model=opts["model"],
         api_key=opts["api_key"],
@@ -211,8 +218,13 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         nvml=opts["nvml"],
         container=opts["container"],
     )
-    if not 0 <= opts["temperature"] <= 2:
-        raise ValidationError(f"--temperature {opts['temperature']}: expected 0 <= t <= 2")
+
+
+def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
+    """Build the config from parsed flags, run, write and print; return the exit status."""
+    from flashnext.validate.report import build_report, check_out_dir, write_report
+
+    cfg = _config(opts)
     out_dir: Path = opts["out_dir"]
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
     check_out_dir(out_dir, png=not opts["no_png"])
