@@ -135,8 +135,11 @@ class VllmServer:
         path = self.log_dir / f"vllm-{self.port}-{self.starts}.log"
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> None:
-        """Block until /health answers 200; raise with the log tail if the process dies."""
+    def wait_healthy(self, timeout_s: float = 420.0) -> None:
+        """Block until /health answers 200; raise with the log tail if the process dies.
+
+        The bound is generous: on a shared 2-core machine a start takes minutes under load.
+        """
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc is not None and self.proc.poll() is not None and not self._supervisor:

@@ -5,11 +5,11 @@ Stages, in run order (:data:`STAGES`): ``ready``, ``short``, ``long``, ``multimo
 Each fills a :class:`StageResult`: ``pass``, ``fail`` or ``skipped`` with a reason (or
 ``interrupted``), the headline numbers (``key``) and the evidence. :func:`run_validation`
 (:mod:`.runner`) returns a :class:`ValidationResult`. Prompts live in
-:mod:`flashnext.validate.prompts`, statistics in :mod:`flashnext.validate.stats`.
+:mod:`flashnext.validate.stages.prompts`, statistics in :mod:`flashnext.validate.stats`.
 """
 
-from flashnext.validate.prompts import essay_prompt
 from flashnext.validate.stages.config import STAGES, Config
+from flashnext.validate.stages.prompts import essay_prompt
 from flashnext.validate.stages.result import (
     STATUSES,
     Interruption,

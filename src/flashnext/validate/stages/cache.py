@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from flashnext.validate import prompts, stats
+from flashnext.validate import stats
+from flashnext.validate.stages import prompts
 from flashnext.validate.stages.result import StageResult
 from flashnext.validate.stages.run import Run
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from flashnext.validate import stats
 from flashnext.validate.client import RequestResult
-from flashnext.validate.prompts import essay_prompt
+from flashnext.validate.stages.prompts import essay_prompt
 from flashnext.validate.stages.result import StageResult
 from flashnext.validate.stages.run import Run
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from flashnext.validate import prompts
 from flashnext.validate.images import make_png
+from flashnext.validate.stages import prompts
 from flashnext.validate.stages.result import StageResult
 from flashnext.validate.stages.run import Run
 
