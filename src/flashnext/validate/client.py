@@ -16,6 +16,7 @@ Error kinds (``RequestResult.error_kind``):
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -224,53 +225,61 @@ class Client:
             payload.update(extra)
         t0 = time.monotonic()
         res = RequestResult(ok=False, started=t0)
-        last: float | None = None
         parts: list[str] = []
+        marks: list[float] = []  # arrival time of each content piece
         try:
             async with self.http.stream("POST", "/v1/chat/completions", json=payload) as r:
                 res.status = r.status_code
                 if r.status_code != 200:
-                    body = await r.aread()
                     res.error_kind = f"http_{r.status_code}"
-                    res.error = _error_message(body)
-                    res.e2e_s = time.monotonic() - t0
-                    return res
-                async for line in sse_lines(r.aiter_bytes()):
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        res.error_kind = "server_error"
-                        res.error = _error_message(data.encode())
-                        break
-                    now = time.monotonic()
-                    for choice in chunk.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or delta.get("reasoning_content") or ""
-                        if text:
-                            parts.append(text)
-                            if res.ttft_s is None:
-                                res.ttft_s = now - t0
-                            elif last is not None:
-                                res.itl_s.append(now - last)
-                            last = now
-                        if choice.get("finish_reason"):
-                            res.finish_reason = choice["finish_reason"]
-                    usage = chunk.get("usage")
-                    if usage:
-                        res.prompt_tokens = usage.get("prompt_tokens")
-                        res.completion_tokens = usage.get("completion_tokens")
+                    res.error = _error_message(await r.aread())
+                else:
+                    await _read_stream(r.aiter_bytes(), res, parts, marks)
         except ValueError as exc:
             res.error_kind, res.error = "bad_response", f"undecodable stream chunk: {exc}"
         except Exception as exc:  # transport failures are outcomes, not crashes
             res.error_kind, res.error = self._kind(exc), f"{type(exc).__name__}: {exc}"
         res.e2e_s = time.monotonic() - t0
         res.content = "".join(parts)
+        if marks:
+            res.ttft_s = marks[0] - t0
+            res.itl_s = [b - a for a, b in itertools.pairwise(marks)]
         if res.error_kind is None and res.finish_reason is None:
             res.error_kind = "missing_finish_reason"
             res.error = "the stream ended without a finish_reason"
         res.ok = res.error_kind is None
         return res
+
+
+async def _read_stream(
+    chunks: AsyncIterator[bytes], res: RequestResult, parts: list[str], marks: list[float]
+) -> None:
+    """Fold an SSE chat stream into ``res``: content pieces (and their arrival times in
+    ``marks``), finish_reason, usage, or an error object sent inside the stream.
+
+    Raises:
+        ValueError: a ``data:`` line is not JSON.
+    """
+    async for line in sse_lines(chunks):
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            res.error_kind, res.error = "server_error", _error_message(data.encode())
+            return
+        now = time.monotonic()
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or delta.get("reasoning_content") or ""
+            if text:
+                parts.append(text)
+                marks.append(now)
+            if choice.get("finish_reason"):
+                res.finish_reason = choice["finish_reason"]
+        usage = chunk.get("usage")
+        if usage:
+            res.prompt_tokens = usage.get("prompt_tokens")
+            res.completion_tokens = usage.get("completion_tokens")
