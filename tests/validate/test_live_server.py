@@ -36,7 +36,7 @@ SCALED = [
 ]
 
 
-def flashnext(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def flashnext(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess: exit status, stdout and stderr as a user sees them."""
     return subprocess.run([*FLASHNEXT, *args], capture_output=True, text=True, timeout=timeout)
 
