@@ -36,6 +36,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -212,11 +213,13 @@ def measure(
         for n in (n1, n2):
             say(f"repeat {rep + 1}/{args.repeats}: flashnext, {n} requests")
             fl[-1][n] = run_flashnext(url, n, args.concurrency, args.max_tokens, work / "f")
+            say(f"  flashnext {n}: {json.dumps(fl[-1][n])}")  # kept even if the bench is cut short
             if guidellm is not None and failure is None:
                 say(f"repeat {rep + 1}/{args.repeats}: guidellm, {n} requests")
                 try:
                     gl[-1][n] = run_guidellm(guidellm, url, model, n, args.concurrency,
                                              args.max_tokens, work)  # fmt: skip
+                    say(f"  guidellm {n}: {json.dumps(gl[-1][n])}")
                 except (RuntimeError, OSError, KeyError, ValueError) as exc:
                     failure = f"guidellm run failed: {exc}"
                     say(failure)
@@ -248,6 +251,8 @@ def parse_args() -> tuple[argparse.Namespace, int, int]:
 def main() -> None:
     """Parse flags, start the server, measure both tools, print the comparison."""
     args, n1, n2 = parse_args()
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the server below is still stopped.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     guidellm, note = (None, "skipped with --no-guidellm") if args.no_guidellm else guidellm_exe()
     python = ensure_vllm_venv()
     work = Path(tempfile.mkdtemp(prefix="flashnext-bench-"))
