@@ -18,6 +18,11 @@ from flashnext.errors import FlashnextError
 
 # name -> (module, attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
+    "check": (
+        "flashnext.cli.check",
+        "check",
+        "Pre-boot check of planned `vllm serve` arguments against model, GPU and host.",
+    ),
     "checkpoint": (
         "flashnext.cli.checkpoint",
         "checkpoint",

@@ -216,3 +216,12 @@ def override(
             f"wrote {out / 'config.json'} (+ FLASHNEXT_OVERRIDES.json; other files symlinked)"
         )
     err.print(f"{len(changes)} entries changed. {CAVEAT}", highlight=False)
+
+
+def _attach_plan() -> None:
+    from flashnext.cli.checkpoint_plan import plan
+
+    checkpoint.add_command(plan)
+
+
+_attach_plan()
