@@ -85,7 +85,7 @@ def test_bad_index_is_named(tmp_path, content, message):
 
 
 def test_missing_index_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not found"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not found"):
         plan_download(tmp_path)
 
 

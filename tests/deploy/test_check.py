@@ -147,7 +147,7 @@ def test_context_length_against_native_and_yarn(tmp_path, argv, rope, status):
 
 def test_ple_table_against_host_memory_per_worker(tmp_path):
     root = model(tmp_path)
-    rows, ctx = checks_for(root, [], host=1 << 20)
+    rows, _ = checks_for(root, [], host=1 << 20)
     assert (
         rows["ple-host-memory"].status == "fail"
         and "pinned host RAM" in rows["ple-host-memory"].why
@@ -191,7 +191,7 @@ def test_bad_inputs_are_named():
     with pytest.raises(ServeArgsError, match="--max-model-len: expects a value"):
         parse_serve_args(["--max-model-len"])
     with pytest.raises(ServeArgsError, match="--speculative-config: not valid JSON"):
-        parse_serve_args(["--speculative-config", "{bad"]).speculative_config
+        _ = parse_serve_args(["--speculative-config", "{bad"]).speculative_config
 
 
 def test_cli_exit_code_table_and_json_record(tmp_path):
