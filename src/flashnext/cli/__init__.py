@@ -30,6 +30,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     ),
     "demo": ("flashnext.cli.demo", "demo", "Run the PLE pipeline end to end on synthetic data."),
     "ple": ("flashnext.cli.ple", "ple", "Inspect, quantize and query PLE sidecar tables."),
+    "record": (
+        "flashnext.cli.record",
+        "record",
+        "Capture what a server runs, diff two captures, restore one.",
+    ),
     "validate": ("flashnext.cli.validate", "validate", "Validate a live server stage by stage."),
 }
 
