@@ -224,7 +224,7 @@ def largest_fitting_len(layout: KVLayout, available: int, upper: int) -> int:
 def fit(layout: KVLayout, available: int, max_model_len: int) -> KVFit:
     """Blocks, capacity check, capacity log line for ``available`` bytes of KV memory."""
     if layout.bytes_per_block == 0:
-        return KVFit(available, 1, max_model_len, 0, True, max_model_len, 0, math.inf)
+        return KVFit(available, 1, max_model_len, 0, True, max_model_len, 0, 0.0)
     num_blocks = max(available, 0) // layout.bytes_per_block
     needed = layout.bytes_per_request(max_model_len)
     ok = available > 0 and needed <= available - layout.bytes_per_block

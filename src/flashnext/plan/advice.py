@@ -1,0 +1,86 @@
+"""What to change when a plan does not fit: each option re-planned, cheapest first."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from flashnext.plan.planner import RISKY_UTILIZATION, ModelInput, Plan, make_plan
+from flashnext.plan.sizes import gib
+
+
+def _option(change: str, cost: str, result: str) -> dict[str, Any]:
+    return {"change": change, "cost": cost, "result": result}
+
+
+def _utilization_needed(plan: Plan) -> float:
+    """Smallest utilization (3 decimals) whose pool passes vLLM's check at max_model_len."""
+    req = plan.request
+    non_kv = sum(i.bytes for i in plan.device_items)
+    need = non_kv + plan.fit.bytes_needed + plan.layout.bytes_per_block
+    return math.ceil(need / req.gpu_memory * 1000) / 1000
+
+
+def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
+    """Options for a plan with problems, in order of cost (free flags first, hardware last).
+
+    Each is ``{"change": flags, "cost": what it gives up, "result": the re-planned numbers}``.
+    """
+    req, fit = plan.request, plan.fit
+    out: list[dict[str, Any]] = []
+    kv_short = not fit.fits
+    graphs_short = any("Mamba cache blocks" in p for p in plan.problems)
+    if kv_short and plan.max_model_len_one:
+        out.append(
+            _option(
+                f"--max-model-len {plan.max_model_len_one}",
+                "shorter context",
+                f"largest length one request can reach with this pool "
+                f"({gib(fit.available_bytes)})",
+            )
+        )
+    if graphs_short:
+        out.append(
+            _option(
+                f"--max-num-seqs {plan.max_num_seqs_graphs}",
+                "fewer concurrent sequences",
+                f"{fit.num_blocks} blocks, one state block per decoding sequence",
+            )
+        )
+    if (kv_short or graphs_short) and req.kv_cache_memory is None:
+        util = _utilization_needed(plan)
+        risky = " (above 0.95: the seeds' 0.96 failed graph capture)" if util > RISKY_UTILIZATION else ""
+        if util <= 1:
+            out.append(
+                _option(
+                    f"--gpu-memory-utilization {util}",
+                    f"less margin outside vLLM's budget{risky}",
+                    f"pool {gib(fit.bytes_needed + plan.layout.bytes_per_block)} fits "
+                    f"{fit.max_model_len:,} tokens",
+                )
+            )
+    alternatives: list[tuple[dict[str, Any], str, str]] = []
+    if req.kv_cache_dtype in ("auto", "bfloat16", "float16") and plan.shape.num_attention:
+        alternatives.append(({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", "KV precision"))
+    if req.num_speculative_tokens:
+        alternatives.append(
+            ({"num_speculative_tokens": 0}, "--num-speculative-tokens 0", "no MTP speed-up")
+        )
+    if req.ple_placement == "gpu":
+        alternatives.append(({"ple_placement": "host"}, "--ple-placement host", "PLE over PCIe"))
+    alternatives.append(({"tp": req.tp * 2}, f"--tp {req.tp * 2}", "a second GPU"))
+    for changes, flag, cost in alternatives:
+        if not (kv_short or graphs_short):
+            break
+        alt = make_plan(model, dataclasses.replace(req, **changes))
+        out.append(
+            _option(
+                flag,
+                cost,
+                f"pool {gib(alt.fit.available_bytes)}, {alt.fit.num_blocks} blocks, "
+                f"max_model_len up to {alt.max_model_len_one:,}"
+                + ("; fits as asked" if alt.fits else ""),
+            )
+        )
+    return out
