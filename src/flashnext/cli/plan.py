@@ -51,6 +51,8 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--block-size", type=int, default=None),
         click.option("--no-prefix-caching", is_flag=True),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option("--mamba-ssm-cache-dtype", default="auto", show_default=True,
+                     help="GDN temporal state dtype (vLLM's flag), e.g. float32."),
         click.option("--weights-format", default="nvfp4", show_default=True,
                      help="Experts' format when only a config is given: bf16, fp8, nvfp4, int4."),
     ]
@@ -85,6 +87,7 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         prefix_caching=not kw["no_prefix_caching"],
         cuda_graphs=kw["device"] == "cuda" and not kw["enforce_eager"],
         weights_format=kw["weights_format"],
+        mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"],
     )
 
 

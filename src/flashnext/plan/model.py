@@ -186,14 +186,16 @@ def kv_spec(
     num_speculative_tokens: int = 0,
     device: str = "cuda",
     block_size: int | None = None,
+    mamba_ssm_cache_dtype: str = "auto",
 ) -> KVSpec:
     """The per-rank cache layers of ``shape`` as vLLM would build them.
 
     MTP draft layers (``mtp_layers`` when speculating) add full-attention layers of the same
-    shape. Raises :class:`PlanError` when heads do not divide by ``tp``.
+    shape. ``mamba_ssm_cache_dtype`` is vLLM's flag of that name (the GDN temporal state). Raises :class:`PlanError` when heads do not divide by ``tp``.
     """
     kv_bytes = dtype_bytes(shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     state_bytes = dtype_bytes(shape.dtype)
+    ssm_bytes = state_bytes if mamba_ssm_cache_dtype == "auto" else dtype_bytes(mamba_ssm_cache_dtype)
     kv_heads = max(1, shape.num_kv_heads // tp)
     n_attn = shape.num_attention + (shape.mtp_layers if num_speculative_tokens else 0)
     attention = [AttentionLayerSpec(kv_heads, shape.head_dim, shape.head_dim, kv_bytes)] * n_attn
@@ -204,7 +206,7 @@ def kv_spec(
             raise PlanError(f"--tp {tp} does not divide the linear-attention heads ({kh}, {vh})")
         conv = ((kh * kd * 2 + vh * vd) // tp, kernel - 1 + num_speculative_tokens)
         temporal = (vh // tp, vd, kd)
-        gdn = StateLayerSpec("gdn", ((conv, state_bytes), (temporal, state_bytes)))
+        gdn = StateLayerSpec("gdn", ((conv, state_bytes), (temporal, ssm_bytes)))
         states += [gdn] * shape.num_linear
     if shape.ple_conv is not None:
         width, kernel, ngram = shape.ple_conv

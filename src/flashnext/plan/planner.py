@@ -57,6 +57,7 @@ class PlanRequest:
     prefix_caching: bool = True
     cuda_graphs: bool = True
     weights_format: str = "nvfp4"
+    mamba_ssm_cache_dtype: str = "auto"
 
     def check(self) -> None:
         """Raise :class:`PlanError` naming the first flag out of range."""
@@ -253,6 +254,7 @@ def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None
         num_speculative_tokens=req.num_speculative_tokens,
         device=req.device,
         block_size=req.block_size,
+        mamba_ssm_cache_dtype=req.mamba_ssm_cache_dtype,
     )
     if not req.prefix_caching:
         spec = dataclasses.replace(spec, mamba_cache_mode="none")
