@@ -40,7 +40,7 @@ def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
                 f"({gib(fit.available_bytes)})",
             )
         )
-    if graphs_short:
+    if graphs_short and plan.max_num_seqs_graphs > 0:
         out.append(
             _option(
                 f"--max-num-seqs {plan.max_num_seqs_graphs}",

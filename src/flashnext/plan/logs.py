@@ -8,6 +8,7 @@ per failure, the options in order of cost.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -154,6 +155,7 @@ PATTERNS: tuple[Pattern, ...] = (
         False,
         "state blocks per request: 2 + speculative tokens under 'align'",
     ),
+    _p("cli_args", r"non-default args: (?P<args>\{.*\})\s*$", False, "flags vLLM was started with"),
     _p("kv_layout", r"Using (?P<layout>[A-Z]{5}) KV cache layout", False, "KV cache layout"),
     _p(
         "engine_config",
@@ -181,14 +183,27 @@ class Event:
 
 
 def _value(key: str, raw: str) -> Any:
-    if key.endswith("unit") or key in ("device", "layout", "mode", "name", "version", "dtype"):
+    if key.endswith("unit") or key in ("args", "device", "layout", "mode", "name", "version", "dtype"):
         return raw
     clean = raw.replace(",", "")
     return float(clean) if "." in clean else int(clean)
 
 
+def _cli_args(text: str) -> dict[str, Any]:
+    """The scalar entries of vLLM's "non-default args: {...}" dict (others dropped)."""
+    try:
+        args = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return {}
+    if not isinstance(args, dict):
+        return {}
+    return {str(k): v for k, v in args.items() if isinstance(v, (int, float, str, bool))}
+
+
 def _normalise(kind: str, values: dict[str, Any]) -> dict[str, Any]:
-    """CUDA OOM sizes in MiB whatever unit torch printed them in."""
+    """CUDA OOM sizes in MiB whatever unit torch printed them in; vLLM's flags as a dict."""
+    if kind == "cli_args":
+        return _cli_args(values["args"])
     if kind != "cuda_oom":
         return values
     out = {k: v for k, v in values.items() if not k.endswith("unit")}
