@@ -36,7 +36,9 @@ def test_seed_block_size_is_reproduced() -> None:
     """243,936 = 231 x 1056: vLLM's estimate is whole blocks of 1056 tokens. The planner gets
     1056 from the GDN state page (conv [8192, 3+1] BF16 + temporal [32, 128, 128] FP32 =
     2,162,688 B = 1056 x 2,048 B per token of one attention layer)."""
-    plan = make_plan(_qwen4(), PlanRequest(96 * GIB, 0.948, mamba_ssm_cache_dtype="float32", **SEED))
+    plan = make_plan(
+        _qwen4(), PlanRequest(96 * GIB, 0.948, mamba_ssm_cache_dtype="float32", **SEED)
+    )
     assert plan.layout.block_size == 1056
     assert 243936 % plan.layout.block_size == 0
     assert plan.layout.state_page_bytes == plan.layout.bytes_per_block == 2_162_688
@@ -65,7 +67,9 @@ def test_seed_kv_figures_how_close() -> None:
 
     plan = make_plan(
         _qwen4(),
-        PlanRequest(96 * GIB, 0.948, kv_cache_memory=available, mamba_ssm_cache_dtype="float32", **SEED),
+        PlanRequest(
+            96 * GIB, 0.948, kv_cache_memory=available, mamba_ssm_cache_dtype="float32", **SEED
+        ),
     )
     assert plan.layout.blocks_per_request(245760) == 3140
     ratio = plan.fit.bytes_needed / seed_fit.bytes_needed

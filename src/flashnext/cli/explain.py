@@ -8,27 +8,17 @@ would have fit. Output to stdout (``--json``: a ``flashnext.explain`` record).
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
 from flashnext import records
-from flashnext.cli.plan import GIB, build_request, deployment_options
+from flashnext.cli.plan import GIB, build_request, deployment_options, read_lines
 from flashnext.plan.advice import options
-from flashnext.plan.logs import Event, explain as explain_log
+from flashnext.plan.logs import Event
+from flashnext.plan.logs import explain as explain_log
 from flashnext.plan.planner import calibrate_headroom, load_model, make_plan
 from flashnext.plan.render import events_text, plan_text
-
-
-def _read(path: str) -> list[str]:
-    if path == "-":
-        return sys.stdin.read().splitlines()
-    try:
-        return Path(path).read_text(errors="replace").splitlines()
-    except OSError as exc:
-        raise click.UsageError(f"LOG {path}: cannot read ({exc.strerror})") from None
 
 
 def _replan(model_path: str, event: Event, kw: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
@@ -49,13 +39,17 @@ def _replan(model_path: str, event: Event, kw: dict[str, Any]) -> tuple[Any, lis
 
 @click.command("explain")
 @click.argument("log")
-@click.option("--model", "model_path", type=click.Path(exists=True),
-              help="Checkpoint directory or config.json: also print the plan that would fit.")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True),
+    help="Checkpoint directory or config.json: also print the plan that would fit.",
+)
 @deployment_options
 @click.option("--json", "as_json", is_flag=True, help="Print a flashnext.explain record.")
 def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
     """Explain the memory events of a vLLM log (a file, or - for stdin)."""
-    events = explain_log(_read(log))
+    events = explain_log(read_lines(log))
     plans = []
     if model_path:
         for e in events:

@@ -17,7 +17,13 @@ import click
 from flashnext import records
 from flashnext.plan.advice import options
 from flashnext.plan.logs import read_log
-from flashnext.plan.planner import PLACEMENTS, PlanRequest, calibrate_headroom, load_model, make_plan
+from flashnext.plan.planner import (
+    PLACEMENTS,
+    PlanRequest,
+    calibrate_headroom,
+    load_model,
+    make_plan,
+)
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
 
@@ -35,26 +41,37 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
         click.option("--max-model-len", type=int, default=None, help="Default: the model's."),
         click.option("--max-num-seqs", type=int, default=256, show_default=True),
-        click.option("--kv-cache-dtype", default="auto", show_default=True,
-                     help="auto, bfloat16, fp8."),
+        click.option(
+            "--kv-cache-dtype", default="auto", show_default=True, help="auto, bfloat16, fp8."
+        ),
         click.option("--kv-cache-memory", callback=_size, help="As --kv-cache-memory-bytes."),
         click.option("--num-speculative-tokens", type=int, default=0, show_default=True),
         click.option("--tp", type=int, default=1, show_default=True),
         click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
         click.option("--ple-format", type=click.Choice(["bf16", "fp8", "int4", "nvfp4"])),
-        click.option("--ple-placement", type=click.Choice(PLACEMENTS), default="host",
-                     show_default=True),
+        click.option(
+            "--ple-placement", type=click.Choice(PLACEMENTS), default="host", show_default=True
+        ),
         click.option("--ple-gpu-cache-rows", type=int, default=0, help="GPU hot-row cache rows."),
         click.option("--headroom", callback=_size, help="Non-KV, non-weight device memory."),
-        click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda",
-                     show_default=True),
+        click.option(
+            "--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True
+        ),
         click.option("--block-size", type=int, default=None),
         click.option("--no-prefix-caching", is_flag=True),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
-        click.option("--mamba-ssm-cache-dtype", default="auto", show_default=True,
-                     help="GDN temporal state dtype (vLLM's flag), e.g. float32."),
-        click.option("--weights-format", default="nvfp4", show_default=True,
-                     help="Experts' format when only a config is given: bf16, fp8, nvfp4, int4."),
+        click.option(
+            "--mamba-ssm-cache-dtype",
+            default="auto",
+            show_default=True,
+            help="GDN temporal state dtype (vLLM's flag), e.g. float32.",
+        ),
+        click.option(
+            "--weights-format",
+            default="nvfp4",
+            show_default=True,
+            help="Experts' format when only a config is given: bf16, fp8, nvfp4, int4.",
+        ),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -91,11 +108,19 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
     )
 
 
+def read_lines(path: str) -> list[str]:
+    """The lines of a log file, or of stdin for ``-``; a one-line error if unreadable."""
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        return Path(path).read_text(errors="replace").splitlines()
+    except OSError as exc:
+        raise click.UsageError(f"{path}: cannot read the log ({exc.strerror})") from None
+
+
 def logged_available_kv(path: str) -> int | None:
     """The KV pool a startup log reports (bytes), from the last such line, or None."""
-    text = sys.stdin if path == "-" else Path(path).open(errors="replace")
-    with text:
-        events = read_log(text)
+    events = read_log(read_lines(path))
     for e in reversed(events):
         if e.kind == "available_kv_memory" or e.kind == "kv_capacity_error":
             return int(e.values["available_gib"] * GIB)
@@ -103,8 +128,13 @@ def logged_available_kv(path: str) -> int | None:
 
 
 @click.command("plan")
-@click.option("--model", "model_path", required=True, type=click.Path(exists=True),
-              help="Checkpoint directory or config.json.")
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(exists=True),
+    help="Checkpoint directory or config.json.",
+)
 @deployment_options
 @click.option("--from-log", "from_log", type=click.Path(), help="Calibrate headroom from a log.")
 @click.option("--json", "as_json", is_flag=True, help="Print a flashnext.plan record.")

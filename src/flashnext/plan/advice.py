@@ -36,8 +36,7 @@ def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
             _option(
                 f"--max-model-len {plan.max_model_len_one}",
                 "shorter context",
-                f"largest length one request can reach with this pool "
-                f"({gib(fit.available_bytes)})",
+                f"largest length one request can reach with this pool ({gib(fit.available_bytes)})",
             )
         )
     if graphs_short and plan.max_num_seqs_graphs > 0:
@@ -50,7 +49,11 @@ def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
         )
     if (kv_short or graphs_short) and req.kv_cache_memory is None:
         util = _utilization_needed(plan)
-        risky = " (above 0.95: the seeds' 0.96 failed graph capture)" if util > RISKY_UTILIZATION else ""
+        risky = (
+            " (above 0.95: the seeds' 0.96 failed graph capture)"
+            if util > RISKY_UTILIZATION
+            else ""
+        )
         if util <= 1:
             out.append(
                 _option(

@@ -57,9 +57,13 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "cuda_oom",
-        r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate (?P<requested>" + _NUM
-        + r") (?P<requested_unit>[KMG]iB)(?:.*?total capacity of (?P<total>" + _NUM
-        + r") (?P<total_unit>[KMG]iB) of which (?P<free>" + _NUM + r") (?P<free_unit>[KMG]iB) "
+        r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate (?P<requested>"
+        + _NUM
+        + r") (?P<requested_unit>[KMG]iB)(?:.*?total capacity of (?P<total>"
+        + _NUM
+        + r") (?P<total_unit>[KMG]iB) of which (?P<free>"
+        + _NUM
+        + r") (?P<free_unit>[KMG]iB) "
         r"is free)?",
         True,
         "a GPU allocation failed",
@@ -90,7 +94,10 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "free_memory_below_request",
-        r"Free memory on device \S* ?\((?P<free_gib>" + _NUM + r")/(?P<total_gib>" + _NUM
+        r"Free memory on device \S* ?\((?P<free_gib>"
+        + _NUM
+        + r")/(?P<total_gib>"
+        + _NUM
         + r") GiB\) on startup is less than desired GPU memory utilization "
         r"\((?P<utilization>[\d.]+), (?P<requested_gib>" + _NUM + r") GiB\)",
         True,
@@ -126,8 +133,7 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "graph_capture",
-        r"Graph capturing finished in (?P<seconds>\d+) secs, took (?P<graph_gib>" + _NUM
-        + r") GiB",
+        r"Graph capturing finished in (?P<seconds>\d+) secs, took (?P<graph_gib>" + _NUM + r") GiB",
         False,
         "CUDA graphs captured",
     ),
@@ -183,7 +189,15 @@ class Event:
 
 
 def _value(key: str, raw: str) -> Any:
-    if key.endswith("unit") or key in ("args", "device", "layout", "mode", "name", "version", "dtype"):
+    if key.endswith("unit") or key in (
+        "args",
+        "device",
+        "layout",
+        "mode",
+        "name",
+        "version",
+        "dtype",
+    ):
         return raw
     clean = raw.replace(",", "")
     return float(clean) if "." in clean else int(clean)
@@ -263,8 +277,11 @@ def static_options(event: Event) -> list[dict[str, str]]:
     if k == "mamba_blocks_error":
         return [
             _opt(f"--max-num-seqs {v['num_blocks']}", "fewer sequences", "one block per sequence"),
-            _opt("lower --max-model-len or raise --gpu-memory-utilization", "context/margin",
-                 "more blocks in the pool"),
+            _opt(
+                "lower --max-model-len or raise --gpu-memory-utilization",
+                "context/margin",
+                "more blocks in the pool",
+            ),
         ]
     return [_opt(*o) for o in _FIXED.get(k, [])]
 
@@ -275,18 +292,27 @@ def _opt(change: str, cost: str, why: str) -> dict[str, str]:
 
 _FIXED: dict[str, list[tuple[str, str, str]]] = {
     "cuda_oom": [
-        ("lower --max-num-seqs / --max-num-batched-tokens", "throughput",
-         "smaller transient buffers (GDN state temporaries, MoE workspaces)"),
+        (
+            "lower --max-num-seqs / --max-num-batched-tokens",
+            "throughput",
+            "smaller transient buffers (GDN state temporaries, MoE workspaces)",
+        ),
         ("lower --gpu-memory-utilization", "KV capacity", "leaves room outside vLLM's pool"),
-        ("unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments", "none",
-         "the seeds saw it fail at startup with the PLE offload worker"),
+        (
+            "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments",
+            "none",
+            "the seeds saw it fail at startup with the PLE offload worker",
+        ),
     ],
     "no_kv_memory": [
         ("raise --gpu-memory-utilization or quantize weights", "margin / precision", ""),
     ],
     "host_oom": [
-        ("a quantized PLE table (flashnext ple quantize) served mmapped", "an int4/nvfp4 sidecar",
-         "host RAM becomes reclaimable page cache"),
+        (
+            "a quantized PLE table (flashnext ple quantize) served mmapped",
+            "an int4/nvfp4 sidecar",
+            "host RAM becomes reclaimable page cache",
+        ),
         ("raise the commit limit (vm.overcommit_memory) or add swap", "host policy", ""),
     ],
     "pidfd_getfd": [
@@ -295,16 +321,25 @@ _FIXED: dict[str, list[tuple[str, str, str]]] = {
         ("unset expandable_segments", "none", "the seeds hit it after an allocator OOM"),
     ],
     "ple_empty_shard_name": [
-        ("load with flashnext's PLE loader (accepts shard_. after the shape check)", "a plugin",
-         ""),
+        (
+            "load with flashnext's PLE loader (accepts shard_. after the shape check)",
+            "a plugin",
+            "",
+        ),
     ],
     "ple_weight_scale_rejected": [
-        ("serve the table from a flashnext sidecar, or an offload worker that knows FP8",
-         "a plugin", ""),
+        (
+            "serve the table from a flashnext sidecar, or an offload worker that knows FP8",
+            "a plugin",
+            "",
+        ),
     ],
     "free_memory_below_request": [
-        ("lower --gpu-memory-utilization to the free share", "KV capacity",
-         "utilization is a share of the whole GPU, not of free memory"),
+        (
+            "lower --gpu-memory-utilization to the free share",
+            "KV capacity",
+            "utilization is a share of the whole GPU, not of free memory",
+        ),
     ],
 }
 

@@ -195,7 +195,9 @@ def kv_spec(
     """
     kv_bytes = dtype_bytes(shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     state_bytes = dtype_bytes(shape.dtype)
-    ssm_bytes = state_bytes if mamba_ssm_cache_dtype == "auto" else dtype_bytes(mamba_ssm_cache_dtype)
+    ssm_bytes = (
+        state_bytes if mamba_ssm_cache_dtype == "auto" else dtype_bytes(mamba_ssm_cache_dtype)
+    )
     kv_heads = max(1, shape.num_kv_heads // tp)
     n_attn = shape.num_attention + (shape.mtp_layers if num_speculative_tokens else 0)
     attention = [AttentionLayerSpec(kv_heads, shape.head_dim, shape.head_dim, kv_bytes)] * n_attn

@@ -173,7 +173,9 @@ def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[
     fmt = req.ple_format
     if fmt is None and model.weights is not None and model.weights.by_kind["ple_table"]:
         stored = model.weights.by_kind["ple_table"]
-        rows = sum(PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers)))
+        rows = sum(
+            PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers))
+        )
         return stored, max(1, stored // rows), "as stored"
     fmt = fmt or "bf16"
     total = row = 0
@@ -208,7 +210,9 @@ def _device_items(
     return items
 
 
-def _host_items(model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights) -> list[Item]:
+def _host_items(
+    model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights
+) -> list[Item]:
     table, _row, fmt = _ple_bytes(model, shape, req)
     items = [Item("vLLM worker process", WORKER_HOST_BYTES, "assumed (seed 004)")]
     if table and req.ple_placement in ("host", "resident"):
@@ -335,9 +339,7 @@ def _problems(plan: Plan) -> list[str]:
         )
     if plan.host_fits is False:
         committed = sum(i.bytes for i in plan.host_items if "reclaimable" not in i.note)
-        out.append(
-            f"host RAM: {gib(committed)} committed, {gib(req.host_memory or 0)} available"
-        )
+        out.append(f"host RAM: {gib(committed)} committed, {gib(req.host_memory or 0)} available")
     return out
 
 

@@ -60,7 +60,9 @@ def plan_text(plan: Plan, options: list[dict[str, Any]]) -> str:
         f"{plan.max_model_len_all:,}",
     ]
     if s.num_linear:
-        out.append(f"  largest max_num_seqs (state blocks, CUDA graphs): {plan.max_num_seqs_graphs:,}")
+        out.append(
+            f"  largest max_num_seqs (state blocks, CUDA graphs): {plan.max_num_seqs_graphs:,}"
+        )
     out.append(f"  sequences whose state and first block fit: {plan.max_num_seqs_state:,}")
     out.append("")
     out += ["FITS" if plan.fits else "DOES NOT FIT"] + [f"  - {p}" for p in plan.problems]

@@ -186,10 +186,7 @@ def kv_layout(spec: KVSpec) -> KVLayout:
         buckets.append((kind, n, padded or nbytes, state_blocks))
     if not buckets:
         return KVLayout(block, 0, 0, 0, [], 0)
-    if len(buckets) == 1:  # uniform: one group holding every layer
-        groups = [Group(*buckets[0])]
-    else:
-        groups = _group_layers(buckets)
+    groups = _group_layers(buckets)  # one bucket (uniform spec): one group of every layer
     bytes_per_block = max(g.layers * g.page_bytes for g in groups)
     return KVLayout(block, attn_page, state_page, padded or state_page, groups, bytes_per_block)
 
