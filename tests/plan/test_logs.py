@@ -108,3 +108,14 @@ def test_real_failure_log_is_read_once() -> None:
 
 def test_unrelated_text_gives_no_events() -> None:
     assert explain(["hello", "INFO: Started server process [1]", ""]) == []
+
+
+def test_explain_reads_stdin(monkeypatch, capsys) -> None:
+    import io
+
+    from flashnext.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(MAMBA_ERROR + "\n"))
+    main(["explain", "-"])
+    out = capsys.readouterr().out
+    assert "mamba_blocks_error" in out and "--max-num-seqs 598" in out

@@ -8,6 +8,7 @@ defaults.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -185,3 +186,22 @@ def test_binary_search_matches_a_linear_scan() -> None:
             default=0,
         )
         assert vllm_kv.largest_fitting_len(layout, available, upper) == best, seed
+
+
+def test_ple_table_placement_and_hot_row_cache() -> None:
+    """INT4 rows are 100 bytes at width 160 (FACTS: 320,001,536 rows for d = 0)."""
+    base = PlanRequest(
+        96 * GIB, 0.92, max_model_len=32768, ple_format="int4", host_memory=64 * 10**9
+    )
+    on_host = make_plan(_qwen4(), base)
+    on_gpu = make_plan(_qwen4(), dataclasses.replace(base, ple_placement="gpu"))
+    cached = make_plan(_qwen4(), dataclasses.replace(base, ple_gpu_cache_rows=1_000_000))
+    table = 320_001_536 * 100
+    assert on_host.fit.available_bytes - on_gpu.fit.available_bytes == table
+    assert on_host.fit.available_bytes - cached.fit.available_bytes == 1_000_000 * 100
+    host = {i.name: i for i in on_host.host_items}
+    assert host["PLE table (int4, host)"].bytes == table
+    assert on_host.host_fits  # 8 GiB worker + 29.8 GiB table < 64 GB
+    resident_bf16 = make_plan(_qwen4(), dataclasses.replace(base, ple_format="bf16"))
+    assert resident_bf16.host_fits is False  # seed 004: the BF16 table does not fit 64 GB
+    assert any("host RAM" in p for p in resident_bf16.problems)

@@ -146,7 +146,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class ModelInput:
-    """A model read once: path, config, shape (by serving dtype) and weights."""
+    """A model read once: its path, parsed config.json and weights from headers (if any)."""
 
     path: str
     config: Mapping[str, Any]
@@ -167,7 +167,7 @@ def load_model(path: str | Path) -> ModelInput:
 
 
 def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[int, int, str]:
-    """(table bytes, bytes per row summed over layers, format) for the PLE tables."""
+    """(table bytes, bytes of one row in every PLE layer, format) for the PLE tables."""
     if not shape.ple_layers:
         return 0, 0, ""
     fmt = req.ple_format
@@ -176,7 +176,7 @@ def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[
         rows = sum(
             PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers))
         )
-        return stored, max(1, stored // rows), "as stored"
+        return stored, max(1, stored // rows) * len(shape.ple_layers), "as stored"
     fmt = fmt or "bf16"
     total = row = 0
     for d in range(len(shape.ple_layers)):
