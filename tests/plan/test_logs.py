@@ -119,3 +119,15 @@ def test_explain_reads_stdin(monkeypatch, capsys) -> None:
     main(["explain", "-"])
     out = capsys.readouterr().out
     assert "mamba_blocks_error" in out and "--max-num-seqs 598" in out
+
+
+def test_stall_after_graph_capture_points_at_ptrace() -> None:
+    lines = [
+        "INFO [gpu_model_runner.py:6582] Graph capturing finished in 41 secs, took 1.23 GiB",
+        "INFO [ple_offload/connector.py:88] waiting for offload worker",
+    ]
+    (capture, stall) = explain(lines)
+    assert capture.kind == "graph_capture"
+    assert stall.kind == "stalled_after_graph_capture" and stall.failure
+    assert "SYS_PTRACE" in stall.options[0]["change"]
+    assert len(explain([*lines, "INFO:     Application startup complete."])) == 1

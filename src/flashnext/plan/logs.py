@@ -344,10 +344,36 @@ _FIXED: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
+def _stall_after_graphs(lines: list[str], events: list[Event]) -> Event | None:
+    """Seed 004: with pidfd_getfd denied, the PLE offload boot hangs after graph capture and
+    prints nothing; a log that captured graphs, never completed startup and shows no failure
+    gets this event."""
+    capture = [e for e in events if e.kind == "graph_capture"]
+    if not capture or any(e.failure for e in events):
+        return None
+    if any("Application startup complete" in line for line in lines):
+        return None
+    return Event(
+        "stalled_after_graph_capture",
+        capture[-1].line,
+        {},
+        capture[-1].text,
+        True,
+        "startup stopped after graph capture with no error (the PLE offload worker waiting for "
+        "a CUDA IPC descriptor it may not take: pidfd_getfd / ptrace)",
+        [_opt(*o) for o in _FIXED["pidfd_getfd"]],
+    )
+
+
 def explain(text: Iterable[str]) -> list[Event]:
-    """:func:`read_log` with :func:`static_options` filled in for every failure."""
-    events = read_log(text)
+    """:func:`read_log` with :func:`static_options` filled in for every failure, plus a stall
+    after graph capture when the log ends there."""
+    lines = list(text)
+    events = read_log(lines)
+    stall = _stall_after_graphs(lines, events)
+    if stall is not None:
+        events.append(stall)
     for e in events:
-        if e.failure:
+        if e.failure and not e.options:
             e.options = static_options(e)
     return events
