@@ -54,9 +54,15 @@ def test_discovery_and_rows(tmp_path, fmt, layout, prefix):
             t.name_prefix == f"{PREFIXES[prefix]}{t.layer_id - 1}.ple.ple_embedding.ngram_embedding"
         )
         if fmt == "fp8":
-            assert t.weight_scale == float(built.tensors[f"{t.name_prefix}.weight_scale"])
+            assert t.scalars == {
+                "weight_scale": float(built.tensors[f"{t.name_prefix}.weight_scale"])
+            }
         if fmt == "nvfp4":
-            assert t.weight_scale_2 == float(built.tensors[f"{t.name_prefix}.weight_scale_2"])
+            assert t.scalars == {
+                "weight_scale_2": float(built.tensors[f"{t.name_prefix}.weight_scale_2"])
+            }
+        if fmt == "bf16":
+            assert t.scalars == {}
     # the rows, dequantized, against float64 references from the stored bytes
     src = open_table_source(built.root, 1)
     ref = built.refs[5]
@@ -85,7 +91,7 @@ def _assemble(table, start, end, fmt):
         if c.tensor.endswith(".weight"):
             covered[c.dst_offset : c.dst_offset + c.rows] += 1
     assert (covered == 1).all()  # every destination row written exactly once
-    gscale = table.weight_scale if fmt == "fp8" else table.weight_scale_2
+    gscale = table.scalars.get("weight_scale" if fmt == "fp8" else "weight_scale_2")
     return decode(fmt, bufs["weight"], bufs.get("weight_scale"), gscale)
 
 

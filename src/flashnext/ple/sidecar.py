@@ -252,8 +252,7 @@ def _rows_of(header: Header, codec: Codec) -> int:
 
 
 def _width_of(header: Header, codec: Codec) -> int:
-    spec = codec.specs[0]
-    return header.tensors[spec.name].shape[1] * (spec.cols or 1)
+    return codec.width_of(header.tensors[codec.rows_spec.name].shape)
 
 
 def _check_shard(
