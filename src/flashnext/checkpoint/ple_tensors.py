@@ -563,22 +563,23 @@ def _piece_parts(
     names: Mapping[str, tuple[Path, TensorEntry]],
 ) -> list[TablePart]:
     """The piece's per-row tensors, dtype and shape checked against the spelling."""
-    rows_name = piece.tensors[CHECKPOINT_ROWS]
+    # The rows tensor, or (a shard past the last row holding only a scale) any other.
+    anchor = piece.tensors.get(CHECKPOINT_ROWS) or next(iter(piece.tensors.values()))
     out = []
     for t in spelling.per_row:
         name = piece.tensors.get(t.name)
         expected = t.shape(piece.rows, geo.width)
         if name is None:
             raise CheckpointError(
-                f"{names[rows_name][0]}: {codec.name} tensor {rows_name} has no "
-                f"{rows_name.removesuffix(CHECKPOINT_ROWS)}{t.name} beside it "
+                f"{names[anchor][0]}: {codec.name} tensor {anchor} has no "
+                f"{anchor.rsplit('.', 1)[0]}.{t.name} beside it "
                 f"({dtype_name(t.dtype)} {_shape_text(expected)})"
             )
         path, entry = names[name]
         if entry.dtype != t.dtype:
             raise CheckpointError(
                 f"{path}: tensor {name} has dtype {entry.dtype_name}, expected "
-                f"{dtype_name(t.dtype)}: {rows_name} makes this a {codec.name} table "
+                f"{dtype_name(t.dtype)}: the rows' dtype makes this a {codec.name} table "
                 f"({spelling.describe()}), and every table tensor of a layer shares one format"
             )
         if entry.shape != expected:
