@@ -15,14 +15,14 @@ from typing import Any
 import click
 
 from flashnext import records
-from flashnext.plan.advice import options
-from flashnext.plan.logs import read_log
+from flashnext.plan.advice import plan_with_options
+from flashnext.plan.logs import logged_kv_pool, read_log
+from flashnext.plan.model import PlanError
 from flashnext.plan.planner import (
     PLACEMENTS,
     PlanRequest,
     calibrate_headroom,
     load_model,
-    make_plan,
 )
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
@@ -115,16 +115,7 @@ def read_lines(path: str) -> list[str]:
     try:
         return Path(path).read_text(errors="replace").splitlines()
     except OSError as exc:
-        raise click.UsageError(f"{path}: cannot read the log ({exc.strerror})") from None
-
-
-def logged_available_kv(path: str) -> int | None:
-    """The KV pool a startup log reports (bytes), from the last such line, or None."""
-    events = read_log(read_lines(path))
-    for e in reversed(events):
-        if e.kind == "available_kv_memory" or e.kind == "kv_capacity_error":
-            return int(e.values["available_gib"] * GIB)
-    return None
+        raise PlanError(f"{path}: cannot read the log ({exc.strerror})") from None
 
 
 @click.command("plan")
@@ -144,9 +135,9 @@ def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> Non
     req = build_request(kw)
     notes = []
     if from_log:
-        available = logged_available_kv(from_log)
+        available = logged_kv_pool(read_log(read_lines(from_log)))
         if available is None:
-            raise click.UsageError(
+            raise PlanError(
                 f"--from-log {from_log}: no 'Available KV cache memory' or KV capacity error "
                 "line; give the startup log of the same deployment"
             )
@@ -155,10 +146,9 @@ def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> Non
             f"headroom calibrated from {from_log}: KV pool {available / GIB:.2f} GiB in the log "
             "(+/- 0.005 GiB rounding)"
         )
-    result = make_plan(model, req, notes)
-    result.suggestions = options(model, result) if result.problems else []
+    result = plan_with_options(model, req, notes)
     if as_json:
         click.echo(records.dumps(records.make_record("flashnext.plan", result.to_dict())), nl=False)
     else:
-        click.echo(plan_text(result, result.suggestions))
+        click.echo(plan_text(result))
     sys.exit(0 if result.fits else 3)

@@ -6,8 +6,18 @@ import dataclasses
 import math
 from typing import Any
 
-from flashnext.plan.planner import RISKY_UTILIZATION, ModelInput, Plan, make_plan
+from flashnext.plan.logs import Event
+from flashnext.plan.planner import (
+    RISKY_UTILIZATION,
+    ModelInput,
+    Plan,
+    PlanRequest,
+    calibrate_headroom,
+    make_plan,
+)
 from flashnext.plan.sizes import gib
+
+GIB = 1 << 30
 
 
 def _option(change: str, cost: str, result: str) -> dict[str, Any]:
@@ -87,3 +97,29 @@ def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
             )
         )
     return out
+
+
+def plan_with_options(
+    model: ModelInput, req: PlanRequest, assumptions: list[str] | None = None
+) -> Plan:
+    """:func:`make_plan`, with :func:`options` filled into ``suggestions`` when it does not fit."""
+    plan = make_plan(model, req, assumptions)
+    plan.suggestions = options(model, plan) if plan.problems else []
+    return plan
+
+
+def replan_failure(model: ModelInput, req: PlanRequest, event: Event) -> Plan:
+    """The plan of the deployment that failed with ``event``, and what would have fit.
+
+    A KV capacity error sets ``max_model_len`` from the log and calibrates the headroom so the
+    pool equals the log's "available KV cache memory" (unless ``req`` gives the pool); a Mamba
+    block error sets ``max_num_seqs``. Other events plan ``req`` as given.
+    """
+    if event.kind == "kv_capacity_error":
+        req = dataclasses.replace(req, max_model_len=event.values["max_model_len"])
+        if req.kv_cache_memory is None:
+            available = int(event.values["available_gib"] * GIB)
+            req = dataclasses.replace(req, headroom=calibrate_headroom(model, req, available))
+    if event.kind == "mamba_blocks_error":
+        req = dataclasses.replace(req, max_num_seqs=event.values["max_num_seqs"])
+    return plan_with_options(model, req, [f"calibrated to the log's line {event.line}"])

@@ -377,3 +377,11 @@ def explain(text: Iterable[str]) -> list[Event]:
         if e.failure and not e.options:
             e.options = static_options(e)
     return events
+
+
+def logged_kv_pool(events: list[Event]) -> int | None:
+    """The KV pool (bytes) of the last "Available KV cache memory" or KV capacity error line."""
+    for e in reversed(events):
+        if e.kind in ("available_kv_memory", "kv_capacity_error"):
+            return int(e.values["available_gib"] * (1 << 30))
+    return None

@@ -17,7 +17,7 @@ def _table(title: str, items: list[Any], total_label: str) -> list[str]:
     return lines
 
 
-def plan_text(plan: Plan, options: list[dict[str, Any]]) -> str:
+def plan_text(plan: Plan) -> str:
     """The plan as text: breakdowns, KV layout, limits, problems, options, assumptions."""
     req, fit, lay = plan.request, plan.fit, plan.layout
     s = plan.shape
@@ -66,9 +66,9 @@ def plan_text(plan: Plan, options: list[dict[str, Any]]) -> str:
     out.append(f"  sequences whose state and first block fit: {plan.max_num_seqs_state:,}")
     out.append("")
     out += ["FITS" if plan.fits else "DOES NOT FIT"] + [f"  - {p}" for p in plan.problems]
-    if options:
+    if plan.suggestions:
         out.append("options, cheapest first")
-        out += [f"  {o['change']:<36} cost: {o['cost']}; {o['result']}" for o in options]
+        out += [f"  {o['change']:<36} cost: {o['cost']}; {o['result']}" for o in plan.suggestions]
     out += ["", "assumptions"] + [f"  - {a}" for a in plan.assumptions]
     return "\n".join(out)
 
