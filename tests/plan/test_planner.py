@@ -205,3 +205,15 @@ def test_ple_table_placement_and_hot_row_cache() -> None:
     resident_bf16 = make_plan(_qwen4(), dataclasses.replace(base, ple_format="bf16"))
     assert resident_bf16.host_fits is False  # seed 004: the BF16 table does not fit 64 GB
     assert any("host RAM" in p for p in resident_bf16.problems)
+
+
+def test_host_short_suggests_a_quantized_sidecar() -> None:
+    from flashnext.plan.advice import options
+
+    req = PlanRequest(
+        96 * GIB, 0.92, max_model_len=32768, ple_format="bf16", host_memory=64 * 10**9
+    )
+    plan = make_plan(_qwen4(), req)
+    (opt,) = options(_qwen4(), plan)
+    assert opt["change"] == "--ple-format int4 --ple-placement mmap"
+    assert opt["result"].endswith("fits as asked")

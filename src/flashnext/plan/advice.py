@@ -32,11 +32,8 @@ def _utilization_needed(plan: Plan) -> float:
     return math.ceil(need / req.gpu_memory * 1000) / 1000
 
 
-def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
-    """Options for a plan with problems, in order of cost (free flags first, hardware last).
-
-    Each is ``{"change": flags, "cost": what it gives up, "result": the re-planned numbers}``.
-    """
+def _free_options(plan: Plan) -> list[dict[str, Any]]:
+    """Flag changes that cost no hardware: shorter context, fewer sequences, more of the GPU."""
     req, fit = plan.request, plan.fit
     out: list[dict[str, Any]] = []
     kv_short = not fit.fits
@@ -59,44 +56,60 @@ def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
         )
     if (kv_short or graphs_short) and req.kv_cache_memory is None:
         util = _utilization_needed(plan)
-        risky = (
-            " (above 0.95: the seeds' 0.96 failed graph capture)"
-            if util > RISKY_UTILIZATION
-            else ""
-        )
+        risky = " (above 0.95: the seeds' 0.96 failed graph capture)"
         if util <= 1:
             out.append(
                 _option(
                     f"--gpu-memory-utilization {util}",
-                    f"less margin outside vLLM's budget{risky}",
+                    "less margin outside vLLM's budget"
+                    + (risky if util > RISKY_UTILIZATION else ""),
                     f"pool {gib(fit.bytes_needed + plan.layout.bytes_per_block)} fits "
                     f"{fit.max_model_len:,} tokens",
                 )
             )
-    alternatives: list[tuple[dict[str, Any], str, str]] = []
-    if req.kv_cache_dtype in ("auto", "bfloat16", "float16") and plan.shape.num_attention:
-        alternatives.append(({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", "KV precision"))
-    if req.num_speculative_tokens:
-        alternatives.append(
+    return out
+
+
+def _replanned_options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
+    """Changes that cost precision, speed or hardware, each re-planned with its numbers."""
+    req = plan.request
+    changes: list[tuple[dict[str, Any], str, str]] = []
+    device_short = not plan.fit.fits or any("Mamba" in p for p in plan.problems)
+    if device_short and req.kv_cache_dtype in ("auto", "bfloat16", "float16"):
+        changes.append(({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8", "KV precision"))
+    if device_short and req.num_speculative_tokens:
+        changes.append(
             ({"num_speculative_tokens": 0}, "--num-speculative-tokens 0", "no MTP speed-up")
         )
-    if req.ple_placement == "gpu":
-        alternatives.append(({"ple_placement": "host"}, "--ple-placement host", "PLE over PCIe"))
-    alternatives.append(({"tp": req.tp * 2}, f"--tp {req.tp * 2}", "a second GPU"))
-    for changes, flag, cost in alternatives:
-        if not (kv_short or graphs_short):
-            break
-        alt = make_plan(model, dataclasses.replace(req, **changes))
-        out.append(
-            _option(
-                flag,
-                cost,
-                f"pool {gib(alt.fit.available_bytes)}, {alt.fit.num_blocks} blocks, "
-                f"max_model_len up to {alt.max_model_len_one:,}"
-                + ("; fits as asked" if alt.fits else ""),
+    if device_short and req.ple_placement == "gpu":
+        changes.append(({"ple_placement": "host"}, "--ple-placement host", "PLE over PCIe"))
+    if plan.host_fits is False:
+        changes.append(
+            (
+                {"ple_format": "int4", "ple_placement": "mmap"},
+                "--ple-format int4 --ple-placement mmap",
+                "a quantized sidecar; cold starts read from disk",
             )
         )
+    if device_short:
+        changes.append(({"tp": req.tp * 2}, f"--tp {req.tp * 2}", "a second GPU"))
+    out = []
+    for change, flag, cost in changes:
+        alt = make_plan(model, dataclasses.replace(req, **change))
+        result = (
+            f"pool {gib(alt.fit.available_bytes)}, {alt.fit.num_blocks} blocks, "
+            f"max_model_len up to {alt.max_model_len_one:,}"
+        )
+        out.append(_option(flag, cost, result + ("; fits as asked" if alt.fits else "")))
     return out
+
+
+def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
+    """Options for a plan with problems, in order of cost (free flags first, hardware last).
+
+    Each is ``{"change": flags, "cost": what it gives up, "result": the re-planned numbers}``.
+    """
+    return _free_options(plan) + _replanned_options(model, plan)
 
 
 def plan_with_options(
