@@ -130,7 +130,10 @@ def read_lines(path: str) -> list[str]:
 @click.option("--from-log", "from_log", type=click.Path(), help="Calibrate headroom from a log.")
 @click.option("--json", "as_json", is_flag=True, help="Print a flashnext.plan record.")
 def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> None:
-    """Plan device and host memory for serving MODEL with vLLM; say what to change."""
+    """Plan device and host memory for serving MODEL with vLLM; say what to change.
+
+    Exit status: 0 when it fits, 3 when it does not (options printed), 1 on bad input.
+    """
     model = load_model(model_path)
     req = build_request(kw)
     notes = []
