@@ -131,3 +131,13 @@ def test_stall_after_graph_capture_points_at_ptrace() -> None:
     assert stall.kind == "stalled_after_graph_capture" and stall.failure
     assert "SYS_PTRACE" in stall.options[0]["change"]
     assert len(explain([*lines, "INFO:     Application startup complete."])) == 1
+
+
+def test_secret_flags_never_reach_the_output() -> None:
+    line = (
+        "(APIServer pid=1) INFO [api_utils.py:286] non-default args: {'model': '/m', "
+        "'api_key': ['sk-live-123'], 'hf_token': 'hf_abcdef', 'max_model_len': 512}"
+    )
+    (event,) = read_log([line])
+    assert event.values == {"model": "/m", "hf_token": "<redacted>", "max_model_len": 512}
+    assert "hf_abcdef" not in event.text and "sk-live" not in event.text

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashnext.records import REDACTED, SECRET_NAME
+
 _NUM = r"[\d,]+(?:\.\d+)?"
 
 
@@ -204,14 +206,19 @@ def _value(key: str, raw: str) -> Any:
 
 
 def _cli_args(text: str) -> dict[str, Any]:
-    """The scalar entries of vLLM's "non-default args: {...}" dict (others dropped)."""
+    """The scalar entries of vLLM's "non-default args: {...}" dict (others dropped), secrets
+    (``api_key``, ``hf_token``, ...) redacted."""
     try:
         args = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return {}
     if not isinstance(args, dict):
         return {}
-    return {str(k): v for k, v in args.items() if isinstance(v, (int, float, str, bool))}
+    return {
+        str(k): REDACTED if SECRET_NAME.search(str(k)) else v
+        for k, v in args.items()
+        if isinstance(v, (int, float, str, bool))
+    }
 
 
 def _normalise(kind: str, values: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +254,8 @@ def read_log(lines: Iterable[str]) -> list[Event]:
             if pat.failure and key in seen:
                 break
             seen.add(key)
-            events.append(Event(pat.kind, n, values, line.strip()[-400:], pat.failure, pat.summary))
+            text = f"non-default args: {values}" if pat.kind == "cli_args" else line.strip()[-400:]
+            events.append(Event(pat.kind, n, values, text, pat.failure, pat.summary))
             break
     return events
 
