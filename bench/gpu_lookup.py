@@ -6,7 +6,7 @@
 One run on one CUDA GPU: (0) H2D and device-to-device copy ceilings; then for T in
 {32, 512, 8192, 65536} tokens x 16 heads, uniform ids and ids hashed from real text
 (``--tokens``: an int32 token stream, documents joined by EOS, with a ``.json`` beside it
-giving ``vocab_size`` and ``eos_token_id``; made by ``--make-tokens`` from local text as
+giving ``vocab_size`` and ``eos_token_id``; made by ``bench/text_tokens.py`` from local text as
 ``flashnext demo`` does), hashed with the real layer-0 geometry (20M base, 320,001,536 rows):
 (a) baseline: vLLM 0.33's kernel copying raw BF16 rows over UVA from a pinned table of
 ``--baseline-rows`` rows; (b) ours over UVA for fp8/int4/nvfp4 at ``--rows`` rows; (c) ours
@@ -131,23 +131,6 @@ def summary(times: list[float], t: int, stored_bytes: int, base_us: float | None
 
 
 # -- ids -----------------------------------------------------------------------------------
-def make_tokens(path: Path) -> None:
-    """Tokenize local text as ``flashnext demo`` does; write tokens (int32) and a .json."""
-    from flashnext.demo import EOS, _documents, corpus_files, train_tokenizer
-
-    files = corpus_files()
-    tok = train_tokenizer(files)
-    eos = tok.token_to_id(EOS)
-    stream: list[int] = []
-    for enc in tok.encode_batch(list(_documents(files))):
-        stream.extend(enc.ids)
-        stream.append(eos)
-    np.save(path, np.array(stream, dtype=np.int32))
-    meta = {"vocab_size": tok.get_vocab_size(), "eos_token_id": eos, "files": len(files),
-            "bytes": sum(p.stat().st_size for p in files), "tokens": len(stream)}  # fmt: skip
-    path.with_suffix(".json").write_text(json.dumps(meta))
-
-
 class TextIds:
     """Real-text ids: the first half of the stream profiles hot rows, the second is timed."""
 
@@ -292,7 +275,7 @@ class Bench:
         out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
         staged.lookup(staged.stage(sets[0]), out)  # warm: compile, fault pages in
         torch.cuda.synchronize()
-        latency, host = [], []
+        latency, host, parts = [], [], []
         for rep in range(self.args.repeats):
             ids = sets[rep % len(sets)]
             t0 = time.perf_counter()
@@ -302,6 +285,8 @@ class Bench:
             torch.cuda.synchronize()
             latency.append((time.perf_counter() - t0) * 1e6)
             host.append((t1 - t0) * 1e6)
+            parts.append(batch.host_us)
+        breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
         steps = 2 * len(sets)
         t0 = time.perf_counter()
         batch = staged.stage(sets[0])
@@ -312,7 +297,11 @@ class Bench:
         torch.cuda.synchronize()
         pipelined = (time.perf_counter() - t0) * 1e6 / steps
         self.record("staged", "int4", kind, t, latency, 100,
-                    {"host_stage_us": statistics.median(host), "pipelined_us": pipelined})  # fmt: skip
+                    {"host_stage_us": statistics.median(host), "pipelined_us": pipelined,
+                     "unique_rows": batch.n_unique, **breakdown})  # fmt: skip
+        print(f"{'':>16} host {statistics.median(host):.0f} us: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in breakdown.items())
+              + f"; {batch.n_unique} unique rows; pipelined {pipelined:.0f} us/step")  # fmt: skip
 
 
 def uva_table(host: Any, fmt: str, rows: int) -> Any:
@@ -328,7 +317,6 @@ def uva_table(host: Any, fmt: str, rows: int) -> Any:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=Path, help="int32 token stream .npy (with a .json beside)")
-    ap.add_argument("--make-tokens", type=Path, help="tokenize local text into this .npy and exit")
     ap.add_argument("--baseline-rows", type=int, default=160_000_000)
     ap.add_argument("--rows", type=int, default=320_001_536, help="rows of our UVA/device tables")
     ap.add_argument("--staged-rows", type=int, default=40_000_000)
@@ -337,11 +325,8 @@ def main() -> int:
     ap.add_argument("--sections", default="ceilings,uva,cache,device,staged")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
-    if args.make_tokens:
-        make_tokens(args.make_tokens)
-        return 0
     if args.tokens is None:
-        ap.error("--tokens is required (make one with --make-tokens PATH)")
+        ap.error("--tokens is required (make one with bench/text_tokens.py)")
     args.seed = (
         args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     )

@@ -21,6 +21,8 @@ FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "nvfp4": 3}
 #: 2 = per table row (the staged path stores one per staged row).
 S2_NONE, S2_PER_SHARD, S2_PER_ROW = 0, 1, 2
 BLOCK_R = 64
+MIN_BLOCK_R = 4
+SPREAD = 1024  # programs to aim for before blocks grow past MIN_BLOCK_R
 NUM_WARPS = 8
 
 
@@ -138,7 +140,10 @@ def launch_lookup(
         return
     n_shards = int(shard_starts.numel())
     has_cache = slot_map is not None
-    _lookup_kernel[(triton.cdiv(n, BLOCK_R),)](
+    # Few ids (decode): fewer rows per program, so more SMs issue loads (UVA reads are
+    # latency-bound); many ids: BLOCK_R rows per program (measured fastest).
+    block = min(BLOCK_R, max(MIN_BLOCK_R, triton.next_power_of_2(triton.cdiv(n, SPREAD))))
+    _lookup_kernel[(triton.cdiv(n, block),)](
         ids,
         out,
         n,
@@ -160,6 +165,6 @@ def launch_lookup(
         HAS_CACHE=has_cache,
         S2_MODE=s2_mode,
         SHARD_STEPS=max(1, n_shards.bit_length()),
-        BLOCK=BLOCK_R,
+        BLOCK=block,
         num_warps=NUM_WARPS,
     )

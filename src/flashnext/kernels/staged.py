@@ -15,8 +15,9 @@ graph-resident variant (a stream wait on a host-written flag) is not built yet.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
@@ -36,12 +37,17 @@ def _align(n: int, k: int = 16) -> int:
 
 @dataclass(frozen=True)
 class StagedBatch:
-    """One step's staged rows: slot ``slot``, ``n_ids`` ids of shape ``shape``, ``n_unique`` rows."""
+    """One step's staged rows: slot ``slot``, ``n_ids`` ids of shape ``shape``, ``n_unique`` rows.
+
+    ``host_us`` says where the host's time went (waiting for the slot + dedup, gather + pack,
+    enqueueing the copy), for benchmarks.
+    """
 
     slot: int
     shape: tuple[int, int]
     n_ids: int
     n_unique: int
+    host_us: dict[str, float] = field(default_factory=dict)
 
 
 class StagedTable:
@@ -120,6 +126,7 @@ class StagedTable:
                 f"staged ids must be [T, heads] with at most {self.max_ids} ids, found "
                 f"{list(arr.shape)}"
             )
+        t_start = time.perf_counter()
         slot = self._next
         self._next = (slot + 1) % len(self._host)
         used_event = self._used[slot]
@@ -138,10 +145,24 @@ class StagedTable:
         s2 = host[s2_at : s2_at + 4 * uniq.size].view(np.float32)
         bounds = np.linspace(0, uniq.size, self._chunks(uniq.size) + 1).astype(np.int64)
         parts = [(int(a), int(b)) for a, b in pairwise(bounds) if b > a]
-        list(self._pool.map(lambda ab: self._gather(uniq, recs, s2, *ab), parts))
+        t_gather = time.perf_counter()
+        if len(parts) == 1:
+            self._gather(uniq, recs, s2, *parts[0])
+        else:
+            list(self._pool.map(lambda ab: self._gather(uniq, recs, s2, *ab), parts))
+        t_copy = time.perf_counter()
         self._copy(slot, used)
+        t_end = time.perf_counter()
         return StagedBatch(
-            slot, (int(arr.shape[0]), int(arr.shape[1])), int(arr.size), int(uniq.size)
+            slot,
+            (int(arr.shape[0]), int(arr.shape[1])),
+            int(arr.size),
+            int(uniq.size),
+            {
+                "wait_dedup_us": (t_gather - t_start) * 1e6,
+                "gather_pack_us": (t_copy - t_gather) * 1e6,
+                "copy_enqueue_us": (t_end - t_copy) * 1e6,
+            },
         )
 
     def _chunks(self, n: int) -> int:
