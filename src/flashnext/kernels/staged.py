@@ -114,11 +114,11 @@ class StagedTable:
     def stage(self, ids: Any) -> StagedBatch:
         """Gather the rows of int ids ``[T, heads]`` (numpy, on the host) and start their copy.
 
-        Blocks only while the slot it reuses is still read by an earlier lookup.
+        Blocks only while the slot it reuses is still read by an earlier lookup. Ids outside
+        the table's ``row_range`` (-1 included) give zero rows, as in :class:`GpuTable`.
 
         Raises:
             KernelError: more than ``max_ids`` ids, or not 2-D.
-            IndexError: an id is < -1 or >= the table's rows (from ``gather_raw``).
         """
         arr = np.asarray(ids)
         if arr.ndim != 2 or arr.size > self.max_ids:
