@@ -74,10 +74,12 @@ def test_lookup_is_bit_exact(sidecars, fmt, placement):
     rng = np.random.default_rng()
     table = open_table(sidecars / fmt)
     gpu = GpuTable.from_table(table, placement, device=DEVICE)
-    ids = random_ids(rng, 37)
-    out = gpu.lookup(torch.from_numpy(ids).to(DEVICE))
-    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (37, HEADS * WIDTH)
-    np.testing.assert_array_equal(bits(out), expected(table, ids))
+    # 1 row per program (decode), 8, and 64 with a partial last block (prefill)
+    for t in (37, 300, 4099) if CUDA else (37, 300):
+        ids = random_ids(rng, t)
+        out = gpu.lookup(torch.from_numpy(ids).to(DEVICE))
+        assert out.dtype == torch.bfloat16 and tuple(out.shape) == (t, HEADS * WIDTH)
+        np.testing.assert_array_equal(bits(out), expected(table, ids))
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
@@ -101,7 +103,8 @@ def test_rank_row_ranges_sum_to_the_whole(sidecars, fmt):
 def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt):
     rng = np.random.default_rng()
     table = open_table(sidecars / fmt, "mmap")
-    staged = StagedTable(table, max_ids=40 * HEADS, buffers=2, device=DEVICE)
+    # dedup_max_ids=100: the 40-token step gathers every id, the others deduplicate
+    staged = StagedTable(table, max_ids=40 * HEADS, buffers=2, device=DEVICE, dedup_max_ids=100)
     batches = [random_ids(rng, t, hi=ROWS) for t in (40, 3, 17, 1)]
     pending = [staged.stage(batches[0]), staged.stage(batches[1])]
     for i, ids in enumerate(batches):

@@ -21,7 +21,7 @@ FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "nvfp4": 3}
 #: 2 = per table row (the staged path stores one per staged row).
 S2_NONE, S2_PER_SHARD, S2_PER_ROW = 0, 1, 2
 BLOCK_R = 64
-MIN_BLOCK_R = 4
+MIN_BLOCK_R = 1
 SPREAD = 1024  # programs to aim for before blocks grow past MIN_BLOCK_R
 NUM_WARPS = 8
 
