@@ -243,21 +243,17 @@ class GpuTable:
             raise KernelError(
                 f"out is {out.dtype} {list(out.shape)}, expected contiguous bfloat16 {list(shape)}"
             )
-        self._launch(ids.contiguous(), out, self._records_arg, self.row_range)
-        return out
-
-    def _launch(self, ids: Any, out: Any, records: Any, row_range: tuple[int, int]) -> None:
         field = self.layout.fields[-1]
         _lookup.launch_lookup(
-            ids,
+            ids.contiguous(),
             out,
-            records,
+            self._records_arg,
             fmt=self.layout.codec.name,
             width=self.width,
             record_bytes=self.layout.record_bytes,
             scale_offset=field.offset,
-            row_start=row_range[0],
-            row_end=row_range[1],
+            row_start=self.row_range[0],
+            row_end=self.row_range[1],
             e2m1=self._e2m1,
             e4m3=self._e4m3,
             s2=self._s2,
@@ -266,6 +262,7 @@ class GpuTable:
             slot_map=self._slot_map,
             cache=self._cache,
         )
+        return out
 
     def __repr__(self) -> str:
         return (
