@@ -58,8 +58,7 @@ def record_layout(codec: Codec, width: int) -> RecordLayout:
     for spec in codec.specs:
         if not spec.per_row:
             continue
-        cols = 1 if spec.cols is None else width // spec.cols
-        nbytes = cols * spec.dtype.itemsize
+        nbytes = int(np.prod(spec.shape(1, width))) * spec.dtype.itemsize
         if offset % spec.dtype.itemsize:
             raise FormatError(
                 f"{codec.name}: record field {spec.name} at byte {offset} is not aligned to "
@@ -118,5 +117,5 @@ def unpack_records(layout: RecordLayout, records: np.ndarray) -> dict[str, np.nd
     for f in layout.fields:
         raw = np.ascontiguousarray(records[:, f.offset : f.offset + f.nbytes])
         arr = raw.view(f.spec.dtype)
-        out[f.spec.name] = arr.reshape(n) if f.spec.cols is None else arr.reshape(n, -1)
+        out[f.spec.name] = arr.reshape(n, *f.spec.shape(1, layout.width)[1:])
     return out
