@@ -60,6 +60,9 @@ def test_kv_cache_size_and_concurrency_match_vllm_exactly(config: str, log: str)
     assert plan.fit.kv_cache_tokens == logged["tokens"]
     assert round(plan.fit.max_concurrency, 2) == logged["concurrency"]
     assert plan.fit.max_model_len == logged["max_model_len"]
+    # vLLM's block count is the logged concurrency times the blocks one request takes
+    per_request = plan.layout.blocks_per_request(logged["max_model_len"])
+    assert plan.fit.num_blocks == round(logged["concurrency"] * per_request)
     assert plan.fits
 
 
