@@ -29,6 +29,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "Verify a downloaded checkpoint, find its PLE tables, override config entries.",
     ),
     "demo": ("flashnext.cli.demo", "demo", "Run the PLE pipeline end to end on synthetic data."),
+    "explain": ("flashnext.cli.explain", "explain", "Explain the memory events of a vLLM log."),
+    "plan": ("flashnext.cli.plan", "plan", "Plan GPU and host memory for a vLLM deployment."),
     "ple": ("flashnext.cli.ple", "ple", "Inspect, quantize and query PLE sidecar tables."),
     "record": (
         "flashnext.cli.record",
