@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +22,7 @@ from flashnext.records import check_record
 from tests.checkpoint.builder import build_checkpoint, make_rng
 
 SM120 = parse_gpu("sm120,96GiB,cuda13.0")
+PUBLISHED = Path(__file__).parents[1] / "plan" / "fixtures" / "qwen4exp-published.config.json"
 
 
 def moe_tensors(rng, moe_fmt="nvfp4", mtp_fmt="bf16", dense_w4a16=False):
@@ -51,7 +53,11 @@ def model(tmp_path, *, config_extra=None, **moe):
     built = build_checkpoint(
         tmp_path / "m", parts=4, hf_metadata=False, extra_tensors=moe_tensors(rng, **moe)
     )
-    config = dict(built.config)
+    # The published Qwen4Exp sizes (the planner's fixture), with the tiny PLE table's fields.
+    published = json.loads(PUBLISHED.read_text())
+    text = published.pop("text_config")
+    config = {**published, **text}
+    config.update(built.config)
     config.update(
         {
             "max_position_embeddings": 262144,
@@ -208,3 +214,14 @@ def test_cli_exit_code_table_and_json_record(tmp_path):
     record = check_record(json.loads(fine.stdout), kind="flashnext.deploy.check")
     assert record["passed"] is True
     assert {c["name"] for c in record["checks"]} >= {"b12x-gpu", "expandable-segments"}
+
+
+def test_memory_plan_comes_from_the_planner(tmp_path):
+    root = model(tmp_path)
+    rows, _ = checks_for(root, ["--max-model-len", "8192", "--max-num-seqs", "4"], gpu=SM120)
+    assert rows["memory-plan"].status == "ok", rows["memory-plan"]
+    small = parse_gpu("sm120,2GiB,cuda13.0")
+    rows, _ = checks_for(root, ["--max-model-len", "262144", "--max-num-seqs", "64"], gpu=small)
+    assert rows["memory-plan"].status == "fail" and "flashnext plan" in rows["memory-plan"].fix
+    rows, _ = checks_for(root, [], gpu=parse_gpu("sm120"))
+    assert rows["memory-plan"].status == "skip"

@@ -12,12 +12,12 @@ from flashnext.cli._common import err_console, out_console
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    from flashnext.units import parse_bytes
+    from flashnext.plan.sizes import parse_size
 
     if value is None:
         return None
     try:
-        return parse_bytes(value)
+        return parse_size(value, "--host-memory")
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 

@@ -314,6 +314,41 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     )
 
 
+def check_memory_plan(ctx: CheckContext) -> Check:
+    """The planner's verdict for these flags on this GPU (KV capacity, state blocks, headroom)."""
+    from flashnext.plan.planner import PlanRequest, load_model, make_plan
+
+    if ctx.gpu.memory_bytes is None:
+        return Check(
+            "memory-plan", "skip", "GPU memory unknown", "pass --gpu sm120,96GiB", blocking=False
+        )
+    a = ctx.args
+    util = a.get("--gpu-memory-utilization")
+    spec = a.speculative_config
+    try:
+        req = PlanRequest(
+            gpu_memory=ctx.gpu.memory_bytes,
+            gpu_memory_utilization=float(util) if isinstance(util, str) else 0.9,
+            max_model_len=a.int_flag("--max-model-len"),
+            max_num_seqs=a.int_flag("--max-num-seqs") or 256,
+            kv_cache_dtype=str(a.get("--kv-cache-dtype", "auto")),
+            num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
+            tp=a.tensor_parallel_size,
+            host_memory=ctx.host_memory,
+            ple_placement="host" if a.ple_cpu_offload else "device",
+        )
+        plan = make_plan(load_model(ctx.model_dir), req)
+    except (FlashnextError, ValueError) as exc:
+        return Check("memory-plan", "warn", f"not planned: {exc}", blocking=False)
+    command = f"flashnext plan --model {ctx.model_dir} --gpu-memory {ctx.gpu.memory_bytes}"
+    if plan.problems:
+        return Check("memory-plan", "fail", "; ".join(plan.problems), f"{command} for options")
+    return Check(
+        "memory-plan", "ok", f"KV fits: up to {plan.max_model_len_one:,} tokens for one request, "
+        f"{plan.max_num_seqs_state:,} sequences' state",
+    )  # fmt: skip
+
+
 def probe_pidfd_getfd() -> tuple[str, int]:
     """Try ``pidfd_getfd`` on a real child process, as vLLM's PLE offload workers do.
 
@@ -374,6 +409,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_sparse_attention,
     check_context_length,
     check_ple_host_memory,
+    check_memory_plan,
 )
 
 

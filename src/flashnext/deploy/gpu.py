@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from flashnext.errors import FlashnextError
-from flashnext.units import parse_bytes
+from flashnext.plan.sizes import parse_size
 
 
 class GpuSpecError(FlashnextError, ValueError):
@@ -44,7 +44,7 @@ def parse_gpu(spec: str) -> GpuSpec:
             cuda = (int(m.group(1)), int(m.group(2) or 0))
         else:
             try:
-                memory = parse_bytes(part)
+                memory = parse_size(part)
             except ValueError:
                 raise GpuSpecError(
                     f"--gpu {spec!r}: {part!r} is not smXY (sm120), a size (96GiB) or cudaN.M"
