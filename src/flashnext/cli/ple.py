@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import click
 import numpy as np
@@ -12,9 +11,10 @@ from rich.table import Table
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
-from flashnext.ple.preflight import DEFAULT_HEADROOM, GIB, host_memory
-from flashnext.ple.quantize import RowSource, SidecarSource, quantize_table
-from flashnext.ple.sidecar import META_NAME, open_sidecar
+from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
+from flashnext.ple.preflight import GIB
+from flashnext.ple.quantize import quantize_table
+from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
 
 
@@ -33,40 +33,14 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     Exits 1 when a shard no longer matches its recorded sha256.
     """
     sidecar = open_sidecar(directory)
-    expected = sidecar.expected_checksums()
-    problems: list[str] = []
-    if not no_verify and expected:
-        total = sum(s.path.stat().st_size for s in sidecar.shards if s.index in expected)
-        with progress(disable=as_json) as bar:
-            task = bar.add_task("sha256", total=total, bytes_per_unit=1, unit="B")
-            problems = sidecar.verify_checksums(lambda n: bar.advance(task, n))
-    if not expected:
-        checks = "not recorded (no META.json checksums)"
-    elif no_verify:
-        checks = "not checked (--no-verify)"
-    else:
-        checks = "ok" if not problems else f"{len(problems)} mismatched"
-    quant = sidecar.meta.get("quantization") or {}
-    memory = host_memory()
-    resident_bytes = sidecar.num_rows * sidecar.codec.bytes_per_row(sidecar.width)
-    record: dict[str, Any] = {
-        "path": str(sidecar.path),
-        "format": sidecar.format,
-        "num_rows": sidecar.num_rows,
-        "width": sidecar.width,
-        "num_shards": len(sidecar.shards),
-        "rows_per_shard": sidecar.rows_per_shard,
-        "bytes_per_row": sidecar.codec.bytes_per_row(sidecar.width),
-        "size_bytes": sidecar.nbytes,
-        "has_meta": (sidecar.path / META_NAME).exists(),
-        "checksums": checks,
-        "problems": problems,
-        "rel_rmse": quant.get("rel_rmse"),
-        "resident_bytes": resident_bytes,
-        "host_available_bytes": memory.available,
-        "resident_fits": resident_bytes + DEFAULT_HEADROOM <= memory.available,
-        "geometry": sidecar.geometry,
-    }
+    with progress(disable=as_json or no_verify) as bar:
+        task = bar.add_task("sha256", total=checksum_bytes(sidecar), bytes_per_unit=1, unit="B")
+        found = inspect_sidecar(
+            sidecar, verify=not no_verify, progress=lambda n: bar.advance(task, n)
+        )
+    record = found.to_dict()
+    problems = found.problems
+    resident_bytes, memory = found.resident_bytes, found.memory
     if as_json:
         print_json(record)
     else:
@@ -98,21 +72,6 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         raise SystemExit(1)
 
 
-def open_row_source(src: Path, layer: int | None) -> RowSource:
-    """The rows to quantize: a checkpoint directory (one with config.json, or a hub-cache
-    repo folder) in any table layout and format, or a sidecar directory (any format).
-
-    ``layer`` (a PLE layer ordinal) only applies to checkpoint sources.
-    """
-    if (src / "config.json").exists() or (src / "snapshots").is_dir():
-        from flashnext.checkpoint import open_table_source
-
-        return open_table_source(src, layer)
-    if layer not in (None, 0):
-        raise click.BadParameter("--layer applies to checkpoint sources only", param_hint="--layer")
-    return SidecarSource(src)
-
-
 @ple.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
@@ -136,6 +95,17 @@ def open_row_source(src: Path, layer: int | None) -> RowSource:
     default=None,
     help="PLE layer ordinal (checkpoint sources).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a DST that holds anything else (the old contents stay until the new "
+    "table is complete).",
+)
+@click.option(
+    "--ignore-source-checksums",
+    is_flag=True,
+    help="Quantize a sidecar SRC even if its shards fail the sha256 in its META.json.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def quantize(
     src: Path,
@@ -144,18 +114,31 @@ def quantize(
     rows_per_shard: int | None,
     workers: int,
     layer: int | None,
+    force: bool,
+    ignore_source_checksums: bool,
     as_json: bool,
 ) -> None:
     """Convert the table at SRC into a FORMAT sidecar at DST.
 
-    Streams shard by shard with bounded memory and resumes an interrupted run: run the same
-    command again and finished shards are kept (verified by sha256), the rest redone.
+    DST must be new, empty, or this command's own output for the same SRC and settings (an
+    interrupted run resumes: finished shards are kept, verified by sha256); anything else is
+    refused unless --force. A sidecar SRC is hashed first and must match its own checksums.
     """
+    from flashnext.checkpoint.sources import open_row_source
+
     if dst.resolve() == src.resolve():
         raise click.BadParameter(
             "DST must differ from SRC (the sidecar is rewritten)", param_hint="DST"
         )
-    source = open_row_source(src, layer)
+    with progress(disable=as_json) as bar:
+        task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
+        source = open_row_source(
+            src,
+            layer,
+            ignore_checksums=ignore_source_checksums,
+            progress=lambda n: bar.advance(task, n),
+        )
+        bar.remove_task(task)
     if rows_per_shard is None:
         rows_per_shard = source.rows_per_shard
     bytes_in = source.width * 4
@@ -169,6 +152,7 @@ def quantize(
             workers=workers,
             geometry=getattr(source, "geometry", None),
             on_shard=lambda _res, rows: bar.advance(task, rows),
+            force=force,
         )
     summary = {
         "source": source.describe(),
@@ -205,14 +189,20 @@ def quantize(
 
 def _parse_ids(text: str) -> np.ndarray:
     try:
-        ids = np.array([int(v) for v in text.replace(",", " ").split()], dtype=np.int64)
+        values = [int(v) for v in text.replace(",", " ").split()]
     except ValueError:
-        ids = np.empty(0, dtype=np.int64)
-    if ids.size == 0:
+        values = []
+    if not values:
         raise click.BadParameter(
             f"expected integers separated by commas, found {text!r}", param_hint="--ids"
         )
-    return ids
+    wide = [v for v in values if not -1 <= v <= np.iinfo(np.int64).max]
+    if wide:
+        raise click.BadParameter(
+            f"row id {wide[0]} is not a row id (-1 pads, rows count from 0 and fit in int64)",
+            param_hint="--ids",
+        )
+    return np.array(values, dtype=np.int64)
 
 
 @ple.command()
