@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
 import numpy as np
+from rich.progress import Progress
 from rich.table import Table
 
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
@@ -16,6 +19,17 @@ from flashnext.ple.preflight import GIB
 from flashnext.ple.quantize import quantize_table
 from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
+
+
+@contextlib.contextmanager
+def _bar(disable: bool) -> Iterator[Progress]:
+    """A progress display that vanishes on an error, leaving the one ``error:`` line alone."""
+    with progress(disable=disable) as bar:
+        try:
+            yield bar
+        except BaseException:
+            bar.live.transient = True
+            raise
 
 
 @click.group()
@@ -33,7 +47,7 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     Exits 1 when a shard no longer matches its recorded sha256.
     """
     sidecar = open_sidecar(directory)
-    with progress(disable=as_json or no_verify) as bar:
+    with _bar(disable=as_json or no_verify) as bar:
         task = bar.add_task("sha256", total=checksum_bytes(sidecar), bytes_per_unit=1, unit="B")
         found = inspect_sidecar(
             sidecar, verify=not no_verify, progress=lambda n: bar.advance(task, n)
@@ -130,7 +144,7 @@ def quantize(
         raise click.BadParameter(
             "DST must differ from SRC (the sidecar is rewritten)", param_hint="DST"
         )
-    with progress(disable=as_json) as bar:
+    with _bar(disable=as_json) as bar:
         task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
         source = open_row_source(
             src,
@@ -142,7 +156,7 @@ def quantize(
     if rows_per_shard is None:
         rows_per_shard = source.rows_per_shard
     bytes_in = source.width * 4
-    with progress(disable=as_json) as bar:
+    with _bar(disable=as_json) as bar:
         task = bar.add_task(f"{fmt}", total=source.num_rows, bytes_per_unit=bytes_in, unit="rows")
         result = quantize_table(
             source,

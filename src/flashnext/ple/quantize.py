@@ -320,7 +320,7 @@ def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
         old_files = old_src.get("files") if isinstance(old_src.get("files"), Mapping) else {}
         changed = [n for n, v in new_src.get("files", {}).items() if old_files.get(n) != v]
         out.append(f"source changed since ({', '.join(changed[:3]) or 'its description'})")
-    return "; ".join(out) or "made by another version or tool"
+    return "; ".join(out[:3] + (["..."] if len(out) > 3 else [])) or "made by another version or tool"
 
 
 def _existing_output(
@@ -332,16 +332,19 @@ def _existing_output(
     if not names:
         return {}, False
     status, old, shards = _recorded_params(directory)
+    ours = _own_names(max(num_shards, len(shards)))
+    foreign = [n for n in names if not ours(n)]
+    there = []
     if status and old != params:
         article = "an" if status == "unfinished" else "a"
-        return f"holds {article} {status} table that differs: {_differences(old, params)}"
-    ours = _own_names(num_shards)
-    foreign = [n for n in names if not ours(n)]
+        there.append(f"{article} {status} table that differs ({_differences(old, params)})")
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        return f"holds files this command did not write ({', '.join(foreign[:5])}{more})"
-    if not status:
-        return f"holds {', '.join(names[:3])} but no flashnext {META_NAME} or run state"
+        there.append(f"files this command did not write ({', '.join(foreign[:5])}{more})")
+    if not status and not foreign:
+        there.append(f"{', '.join(names[:3])} but no flashnext {META_NAME} or run state")
+    if there:
+        return "holds " + " and ".join(there)
     kept = {}
     for index, record in shards.items():
         path = directory / shard_name(index)

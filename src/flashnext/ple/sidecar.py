@@ -371,6 +371,15 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
             unfinished directory (a writer's state file present) is refused.
     """
     root = Path(path)
+    try:
+        return _open_sidecar(root)
+    except OSError as exc:  # a permission or I/O error on any file: one line naming it
+        raise SidecarError(
+            f"{exc.filename or root}: cannot read ({exc.strerror or exc}); check its permissions"
+        ) from None
+
+
+def _open_sidecar(root: Path) -> Sidecar:
     if not root.is_dir():
         raise SidecarError(
             f"{root}: not a directory (expected a PLE sidecar: shard_N.safetensors + META.json)"
