@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -168,36 +169,31 @@ def quantize(
             on_shard=lambda _res, rows: bar.advance(task, rows),
             force=force,
         )
-    summary = {
-        "source": source.describe(),
-        "destination": str(dst),
-        "format": fmt,
-        "num_rows": result.sidecar.num_rows,
-        "width": result.sidecar.width,
-        "num_shards": len(result.sidecar.shards),
-        "shards_written": result.shards_written,
-        "shards_kept": result.shards_kept,
-        "size_bytes": result.sidecar.nbytes,
-        "rel_rmse": result.rel_rmse,
-        "worst_shard_rel_rmse": max(result.per_shard_rmse, default=0.0),
-        "seconds": result.seconds,
-        "input_mb_per_s": result.source_bytes / 1e6 / result.seconds if result.seconds else None,
-    }
+    summary = result.summary(source, dst)
     if as_json:
         print_json(summary)
-        return
-    table = Table(title=f"quantized to {fmt}: {dst}", show_header=False, box=None)
+    else:
+        _print_quantize_summary(summary)
+
+
+def _print_quantize_summary(summary: dict[str, Any]) -> None:
+    table = Table(
+        title=f"quantized to {summary['format']}: {summary['destination']}",
+        show_header=False,
+        box=None,
+    )
     table.add_row("rows", f"{summary['num_rows']:,} x {summary['width']}")
     table.add_row(
         "shards",
-        f"{summary['num_shards']} ({result.shards_written} written, "
-        f"{result.shards_kept} kept from an earlier run)",
+        f"{summary['num_shards']} ({summary['shards_written']} written, "
+        f"{summary['shards_kept']} kept from an earlier run)",
     )
-    table.add_row("size", human_bytes(result.sidecar.nbytes))
+    table.add_row("size", human_bytes(summary["size_bytes"]))
     table.add_row(
-        "rel. RMSE", f"{result.rel_rmse:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})"
+        "rel. RMSE",
+        f"{summary['rel_rmse']:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})",
     )
-    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("time", f"{summary['seconds']:.1f} s")
     err_console.print(table)
 
 

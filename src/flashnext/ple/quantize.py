@@ -171,6 +171,24 @@ class QuantizeResult:
     source_bytes: int
     per_shard_rmse: list[float] = field(default_factory=list)
 
+    def summary(self, source: RowSource, destination: str | os.PathLike[str]) -> dict[str, Any]:
+        """JSON-ready summary (the ``ple quantize --json`` payload)."""
+        return {
+            "source": source.describe(),
+            "destination": str(destination),
+            "format": self.sidecar.format,
+            "num_rows": self.sidecar.num_rows,
+            "width": self.sidecar.width,
+            "num_shards": len(self.sidecar.shards),
+            "shards_written": self.shards_written,
+            "shards_kept": self.shards_kept,
+            "size_bytes": self.sidecar.nbytes,
+            "rel_rmse": self.rel_rmse,
+            "worst_shard_rel_rmse": max(self.per_shard_rmse, default=0.0),
+            "seconds": self.seconds,
+            "input_mb_per_s": self.source_bytes / 1e6 / self.seconds if self.seconds else None,
+        }
+
 
 def quantize_shard(
     source: RowSource,
@@ -276,7 +294,9 @@ def _listing(directory: Path) -> list[str]:
     if not directory.exists():
         return []
     if not directory.is_dir():
-        raise SidecarError(f"{directory}: exists and is not a directory; choose another destination")
+        raise SidecarError(
+            f"{directory}: exists and is not a directory; choose another destination"
+        )
     try:
         return sorted(p.name for p in directory.iterdir())
     except OSError as exc:
@@ -290,7 +310,8 @@ def _recorded_params(directory: Path) -> tuple[str, dict[str, Any] | None, dict[
     except SidecarError:
         return "unfinished", None, {}
     if state is not None:
-        shards = state.get("shards") if isinstance(state.get("shards"), dict) else {}
+        done = state.get("shards")
+        shards = done if isinstance(done, dict) else {}
         return "unfinished", state.get("params"), {int(k): v for k, v in shards.items()}
     try:
         meta = read_meta(directory)
@@ -299,28 +320,34 @@ def _recorded_params(directory: Path) -> tuple[str, dict[str, Any] | None, dict[
     if not meta:
         return "", None, {}
     params = {"settings": meta.get("settings"), "source": meta.get("source")}
-    shards = meta.get("shards") if isinstance(meta.get("shards"), list) else []
-    return "finished", params, {i: r for i, r in enumerate(shards) if isinstance(r, dict)}
+    listed = meta.get("shards")
+    records = listed if isinstance(listed, list) else []
+    return "finished", params, {i: r for i, r in enumerate(records) if isinstance(r, dict)}
 
 
 def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
     """What changed between two runs' params, in words."""
     if not isinstance(old, Mapping):
         return "made by another version or tool"
+
+    def mapping(value: Any) -> Mapping[str, Any]:
+        return value if isinstance(value, Mapping) else {}
+
     out = []
-    old_settings = old.get("settings") if isinstance(old.get("settings"), Mapping) else {}
+    old_settings = mapping(old.get("settings"))
     for key, value in new["settings"].items():
         if old_settings.get(key) != value:
             out.append(f"{key} {old_settings.get(key)!r} -> {value!r}")
-    old_src = old.get("source") if isinstance(old.get("source"), Mapping) else {}
-    new_src = new["source"]
+    old_src, new_src = mapping(old.get("source")), new["source"]
     if old_src.get("path") != new_src.get("path"):
         out.append(f"source {old_src.get('path')} -> {new_src.get('path')}")
     elif old_src != new_src:
-        old_files = old_src.get("files") if isinstance(old_src.get("files"), Mapping) else {}
+        old_files = mapping(old_src.get("files"))
         changed = [n for n, v in new_src.get("files", {}).items() if old_files.get(n) != v]
         out.append(f"source changed since ({', '.join(changed[:3]) or 'its description'})")
-    return "; ".join(out[:3] + (["..."] if len(out) > 3 else [])) or "made by another version or tool"
+    return (
+        "; ".join(out[:3] + (["..."] if len(out) > 3 else [])) or "made by another version or tool"
+    )
 
 
 def _existing_output(

@@ -159,9 +159,7 @@ class Sidecar:
         return problems
 
 
-def _meta_int(
-    root: Path, meta: Mapping[str, Any], *keys: str, limit: int = MAX_ROWS
-) -> int | None:
+def _meta_int(root: Path, meta: Mapping[str, Any], *keys: str, limit: int = MAX_ROWS) -> int | None:
     """The first of ``keys`` present in META.json, checked to be an int in ``[1, limit]``."""
     for k in keys:
         if k not in meta or meta[k] is None:
@@ -194,9 +192,7 @@ def read_meta(root: Path) -> dict[str, Any]:
             )
         text = path.read_bytes()
     except OSError as exc:
-        raise SidecarError(
-            f"{path}: cannot read ({exc.strerror}); check its permissions"
-        ) from None
+        raise SidecarError(f"{path}: cannot read ({exc.strerror}); check its permissions") from None
     try:
         meta = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -313,16 +309,18 @@ def _shard_order(root: Path, found: dict[int, Path], num_shards: int | None) -> 
     if run < len(indices):
         after = indices[run:]
         gap = after[0] - run
-        missing = shard_name(run) + (f" .. {shard_name(after[0] - 1)}" if gap > 1 else "")
-        have = "no shard_0" if run == 0 else f"{shard_name(0)}" + (
-            f" .. {shard_name(run - 1)}" if run > 1 else ""
+        absent = shard_name(run) + (f" .. {shard_name(after[0] - 1)}" if gap > 1 else "")
+        have = (
+            "no shard_0"
+            if run == 0
+            else f"{shard_name(0)}" + (f" .. {shard_name(run - 1)}" if run > 1 else "")
         )
         raise SidecarError(
             f"{root}: shard numbers are not consecutive from 0 ({have}, then {_names(after)}): "
-            f"either {missing} {'are' if gap > 1 else 'is'} missing (restore "
+            f"either {absent} {'are' if gap > 1 else 'is'} missing (restore "
             f"{'them' if gap > 1 else 'it'}) or {_names(after)} "
             f"{'do' if len(after) > 1 else 'does'} not belong (remove "
-            f"{'them' if len(after) > 1 else 'it'}); add {META_NAME} with \"num_shards\" "
+            f'{"them" if len(after) > 1 else "it"}); add {META_NAME} with "num_shards" '
             "to say which"
         )
     return [found[i] for i in indices]
@@ -404,7 +402,9 @@ def _open_sidecar(root: Path) -> Sidecar:
     for i, header in enumerate(headers):
         rows = _check_shard(header, codec, width, rows_per_shard, is_last=i == len(headers) - 1)
         _check_shard_metadata(header, codec, row_start)
-        shards.append(Shard(i, header.path, row_start, rows, header.tensors, _scalars(header, codec)))
+        shards.append(
+            Shard(i, header.path, row_start, rows, header.tensors, _scalars(header, codec))
+        )
         row_start += rows
     if num_rows is not None and num_rows != row_start:
         raise SidecarError(
