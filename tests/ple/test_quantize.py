@@ -58,7 +58,7 @@ def test_resume_keeps_verified_shards_and_redoes_the_rest(tmp_path, source):
     assert _files(dst) == reference
     # other parameters: refused, named; --force replaces and keeps nothing
     with pytest.raises(
-        SidecarError, match=r"finished table that differs: rows_per_shard 500 -> 600"
+        SidecarError, match=r"finished table that differs \(rows_per_shard 500 -> 600\)"
     ):
         quantize_table(SidecarSource(src), dst, "int4", 600)
     assert _files(dst) == reference

@@ -571,7 +571,9 @@ def _quantize(
     ]
     _run_shards(jobs, workers, finished)
     records = [writer.records[i] for i in range(writer.num_shards)]
-    sidecar = writer.finish(quantization={"rel_rmse": _table_rmse(records), "method": _method(fmt)})
+    sidecar = writer.finish(
+        quantization={"rel_rmse": _table_rmse(records), "method": get_codec(fmt).method}
+    )
     if dest.replaces:
         _swap_in(dest)
         sidecar = open_sidecar(dst)
@@ -592,12 +594,3 @@ def _result(
         source_bytes=written * width * 4,
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
     )
-
-
-def _method(fmt: str) -> str:
-    return {
-        "bf16": "round to nearest even",
-        "fp8": "per-row absmax scale, e4m3fn",
-        "int4": "group-16 fp16 scale, clip ratio searched per group by squared error",
-        "nvfp4": "group-16 e4m3 scale x per-shard fp32 scale_2, clip ratio searched per group",
-    }[fmt]
