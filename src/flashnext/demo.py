@@ -186,7 +186,8 @@ def run_demo(
             log(f"quantizing to {fmt} ({workers} workers)")
             directory = out / f"ple_{fmt}"
             result = quantize_table(
-                source, directory, fmt, geo.shard_rows(), workers=workers, geometry=geo.to_dict()
+                source, directory, fmt, geo.shard_rows(), workers=workers, geometry=geo.to_dict(),
+                force=True,  # the demo's own output directory: always rebuilt
             )
             rmse = result.rel_rmse
         size = sum(p.stat().st_size for p in directory.glob("shard_*.safetensors"))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from flashnext.checkpoint import open_table_source
-from flashnext.errors import FormatError
+from flashnext.errors import FormatError, SidecarError
 from flashnext.ple.quantize import STATE_NAME, quantize_table
 from flashnext.ple.sidecar import META_NAME
 from flashnext.ple.table import open_table
@@ -181,11 +181,14 @@ def test_rerun_keeps_shards_unless_the_checkpoint_changed(tmp_path):
     first = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
     again = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
     assert first.shards_written == again.shards_kept > 1 and again.shards_written == 0
-    # a re-downloaded table file (new mtime): nothing from the old run may be trusted
+    # a re-downloaded table file (new mtime): nothing from the old run may be trusted, and
+    # the finished output is not overwritten without --force
     f = built.path_of(f"{BASE}.shard_0.weight")
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    redo = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
+    with pytest.raises(SidecarError, match=rf"source changed since \({f.name}\).*--force"):
+        quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024)
+    redo = quantize_table(open_table_source(built.root), tmp_path / "out", "fp8", 1024, force=True)
     assert redo.shards_kept == 0 and redo.shards_written == first.shards_written
 
 

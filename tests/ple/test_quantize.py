@@ -3,10 +3,11 @@ import json
 import numpy as np
 import pytest
 
-from flashnext.errors import FormatError
-from flashnext.ple import open_table, write_sidecar
+from flashnext.errors import FormatError, SidecarError
+from flashnext.ple import open_sidecar, open_table, write_sidecar
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.quantize import STATE_NAME, SidecarSource, quantize_table
+from flashnext.records import check_record
 from flashnext.synthetic import embedding_rows
 
 
@@ -55,31 +56,47 @@ def test_resume_keeps_verified_shards_and_redoes_the_rest(tmp_path, source):
     again = quantize_table(SidecarSource(src), dst, "int4", 500)
     assert (again.shards_kept, again.shards_written) == (4, 2)
     assert _files(dst) == reference
-    # other parameters: nothing is kept
-    other = quantize_table(SidecarSource(src), dst, "int4", 600)
-    assert other.shards_kept == 0
+    # other parameters: refused, named; --force replaces and keeps nothing
+    with pytest.raises(
+        SidecarError, match=r"finished table that differs \(rows_per_shard 500 -> 600\)"
+    ):
+        quantize_table(SidecarSource(src), dst, "int4", 600)
+    assert _files(dst) == reference
+    other = quantize_table(SidecarSource(src), dst, "int4", 600, force=True)
+    assert (other.shards_kept, other.shards_written) == (0, 5)
+    assert open_table(dst).sidecar.rows_per_shard == 600
 
 
-def test_resume_from_state_file(tmp_path, source):
+class Interrupt(KeyboardInterrupt):
+    """What Ctrl-C raises, injected after a given number of finished shards."""
+
+
+def _interrupt_after(n):
+    done = []
+
+    def on_shard(res, rows):
+        done.append(rows)
+        if len(done) == n:
+            raise Interrupt
+
+    return on_shard
+
+
+def test_interrupted_run_is_unfinished_then_resumes_byte_identical(tmp_path, source):
     src, _ = source
+    clean = tmp_path / "clean"
+    quantize_table(SidecarSource(src), clean, "nvfp4", 500)
     dst = tmp_path / "q"
-    quantize_table(SidecarSource(src), dst, "nvfp4", 500)
-    reference = _files(dst)
-    meta = json.loads((dst / "META.json").read_text())
-    # what a killed run leaves: shards 0-1 recorded in the state file, no META.json
-    from flashnext.ple.quantize import _params
-
-    state = {
-        "params": _params(SidecarSource(src), "nvfp4", 500),
-        "shards": {"0": meta["shards"][0], "1": meta["shards"][1]},
-    }
-    (dst / STATE_NAME).write_text(json.dumps(state))
-    (dst / "META.json").unlink()
-    for i in range(2, 6):
-        (dst / f"shard_{i}.safetensors").unlink()
+    with pytest.raises(Interrupt):
+        quantize_table(SidecarSource(src), dst, "nvfp4", 500, on_shard=_interrupt_after(2))
+    state = check_record(json.loads((dst / STATE_NAME).read_text()), "flashnext.ple.quantize_state")
+    assert state["num_shards"] == 6 and sorted(state["shards"]) == ["0", "1"]
+    assert not (dst / "META.json").exists()
+    with pytest.raises(SidecarError, match=r"unfinished: 2 of 6 shards, rerun the command"):
+        open_sidecar(dst)
     again = quantize_table(SidecarSource(src), dst, "nvfp4", 500)
     assert (again.shards_kept, again.shards_written) == (2, 4)
-    assert _files(dst) == reference
+    assert _files(dst) == _files(clean)
 
 
 def test_non_finite_source_rows_are_named(tmp_path):

@@ -57,7 +57,7 @@ def test_reads_sidecars_written_by_other_tools(tmp_path, fmt, meta):
 def test_writer_roundtrip_and_meta(tmp_path):
     rng = np.random.default_rng()
     x = embedding_rows(1000, 160, rng)
-    sc = write_sidecar(tmp_path / "t", "int4", x, 300, geometry={"num_rows": 1000}, source={"k": 1})
+    sc = write_sidecar(tmp_path / "t", "int4", x, 300, source={"k": 1})
     meta = json.loads((tmp_path / "t" / "META.json").read_text())
     assert meta["format"] == "int4" and meta["num_shards"] == 4 and meta["rows_per_shard"] == 300
     assert [s["rows"] for s in meta["shards"]] == [300, 300, 300, 100]
@@ -137,6 +137,13 @@ def test_wrong_row_count_against_meta(tmp_path):
 def test_missing_shard_in_middle(tmp_path):
     _good(tmp_path)
     (tmp_path / "shard_1.safetensors").unlink()
+    with pytest.raises(
+        SidecarError,
+        match=r"not consecutive from 0 \(shard_0\.safetensors, then shard_2\.safetensors, "
+        r"shard_3\.safetensors\): either shard_1\.safetensors is missing \(restore it\) or",
+    ):
+        open_sidecar(tmp_path)
+    (tmp_path / "META.json").write_text(json.dumps({"num_shards": 4}))
     with pytest.raises(SidecarError, match=r"missing shard_1\.safetensors \(1 of 4 shards\)"):
         open_sidecar(tmp_path)
 

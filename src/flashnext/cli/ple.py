@@ -2,20 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
+from rich.progress import Progress
 from rich.table import Table
 
 from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
-from flashnext.ple.preflight import DEFAULT_HEADROOM, GIB, host_memory
-from flashnext.ple.quantize import RowSource, SidecarSource, quantize_table
-from flashnext.ple.sidecar import META_NAME, open_sidecar
+from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
+from flashnext.ple.preflight import GIB
+from flashnext.ple.quantize import quantize_table
+from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
+
+
+@contextlib.contextmanager
+def _bar(disable: bool) -> Iterator[Progress]:
+    """A progress display that vanishes on an error, leaving the one ``error:`` line alone."""
+    with progress(disable=disable) as bar:
+        try:
+            yield bar
+        except BaseException:
+            bar.live.transient = True
+            raise
 
 
 @click.group()
@@ -33,40 +48,14 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     Exits 1 when a shard no longer matches its recorded sha256.
     """
     sidecar = open_sidecar(directory)
-    expected = sidecar.expected_checksums()
-    problems: list[str] = []
-    if not no_verify and expected:
-        total = sum(s.path.stat().st_size for s in sidecar.shards if s.index in expected)
-        with progress(disable=as_json) as bar:
-            task = bar.add_task("sha256", total=total, bytes_per_unit=1, unit="B")
-            problems = sidecar.verify_checksums(lambda n: bar.advance(task, n))
-    if not expected:
-        checks = "not recorded (no META.json checksums)"
-    elif no_verify:
-        checks = "not checked (--no-verify)"
-    else:
-        checks = "ok" if not problems else f"{len(problems)} mismatched"
-    quant = sidecar.meta.get("quantization") or {}
-    memory = host_memory()
-    resident_bytes = sidecar.num_rows * sidecar.codec.bytes_per_row(sidecar.width)
-    record: dict[str, Any] = {
-        "path": str(sidecar.path),
-        "format": sidecar.format,
-        "num_rows": sidecar.num_rows,
-        "width": sidecar.width,
-        "num_shards": len(sidecar.shards),
-        "rows_per_shard": sidecar.rows_per_shard,
-        "bytes_per_row": sidecar.codec.bytes_per_row(sidecar.width),
-        "size_bytes": sidecar.nbytes,
-        "has_meta": (sidecar.path / META_NAME).exists(),
-        "checksums": checks,
-        "problems": problems,
-        "rel_rmse": quant.get("rel_rmse"),
-        "resident_bytes": resident_bytes,
-        "host_available_bytes": memory.available,
-        "resident_fits": resident_bytes + DEFAULT_HEADROOM <= memory.available,
-        "geometry": sidecar.geometry,
-    }
+    with _bar(disable=as_json or no_verify) as bar:
+        task = bar.add_task("sha256", total=checksum_bytes(sidecar), bytes_per_unit=1, unit="B")
+        found = inspect_sidecar(
+            sidecar, verify=not no_verify, progress=lambda n: bar.advance(task, n)
+        )
+    record = found.to_dict()
+    problems = found.problems
+    resident_bytes, memory = found.resident_bytes, found.memory
     if as_json:
         print_json(record)
     else:
@@ -98,21 +87,6 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         raise SystemExit(1)
 
 
-def open_row_source(src: Path, layer: int | None) -> RowSource:
-    """The rows to quantize: a checkpoint directory (one with config.json, or a hub-cache
-    repo folder) in any table layout and format, or a sidecar directory (any format).
-
-    ``layer`` (a PLE layer ordinal) only applies to checkpoint sources.
-    """
-    if (src / "config.json").exists() or (src / "snapshots").is_dir():
-        from flashnext.checkpoint import open_table_source
-
-        return open_table_source(src, layer)
-    if layer not in (None, 0):
-        raise click.BadParameter("--layer applies to checkpoint sources only", param_hint="--layer")
-    return SidecarSource(src)
-
-
 @ple.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
@@ -136,6 +110,17 @@ def open_row_source(src: Path, layer: int | None) -> RowSource:
     default=None,
     help="PLE layer ordinal (checkpoint sources).",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace a DST that holds anything else (the old contents stay until the new "
+    "table is complete).",
+)
+@click.option(
+    "--ignore-source-checksums",
+    is_flag=True,
+    help="Quantize a sidecar SRC even if its shards fail the sha256 in its META.json.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def quantize(
     src: Path,
@@ -144,22 +129,35 @@ def quantize(
     rows_per_shard: int | None,
     workers: int,
     layer: int | None,
+    force: bool,
+    ignore_source_checksums: bool,
     as_json: bool,
 ) -> None:
     """Convert the table at SRC into a FORMAT sidecar at DST.
 
-    Streams shard by shard with bounded memory and resumes an interrupted run: run the same
-    command again and finished shards are kept (verified by sha256), the rest redone.
+    DST must be new, empty, or this command's own output for the same SRC and settings (an
+    interrupted run resumes: finished shards are kept, verified by sha256); anything else is
+    refused unless --force. A sidecar SRC is hashed first and must match its own checksums.
     """
+    from flashnext.checkpoint.sources import open_row_source
+
     if dst.resolve() == src.resolve():
         raise click.BadParameter(
             "DST must differ from SRC (the sidecar is rewritten)", param_hint="DST"
         )
-    source = open_row_source(src, layer)
+    with _bar(disable=as_json) as bar:
+        task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
+        source = open_row_source(
+            src,
+            layer,
+            ignore_checksums=ignore_source_checksums,
+            progress=lambda n: bar.advance(task, n),
+        )
+        bar.remove_task(task)
     if rows_per_shard is None:
         rows_per_shard = source.rows_per_shard
     bytes_in = source.width * 4
-    with progress(disable=as_json) as bar:
+    with _bar(disable=as_json) as bar:
         task = bar.add_task(f"{fmt}", total=source.num_rows, bytes_per_unit=bytes_in, unit="rows")
         result = quantize_table(
             source,
@@ -169,50 +167,52 @@ def quantize(
             workers=workers,
             geometry=getattr(source, "geometry", None),
             on_shard=lambda _res, rows: bar.advance(task, rows),
+            force=force,
         )
-    summary = {
-        "source": source.describe(),
-        "destination": str(dst),
-        "format": fmt,
-        "num_rows": result.sidecar.num_rows,
-        "width": result.sidecar.width,
-        "num_shards": len(result.sidecar.shards),
-        "shards_written": result.shards_written,
-        "shards_kept": result.shards_kept,
-        "size_bytes": result.sidecar.nbytes,
-        "rel_rmse": result.rel_rmse,
-        "worst_shard_rel_rmse": max(result.per_shard_rmse, default=0.0),
-        "seconds": result.seconds,
-        "input_mb_per_s": result.source_bytes / 1e6 / result.seconds if result.seconds else None,
-    }
+    summary = result.summary(source, dst)
     if as_json:
         print_json(summary)
-        return
-    table = Table(title=f"quantized to {fmt}: {dst}", show_header=False, box=None)
+    else:
+        _print_quantize_summary(summary)
+
+
+def _print_quantize_summary(summary: dict[str, Any]) -> None:
+    table = Table(
+        title=f"quantized to {summary['format']}: {summary['destination']}",
+        show_header=False,
+        box=None,
+    )
     table.add_row("rows", f"{summary['num_rows']:,} x {summary['width']}")
     table.add_row(
         "shards",
-        f"{summary['num_shards']} ({result.shards_written} written, "
-        f"{result.shards_kept} kept from an earlier run)",
+        f"{summary['num_shards']} ({summary['shards_written']} written, "
+        f"{summary['shards_kept']} kept from an earlier run)",
     )
-    table.add_row("size", human_bytes(result.sidecar.nbytes))
+    table.add_row("size", human_bytes(summary["size_bytes"]))
     table.add_row(
-        "rel. RMSE", f"{result.rel_rmse:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})"
+        "rel. RMSE",
+        f"{summary['rel_rmse']:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})",
     )
-    table.add_row("time", f"{result.seconds:.1f} s")
+    table.add_row("time", f"{summary['seconds']:.1f} s")
     err_console.print(table)
 
 
 def _parse_ids(text: str) -> np.ndarray:
     try:
-        ids = np.array([int(v) for v in text.replace(",", " ").split()], dtype=np.int64)
+        values = [int(v) for v in text.replace(",", " ").split()]
     except ValueError:
-        ids = np.empty(0, dtype=np.int64)
-    if ids.size == 0:
+        values = []
+    if not values:
         raise click.BadParameter(
             f"expected integers separated by commas, found {text!r}", param_hint="--ids"
         )
-    return ids
+    wide = [v for v in values if not -1 <= v <= np.iinfo(np.int64).max]
+    if wide:
+        raise click.BadParameter(
+            f"row id {wide[0]} is not a row id (-1 pads, rows count from 0 and fit in int64)",
+            param_hint="--ids",
+        )
+    return np.array(values, dtype=np.int64)
 
 
 @ple.command()

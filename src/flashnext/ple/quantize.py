@@ -5,18 +5,33 @@ any format here, a checkpoint's table in :mod:`flashnext.checkpoint`. Each outpu
 read in blocks of ``block_rows`` rows, so memory stays at one shard's quantized tensors plus
 one float32 block per worker, never the whole table.
 
-Resume: after every finished shard, ``.flashnext-quantize.json`` in the destination records
-the job's parameters and each finished shard's sha256. Run again with the same arguments and
-shards whose files still hash to the recorded value are kept; the rest are redone. Output is
-deterministic, so the result is byte-identical to an uninterrupted run.
+The destination (the README repeats these rules):
+
+- It is written only when it is missing, empty, or this command's own output for the same
+  source and settings: unfinished (its state record, :data:`STATE_NAME`, matches) or
+  finished (its META.json matches). Anything else is refused, naming what is there.
+- ``force=True`` replaces it, but the new table is written beside it (``.DST.flashnext-new``)
+  and swapped in only once complete: the old contents stay intact until then.
+- Resume: the state record lists the settings, the source's identity (sizes and sha256 of a
+  sidecar's shards; sizes and mtimes of a checkpoint's files) and each finished shard's
+  sha256. Running the same command again keeps shards whose files still hash to the recorded
+  value; a changed source or setting is refused (or replaced with ``force``). Output is
+  deterministic, so a resumed result is byte-identical to an uninterrupted run.
+- A sidecar source whose shards fail their own recorded sha256 is refused unless
+  ``ignore_checksums=True`` (the mismatch is then recorded in META.json's ``source``).
+- Worker processes die with the parent (Linux ``PR_SET_PDEATHSIG``; elsewhere a thread in
+  each worker watches the parent's pid).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,22 +39,33 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from flashnext import __version__
-from flashnext.atomic import write_json
 from flashnext.errors import FormatError, SidecarError
 from flashnext.ple.formats import get_codec
+from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
     META_NAME,
+    STATE_NAME,
     Sidecar,
     SidecarWriter,
     open_sidecar,
+    read_meta,
+    read_state,
     shard_name,
     write_shard_file,
 )
 from flashnext.ple.table import PLETable, open_table
 from flashnext.safetensors_file import sha256_file
 
-STATE_NAME = ".flashnext-quantize.json"
+__all__ = [
+    "STATE_NAME",
+    "QuantizeResult",
+    "RowSource",
+    "ShardResult",
+    "SidecarSource",
+    "quantize_shard",
+    "quantize_table",
+]
+
 DEFAULT_BLOCK_ROWS = 65536
 
 
@@ -55,21 +81,38 @@ class RowSource(Protocol):
         ...
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready description recorded as META.json ``source``."""
+        """JSON-ready identity recorded as META.json ``source``: where the rows come from and
+        what identifies that content (sizes, checksums); resume compares it."""
         ...
 
 
 class SidecarSource:
-    """Rows of an existing sidecar (any format), dequantized to float32."""
+    """Rows of an existing sidecar (any format), dequantized to float32.
 
-    def __init__(self, path: str | os.PathLike[str]):
+    Opening hashes every shard: the digests identify the source (resume notices a source
+    regenerated at the same path), and shards whose recorded sha256 (META.json) differs are
+    refused unless ``ignore_checksums``. ``progress(nbytes)`` is called while hashing.
+
+    Raises:
+        SidecarError: the sidecar is invalid or unfinished, or a shard fails its checksum.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        ignore_checksums: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ):
         sidecar = open_sidecar(path)
         self.path = str(Path(path).resolve())
         self.num_rows = sidecar.num_rows
         self.width = sidecar.width
         self.rows_per_shard = sidecar.rows_per_shard
         self.format = sidecar.format
-        self.geometry = sidecar.geometry
+        self.geometry: PLEGeometry | None = sidecar.geometry
+        self.nbytes = sidecar.nbytes
+        self._identity = _sidecar_identity(sidecar, ignore_checksums, progress)
         self._table: PLETable | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -81,7 +124,32 @@ class SidecarSource:
         return self._table.lookup(np.arange(start, end, dtype=np.int64))
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": "sidecar", "path": self.path, "format": self.format}
+        return {"kind": "sidecar", "path": self.path, "format": self.format, **self._identity}
+
+
+def _sidecar_identity(
+    sidecar: Sidecar, ignore_checksums: bool, progress: Callable[[int], None] | None
+) -> dict[str, Any]:
+    """``{"files": {name: [size, sha256]}}``, plus the mismatches the caller accepted."""
+    expected = sidecar.expected_checksums()
+    files: dict[str, list[Any]] = {}
+    mismatched = []
+    for shard in sidecar.shards:
+        try:
+            digest = sha256_file(shard.path, progress=progress)
+        except OSError as exc:
+            raise SidecarError(f"{shard.path}: cannot read ({exc.strerror})") from None
+        files[shard.path.name] = [shard.path.stat().st_size, digest]
+        want = expected.get(shard.index)
+        if want is not None and want != digest:
+            mismatched.append(shard.path.name)
+    if mismatched and not ignore_checksums:
+        raise SidecarError(
+            f"{sidecar.path}: source shard(s) {', '.join(mismatched[:5])} do not match the sha256 "
+            f"in its {META_NAME}: the source is corrupt or changed after it was written; "
+            "re-create it, or pass --ignore-source-checksums to quantize it anyway"
+        )
+    return {"files": files, **({"checksum_mismatch_accepted": mismatched} if mismatched else {})}
 
 
 @dataclass
@@ -102,6 +170,24 @@ class QuantizeResult:
     seconds: float
     source_bytes: int
     per_shard_rmse: list[float] = field(default_factory=list)
+
+    def summary(self, source: RowSource, destination: str | os.PathLike[str]) -> dict[str, Any]:
+        """JSON-ready summary (the ``ple quantize --json`` payload)."""
+        return {
+            "source": source.describe(),
+            "destination": str(destination),
+            "format": self.sidecar.format,
+            "num_rows": self.sidecar.num_rows,
+            "width": self.sidecar.width,
+            "num_shards": len(self.sidecar.shards),
+            "shards_written": self.shards_written,
+            "shards_kept": self.shards_kept,
+            "size_bytes": self.sidecar.nbytes,
+            "rel_rmse": self.rel_rmse,
+            "worst_shard_rel_rmse": max(self.per_shard_rmse, default=0.0),
+            "seconds": self.seconds,
+            "input_mb_per_s": self.source_bytes / 1e6 / self.seconds if self.seconds else None,
+        }
 
 
 def quantize_shard(
@@ -154,6 +240,7 @@ def quantize_shard(
         start,
         n,
         tensors,
+        table_rows=source.num_rows,
         rel_rmse=rel,
         sq_err=sq_err,
         sq_ref=sq_ref,
@@ -175,45 +262,226 @@ def _checked(block: np.ndarray, first_row: int) -> np.ndarray:
     return block
 
 
-def _params(source: RowSource, fmt: str, rows_per_shard: int) -> dict[str, Any]:
-    return {
-        "format": fmt,
-        "rows_per_shard": rows_per_shard,
-        "num_rows": source.num_rows,
-        "width": source.width,
-        "source": source.describe(),
-        "flashnext_version": __version__,
-    }
+@dataclass
+class _Destination:
+    """Where shards are written: ``dst`` itself, or a directory beside it swapped in at the end."""
+
+    dst: Path
+    workdir: Path
+    kept: dict[int, dict[str, Any]]
+    finished: bool  # the destination already is this exact output: nothing to write
+
+    @property
+    def replaces(self) -> bool:
+        return self.workdir != self.dst
 
 
-def _load_state(dst: Path, params: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Finished shards of an earlier run with the same parameters: index -> META record.
+def _own_names(num_shards: int) -> Callable[[str], bool]:
+    """Whether a file name is one this writer creates (shards, META, state, their temps)."""
+    shard_names = {shard_name(i) for i in range(num_shards)}
+    finals = shard_names | {META_NAME, STATE_NAME}
 
-    Reads the in-progress state file, or the META.json of a finished run.
+    def ours(name: str) -> bool:
+        if name in finals:
+            return True
+        base, sep, pid = name.rpartition(".tmp-")  # atomic_write's ".NAME.tmp-PID"
+        return bool(sep) and pid.isdigit() and base.startswith(".") and base[1:] in finals
+
+    return ours
+
+
+def _listing(directory: Path) -> list[str]:
+    if not directory.exists():
+        return []
+    if not directory.is_dir():
+        raise SidecarError(
+            f"{directory}: exists and is not a directory; choose another destination"
+        )
+    try:
+        return sorted(p.name for p in directory.iterdir())
+    except OSError as exc:
+        raise SidecarError(f"{directory}: cannot list ({exc.strerror})") from None
+
+
+def _recorded_params(directory: Path) -> tuple[str, dict[str, Any] | None, dict[int, Any]]:
+    """What an earlier run left: ("unfinished" | "finished" | "", its params, its shards)."""
+    try:
+        state = read_state(directory)
+    except SidecarError:
+        return "unfinished", None, {}
+    if state is not None:
+        done = state.get("shards")
+        shards = done if isinstance(done, dict) else {}
+        return "unfinished", state.get("params"), {int(k): v for k, v in shards.items()}
+    try:
+        meta = read_meta(directory)
+    except SidecarError:
+        return "", None, {}
+    if not meta:
+        return "", None, {}
+    params = {"settings": meta.get("settings"), "source": meta.get("source")}
+    listed = meta.get("shards")
+    records = listed if isinstance(listed, list) else []
+    return "finished", params, {i: r for i, r in enumerate(records) if isinstance(r, dict)}
+
+
+def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
+    """What changed between two runs' params, in words."""
+    if not isinstance(old, Mapping):
+        return "made by another version or tool"
+
+    def mapping(value: Any) -> Mapping[str, Any]:
+        return value if isinstance(value, Mapping) else {}
+
+    out = []
+    old_settings = mapping(old.get("settings"))
+    for key, value in new["settings"].items():
+        if old_settings.get(key) != value:
+            out.append(f"{key} {old_settings.get(key)!r} -> {value!r}")
+    old_src, new_src = mapping(old.get("source")), new["source"]
+    if old_src.get("path") != new_src.get("path"):
+        out.append(f"source {old_src.get('path')} -> {new_src.get('path')}")
+    elif old_src != new_src:
+        old_files = mapping(old_src.get("files"))
+        changed = [n for n, v in new_src.get("files", {}).items() if old_files.get(n) != v]
+        out.append(f"source changed since ({', '.join(changed[:3]) or 'its description'})")
+    return (
+        "; ".join(out[:3] + (["..."] if len(out) > 3 else [])) or "made by another version or tool"
+    )
+
+
+def _existing_output(
+    directory: Path, params: Mapping[str, Any], num_shards: int
+) -> tuple[dict[int, dict[str, Any]], bool] | str:
+    """Shards to keep and whether finished, if ``directory`` is this run's own output; else a
+    description of what is there (for the refusal)."""
+    names = _listing(directory)
+    if not names:
+        return {}, False
+    status, old, shards = _recorded_params(directory)
+    ours = _own_names(max(num_shards, len(shards)))
+    foreign = [n for n in names if not ours(n)]
+    there = []
+    if status and old != params:
+        article = "an" if status == "unfinished" else "a"
+        there.append(f"{article} {status} table that differs ({_differences(old, params)})")
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        there.append(f"files this command did not write ({', '.join(foreign[:5])}{more})")
+    if not status and not foreign:
+        there.append(f"{', '.join(names[:3])} but no flashnext {META_NAME} or run state")
+    if there:
+        return "holds " + " and ".join(there)
+    kept = {}
+    for index, record in shards.items():
+        path = directory / shard_name(index)
+        ok = 0 <= index < num_shards and path.is_file()
+        if ok and sha256_file(path) == record.get("sha256"):
+            kept[index] = dict(record)
+    return kept, status == "finished" and len(kept) == num_shards
+
+
+def _prepare_destination(
+    dst: Path, params: Mapping[str, Any], num_shards: int, force: bool
+) -> _Destination:
+    """Decide where to write: refuse foreign contents unless ``force``, resume our own.
+
+    Raises:
+        SidecarError: ``dst`` holds something else and ``force`` is not set (the message names
+            what is there), or is not a directory.
     """
-    for name in (STATE_NAME, META_NAME):
+    found = _existing_output(dst, params, num_shards)
+    if not isinstance(found, str):
+        kept, finished = found
+        return _Destination(dst, dst, kept, finished)
+    if not force:
+        raise SidecarError(
+            f"{dst}: {found}. Refusing to overwrite it: choose a new or empty directory, or pass "
+            "--force to replace it (the old contents stay until the new table is complete)"
+        )
+    stage = dst.with_name(f".{dst.name}.flashnext-new")
+    staged = _existing_output(stage, params, num_shards)
+    if isinstance(staged, str):
+        if not _listing(stage) or all(map(_own_names(1 << 20), _listing(stage))):
+            shutil.rmtree(stage, ignore_errors=True)  # an earlier --force run's leftovers
+            staged = ({}, False)
+        else:
+            raise SidecarError(f"{stage}: {staged}; remove it")
+    return _Destination(dst, stage, staged[0], False)
+
+
+def _swap_in(dest: _Destination) -> None:
+    """Replace ``dst`` by the finished work directory; the old contents go last."""
+    old = dest.dst.with_name(f".{dest.dst.name}.flashnext-old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.dst.exists():
+        os.replace(dest.dst, old)
+    os.replace(dest.workdir, dest.dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_own_temps(directory: Path, num_shards: int) -> None:
+    """Temporary files a killed run left (only names this writer creates)."""
+    ours = _own_names(num_shards)
+    for name in _listing(directory):
+        if ".tmp-" in name and ours(name):
+            (directory / name).unlink(missing_ok=True)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Worker initializer: exit when the parent process dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    else:
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True, name="flashnext-parent-watch").start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _run_shards(
+    jobs: list[tuple[Any, ...]], workers: int, finished: Callable[[ShardResult], None]
+) -> None:
+    """Quantize ``jobs`` (arguments of :func:`quantize_shard`) here or in worker processes."""
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            finished(quantize_shard(*job))
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=ctx,
+        initializer=_die_with_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
+        pending = {pool.submit(quantize_shard, *job) for job in jobs}
         try:
-            state = json.loads((dst / name).read_text())
-        except (OSError, ValueError):
-            continue
-        if name == STATE_NAME and state.get("params") == params:
-            return {int(k): v for k, v in state.get("shards", {}).items()}
-        if name == META_NAME and _meta_params(state) == params:
-            return {
-                i: rec for i, rec in enumerate(state.get("shards", [])) if isinstance(rec, dict)
-            }
-    return {}
+            while pending:
+                complete, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in complete:
+                    finished(fut.result())
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
 
 
-def _meta_params(meta: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "format": meta.get("format"),
-        "rows_per_shard": meta.get("rows_per_shard"),
-        "num_rows": meta.get("num_rows"),
-        "width": meta.get("width"),
-        "source": meta.get("source"),
-        "flashnext_version": meta.get("flashnext_version"),
-    }
+def _table_rmse(records: Iterable[Mapping[str, Any]]) -> float:
+    """Relative RMSE of the whole table from the shards' squared-error sums."""
+    records = list(records)
+    sq_err = sum(float(r.get("sq_err", 0.0)) for r in records)
+    sq_ref = sum(float(r.get("sq_ref", 0.0)) for r in records)
+    return float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
 
 
 def quantize_table(
@@ -223,15 +491,16 @@ def quantize_table(
     rows_per_shard: int,
     *,
     workers: int = 1,
-    geometry: dict[str, Any] | None = None,
+    geometry: PLEGeometry | Mapping[str, Any] | None = None,
     block_rows: int = DEFAULT_BLOCK_ROWS,
     on_shard: Callable[[ShardResult | None, int], None] | None = None,
+    force: bool = False,
 ) -> QuantizeResult:
     """Convert ``source`` into a ``fmt`` sidecar at ``dst``, resuming a previous run.
 
     Args:
         source: float32 rows by range (:class:`RowSource`).
-        dst: destination directory; created if missing.
+        dst: destination directory (see the module docstring for what may be there).
         fmt: ``bf16``, ``fp8``, ``int4`` or ``nvfp4``.
         rows_per_shard: rows per output shard (the last may hold fewer).
         workers: processes quantizing shards in parallel (1 = in this process).
@@ -239,95 +508,89 @@ def quantize_table(
         block_rows: rows read and quantized at a time (bounds memory).
         on_shard: called after each shard with its result (``None`` for a kept shard) and the
             shard's row count; drives progress bars.
+        force: replace a destination that holds anything else (written beside, swapped in).
 
     Raises:
-        SidecarError, FormatError: bad arguments, or a non-finite source value (named by row).
+        SidecarError: bad arguments, a destination that holds something else (without
+            ``force``), or a file that cannot be read or written.
+        FormatError: a non-finite source value (named by row).
     """
-    t0 = time.perf_counter()
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    codec = get_codec(fmt)
-    codec.check_width(source.width)
+    get_codec(fmt).check_width(source.width)
     if rows_per_shard <= 0:
         raise SidecarError(f"rows_per_shard must be positive, found {rows_per_shard}")
-    params = _params(source, fmt, rows_per_shard)
+    try:
+        return _quantize(
+            source, Path(dst), fmt, rows_per_shard, workers, geometry, block_rows, on_shard, force
+        )
+    except OSError as exc:
+        where = exc.filename or dst
+        raise SidecarError(
+            f"{where}: {exc.strerror or exc} (while quantizing into {dst}); check the path and "
+            "its permissions"
+        ) from None
+
+
+def _quantize(
+    source: RowSource,
+    dst: Path,
+    fmt: str,
+    rows_per_shard: int,
+    workers: int,
+    geometry: PLEGeometry | Mapping[str, Any] | None,
+    block_rows: int,
+    on_shard: Callable[[ShardResult | None, int], None] | None,
+    force: bool,
+) -> QuantizeResult:
+    t0 = time.perf_counter()
+    described = source.describe()
     writer = SidecarWriter(
-        dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, source.describe()
+        dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, described
     )
-    done = _load_state(dst, params)
-    (dst / META_NAME).unlink(missing_ok=True)  # META.json marks a finished sidecar; not yet
-    # A run killed mid-write leaves its temporary files (atomic_write's ".NAME.tmp-PID").
-    for leftover in dst.glob(".*.tmp-*"):
-        if leftover.name.startswith((".shard_", f".{META_NAME}", f".{STATE_NAME}")):
-            leftover.unlink(missing_ok=True)
-    kept: dict[int, dict[str, Any]] = {}
-    for index, record in done.items():
-        path = dst / shard_name(index)
-        if (
-            index < writer.num_shards
-            and path.exists()
-            and sha256_file(path) == record.get("sha256")
-        ):
-            kept[index] = record
-    state = {"params": params, "shards": {str(k): v for k, v in kept.items()}}
-    write_json(dst / STATE_NAME, state)
-    for index, record in kept.items():
-        writer.adopt(record)
+    dest = _prepare_destination(dst, writer.params, writer.num_shards, force)
+    writer.path = dest.workdir
+    for index in dest.kept:
         if on_shard:
             start, end = writer.shard_rows(index)
             on_shard(None, end - start)
-
-    todo = [i for i in range(writer.num_shards) if i not in kept]
+    if dest.finished:
+        return _result(open_sidecar(dst), [], len(dest.kept), t0, source.width)
+    _remove_own_temps(dest.workdir, writer.num_shards)
+    writer.start(dest.kept)
     results: list[ShardResult] = []
 
     def finished(res: ShardResult) -> None:
         writer.adopt(res.record)
         results.append(res)
-        state["shards"][str(res.index)] = res.record
-        write_json(dst / STATE_NAME, state)
         if on_shard:
             on_shard(res, res.record["rows"])
 
-    jobs: Iterable[tuple[Any, ...]] = [
-        (source, str(dst), fmt, i, *writer.shard_rows(i), rows_per_shard, block_rows) for i in todo
+    jobs = [
+        (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, block_rows)
+        for i in range(writer.num_shards)
+        if i not in dest.kept
     ]
-    if workers <= 1 or len(todo) <= 1:
-        for job in jobs:
-            finished(quantize_shard(*job))
-    else:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            pending = {pool.submit(quantize_shard, *job) for job in jobs}
-            try:
-                while pending:
-                    complete, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in complete:
-                        finished(fut.result())
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
-
-    for stale in dst.glob("shard_*.safetensors"):  # left by an earlier run with other arguments
-        suffix = stale.name[len("shard_") : -len(".safetensors")]
-        if not suffix.isdigit() or int(suffix) >= writer.num_shards:
-            stale.unlink()
+    _run_shards(jobs, workers, finished)
     records = [writer.records[i] for i in range(writer.num_shards)]
-    sq_err = sum(float(r.get("sq_err", 0.0)) for r in records)
-    sq_ref = sum(float(r.get("sq_ref", 0.0)) for r in records)
-    rel = float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
-    sidecar = writer.finish(quantization={"rel_rmse": rel, "method": get_codec(fmt).method})
-    (dst / STATE_NAME).unlink(missing_ok=True)
+    sidecar = writer.finish(
+        quantization={"rel_rmse": _table_rmse(records), "method": get_codec(fmt).method}
+    )
+    if dest.replaces:
+        _swap_in(dest)
+        sidecar = open_sidecar(dst)
+    return _result(sidecar, results, len(dest.kept), t0, source.width)
+
+
+def _result(
+    sidecar: Sidecar, results: list[ShardResult], kept: int, t0: float, width: int
+) -> QuantizeResult:
+    records = sidecar.meta.get("shards", [])
     written = sum(r.record["rows"] for r in results)
     return QuantizeResult(
         sidecar=sidecar,
-        rel_rmse=rel,
+        rel_rmse=_table_rmse(records),
         shards_written=len(results),
-        shards_kept=len(kept),
+        shards_kept=kept,
         seconds=time.perf_counter() - t0,
-        source_bytes=written * source.width * 4,
+        source_bytes=written * width * 4,
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
     )
-

@@ -27,7 +27,24 @@ A sidecar is a directory holding one PLE layer's table, split by rows:
   ``num_rows``, ``num_shards`` or ``width``, every shard is checked against it.
 
 Each shard is written to a temporary name and renamed when complete, so a shard file that
-exists under its final name is whole; its sha256 is recorded in META.json.
+exists under its final name is whole; its sha256 is recorded in META.json. Each shard's
+safetensors ``__metadata__`` holds ``format``, ``row_start`` (its first table row) and
+``table_rows`` (the table's row count); readers check them where present, so a misnumbered,
+swapped or stray shard is refused even without META.json.
+
+Completeness (finished vs unfinished)
+-------------------------------------
+While a writer works, the directory holds ``.flashnext-quantize.json`` (:data:`STATE_NAME`, a
+``flashnext.ple.quantize_state`` record: the settings, the source's identity, the shards done).
+META.json is written last and the state file removed after it, so a directory is *finished*
+exactly when it has no state file. Readers refuse an unfinished directory ("unfinished: N of M
+shards, rerun the command that made it").
+
+Sidecars without META.json (written by other tools) are read only when order and extent are
+unambiguous: shard numbers consecutive from 0, every shard but the last of equal rows, and
+per-shard metadata (where present) consistent with that order. META.json numbers are bounded
+(:data:`MAX_SHARDS`, :data:`MAX_ROWS`, :data:`MAX_WIDTH`) and checked before anything is
+allocated from them.
 """
 
 from __future__ import annotations
@@ -44,8 +61,10 @@ import numpy as np
 
 from flashnext import __version__
 from flashnext.atomic import write_json
-from flashnext.errors import FormatError, SidecarError
+from flashnext.errors import FlashnextError, FormatError, GeometryError, SidecarError
 from flashnext.ple.formats import FORMATS, Codec, detect_format, get_codec
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.records import check_record, make_record
 from flashnext.safetensors_file import (
     Header,
     SafetensorsError,
@@ -58,6 +77,14 @@ from flashnext.safetensors_file import (
 
 FORMAT_VERSION = 1
 META_NAME = "META.json"
+#: Present while a writer works; its absence (with META.json written) marks a finished sidecar.
+STATE_NAME = ".flashnext-quantize.json"
+STATE_KIND = "flashnext.ple.quantize_state"
+#: Bounds on what META.json or a directory may claim, checked before anything is allocated.
+MAX_SHARDS = 1 << 20
+MAX_ROWS = 1 << 40
+MAX_WIDTH = 1 << 16
+MAX_META_BYTES = 16 << 20
 _SHARD_RE = re.compile(r"^shard_(\d+)\.safetensors$")
 
 
@@ -100,9 +127,9 @@ class Sidecar:
         return sum(s.path.stat().st_size for s in self.shards)
 
     @property
-    def geometry(self) -> dict[str, Any] | None:
-        geo = self.meta.get("geometry")
-        return geo if isinstance(geo, dict) else None
+    def geometry(self) -> PLEGeometry | None:
+        """The table's geometry from META.json (validated when the sidecar was opened)."""
+        return _meta_geometry(self.path, self.meta, self.num_rows, self.width)
 
     def expected_checksums(self) -> dict[int, str]:
         """Shard index -> sha256 recorded in META.json (empty when none recorded)."""
@@ -131,81 +158,192 @@ class Sidecar:
         return problems
 
 
-def _meta_int(meta: Mapping[str, Any], *keys: str) -> int | None:
+def _meta_int(root: Path, meta: Mapping[str, Any], *keys: str, limit: int = MAX_ROWS) -> int | None:
+    """The first of ``keys`` present in META.json, checked to be an int in ``[1, limit]``."""
     for k in keys:
-        v = meta.get(k)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
+        if k not in meta or meta[k] is None:
+            continue
+        v = meta[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
+            raise SidecarError(
+                f"{root / META_NAME}: {k}={v!r}, expected an integer in [1, {limit}]; "
+                "fix or remove it"
+            )
+        return v
     return None
 
 
-def _load_meta(root: Path) -> dict[str, Any]:
+def read_meta(root: Path) -> dict[str, Any]:
+    """META.json of ``root`` as a dict ({} when absent), size-bounded and checked to be an object.
+
+    Raises:
+        SidecarError: unreadable (permissions), too large, not JSON or not an object.
+    """
     path = root / META_NAME
     if not path.exists():
         return {}
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if not path.is_file():
+            raise SidecarError(f"{path}: is not a file; remove it or replace it with META.json")
+        if path.stat().st_size > MAX_META_BYTES:
+            raise SidecarError(
+                f"{path}: {path.stat().st_size} bytes, more than {MAX_META_BYTES} for a META.json"
+            )
+        text = path.read_bytes()
+    except OSError as exc:
+        raise SidecarError(f"{path}: cannot read ({exc.strerror}); check its permissions") from None
+    try:
+        meta = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SidecarError(f"{path}: not valid JSON ({exc}); delete or re-create it") from None
     if not isinstance(meta, dict):
         raise SidecarError(f"{path}: expected a JSON object, found {type(meta).__name__}")
     return meta
 
 
-def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
-    """Validate a sidecar directory's headers and return its description (no data is read).
+def _meta_geometry(
+    root: Path, meta: Mapping[str, Any], num_rows: int, width: int
+) -> PLEGeometry | None:
+    data = meta.get("geometry")
+    if data is None:
+        return None
+    where = f"{root / META_NAME}: geometry"
+    try:
+        if not isinstance(data, dict):
+            raise GeometryError(f"expected an object, found {type(data).__name__}")
+        geo = PLEGeometry.from_dict(data)
+    except (GeometryError, TypeError, ValueError) as exc:
+        raise SidecarError(f"{where}: {exc}; fix it or remove the geometry field") from None
+    if (geo.num_rows, geo.width) != (num_rows, width):
+        raise SidecarError(
+            f"{where} describes {geo.num_rows} rows x {geo.width}, but the shards hold "
+            f"{num_rows} x {width}; the geometry belongs to another table: fix or remove it"
+        )
+    return geo
 
-    Every shard is checked: the header parses and matches the file size; the tensor names are
-    those of one format, the same in every shard; dtypes and shapes match the format; every
-    shard but the last holds ``rows_per_shard`` rows; widths agree; shard indices have no gap.
+
+def read_state(root: Path) -> dict[str, Any] | None:
+    """The writer's state record in ``root`` (None when there is none: a finished directory).
 
     Raises:
-        SidecarError: with the file, the tensor, what was expected and what was found.
+        SidecarError: the state file exists but is not a readable state record.
     """
-    root = Path(path)
-    if not root.is_dir():
+    path = root / STATE_NAME
+    if not path.exists():
+        return None
+    try:
+        record = check_record(json.loads(path.read_text()), STATE_KIND, source=str(path))
+    except (OSError, UnicodeDecodeError, ValueError, FlashnextError) as exc:
         raise SidecarError(
-            f"{root}: not a directory (expected a PLE sidecar: shard_N.safetensors + META.json)"
-        )
-    meta = _load_meta(root)
+            f"{root}: unfinished (its state file is unreadable: {exc}); rerun the command that "
+            "made it, or remove the directory"
+        ) from None
+    return record
+
+
+def _refuse_unfinished(root: Path) -> None:
+    state = read_state(root)
+    if state is None:
+        return
+    done = state.get("shards")
+    total = state.get("num_shards")
+    command = state["environment"].get("command")
+    how = f" ({' '.join(map(str, command))})" if isinstance(command, list) and command else ""
+    raise SidecarError(
+        f"{root}: unfinished: {len(done) if isinstance(done, dict) else '?'} of {total} shards, "
+        f"rerun the command that made it{how}"
+    )
+
+
+def _list_shards(root: Path) -> dict[int, Path]:
+    """Shard index -> file, refusing duplicates, directories and unreadable entries."""
     found: dict[int, Path] = {}
-    for entry in root.iterdir():
+    try:
+        entries = list(root.iterdir())
+    except OSError as exc:
+        raise SidecarError(f"{root}: cannot list ({exc.strerror}); check its permissions") from None
+    for entry in entries:
         m = _SHARD_RE.match(entry.name)
-        if m:
-            index = int(m.group(1))
-            if index in found:
-                raise SidecarError(
-                    f"{root}: {found[index].name} and {entry.name} both claim shard {index}; "
-                    "remove the one that does not belong"
-                )
-            found[index] = entry
+        if not m:
+            continue
+        index = int(m.group(1))
+        if index in found:
+            raise SidecarError(
+                f"{root}: {found[index].name} and {entry.name} both claim shard {index}; "
+                "remove the one that does not belong"
+            )
+        if not entry.is_file():
+            raise SidecarError(f"{entry}: is not a file (expected a safetensors shard); remove it")
+        found[index] = entry
+        if len(found) > MAX_SHARDS:
+            raise SidecarError(f"{root}: more than {MAX_SHARDS} shard files")
     if not found:
         raise SidecarError(f"{root}: no shard_N.safetensors files")
-    num_shards = _meta_int(meta, "num_shards", "shards")
-    last = max(found) if num_shards is None else max(num_shards - 1, max(found))
-    missing = [i for i in range(last + 1) if i not in found]
-    if missing:
-        names = ", ".join(shard_name(i) for i in missing[:5])
-        raise SidecarError(
-            f"{root}: missing {names}{' ...' if len(missing) > 5 else ''} "
-            f"({len(missing)} of {last + 1} shards); re-create or re-download them"
-        )
-    if num_shards is not None and len(found) != num_shards:
-        raise SidecarError(
-            f"{root}: {len(found)} shard files, but {META_NAME} says num_shards={num_shards}"
-        )
+    return found
 
-    headers: list[Header] = []
-    for i in range(last + 1):
+
+def _names(indices: list[int], limit: int = 5) -> str:
+    names = ", ".join(shard_name(i) for i in indices[:limit])
+    return names + (" ..." if len(indices) > limit else "")
+
+
+def _shard_order(root: Path, found: dict[int, Path], num_shards: int | None) -> list[Path]:
+    """The shard files in row order, or an error saying what is missing or does not belong."""
+    indices = sorted(found)
+    if num_shards is not None:
+        beyond = [i for i in indices if i >= num_shards]
+        if beyond:
+            raise SidecarError(
+                f"{root}: {_names(beyond)} beyond num_shards={num_shards} in {META_NAME}: "
+                "not part of this table; remove them (or fix num_shards)"
+            )
+        if len(found) < num_shards:
+            missing = [i for i in range(num_shards) if i not in found]
+            raise SidecarError(
+                f"{root}: missing {_names(missing)} ({len(missing)} of {num_shards} shards); "
+                "re-create or re-download them"
+            )
+        return [found[i] for i in range(num_shards)]
+    run = next((k for k, i in enumerate(indices) if i != k), len(indices))
+    if run < len(indices):
+        after = indices[run:]
+        gap = after[0] - run
+        absent = shard_name(run) + (f" .. {shard_name(after[0] - 1)}" if gap > 1 else "")
+        have = (
+            "no shard_0"
+            if run == 0
+            else f"{shard_name(0)}" + (f" .. {shard_name(run - 1)}" if run > 1 else "")
+        )
+        raise SidecarError(
+            f"{root}: shard numbers are not consecutive from 0 ({have}, then {_names(after)}): "
+            f"either {absent} {'are' if gap > 1 else 'is'} missing (restore "
+            f"{'them' if gap > 1 else 'it'}) or {_names(after)} "
+            f"{'do' if len(after) > 1 else 'does'} not belong (remove "
+            f'{"them" if len(after) > 1 else "it"}); add {META_NAME} with "num_shards" '
+            "to say which"
+        )
+    return [found[i] for i in indices]
+
+
+def _read_headers(paths: list[Path]) -> list[Header]:
+    headers = []
+    for path in paths:
         try:
-            headers.append(read_header(found[i]))
+            headers.append(read_header(path))
         except SafetensorsError as exc:
             raise SidecarError(str(exc)) from None
+        except OSError as exc:
+            raise SidecarError(
+                f"{path}: cannot read ({exc.strerror}); check its permissions"
+            ) from None
+    return headers
 
+
+def _detect_codec(root: Path, header: Header, meta: Mapping[str, Any]) -> Codec:
     try:
-        codec = detect_format(headers[0].tensors)
+        codec = detect_format(header.tensors)
     except FormatError as exc:
-        raise SidecarError(f"{headers[0].path}: {exc}") from None
+        raise SidecarError(f"{header.path}: {exc}") from None
     # Other tools name the format "variant" and may prefix it like the card's folders.
     meta_format = meta.get("format", meta.get("variant"))
     named = meta_format.removeprefix("ples_") if isinstance(meta_format, str) else None
@@ -214,30 +352,116 @@ def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
             f"{root}: {META_NAME} says format {meta_format!r} but the shards hold {codec.name} "
             f"tensors {list(codec.tensor_names)}"
         )
+    return codec
 
-    first_rows = _rows_of(headers[0], codec)
-    rows_per_shard = _meta_int(meta, "rows_per_shard", "shard_rows") or first_rows
-    width = _meta_int(meta, "width") or _width_of(headers[0], codec)
-    codec.check_width(width)
+
+def open_sidecar(path: str | os.PathLike[str]) -> Sidecar:
+    """Validate a sidecar directory's headers and return its description (no data is read).
+
+    Every shard is checked: the header parses and matches the file size; the tensor names are
+    those of one format, the same in every shard; dtypes and shapes match the format; every
+    shard but the last holds ``rows_per_shard`` rows; widths agree; shard numbers run from 0
+    without gaps; per-shard metadata agrees with the shard's place; META.json numbers agree.
+
+    Raises:
+        SidecarError: with the file, the tensor, what was expected and what was found; an
+            unfinished directory (a writer's state file present) is refused.
+    """
+    root = Path(path)
+    try:
+        return _open_sidecar(root)
+    except OSError as exc:  # a permission or I/O error on any file: one line naming it
+        raise SidecarError(
+            f"{exc.filename or root}: cannot read ({exc.strerror or exc}); check its permissions"
+        ) from None
+
+
+def _open_sidecar(root: Path) -> Sidecar:
+    if not root.is_dir():
+        raise SidecarError(
+            f"{root}: not a directory (expected a PLE sidecar: shard_N.safetensors + META.json)"
+        )
+    _refuse_unfinished(root)
+    meta = read_meta(root)
+    num_shards = _meta_int(root, meta, "num_shards", limit=MAX_SHARDS)
+    rows_per_shard = _meta_int(root, meta, "rows_per_shard", "shard_rows")
+    num_rows = _meta_int(root, meta, "num_rows", "total_rows")
+    meta_width = _meta_int(root, meta, "width", limit=MAX_WIDTH)
+    headers = _read_headers(_shard_order(root, _list_shards(root), num_shards))
+    codec = _detect_codec(root, headers[0], meta)
+    rows_per_shard = rows_per_shard or _rows_of(headers[0], codec)
+    width = meta_width or _width_of(headers[0], codec)
+    try:
+        codec.check_width(width)
+    except FormatError as exc:
+        source = META_NAME if meta_width else headers[0].path.name
+        raise SidecarError(f"{root}: width {width} from {source}: {exc}") from None
     shards = []
     row_start = 0
     for i, header in enumerate(headers):
-        rows = _check_shard(header, codec, width, rows_per_shard, is_last=i == last)
-        scalars = {}
-        for spec in codec.specs:
-            if not spec.per_row:
-                scalar = header.tensors[spec.name]
-                scalars[spec.name] = float(
-                    np.fromfile(header.path, scalar.dtype, 1, offset=scalar.offset)[0]
-                )
-        shards.append(Shard(i, header.path, row_start, rows, header.tensors, scalars))
+        rows = _check_shard(header, codec, width, rows_per_shard, is_last=i == len(headers) - 1)
+        _check_shard_metadata(header, codec, row_start)
+        shards.append(
+            Shard(i, header.path, row_start, rows, header.tensors, _scalars(header, codec))
+        )
         row_start += rows
-    num_rows = _meta_int(meta, "num_rows", "total_rows")
     if num_rows is not None and num_rows != row_start:
         raise SidecarError(
             f"{root}: shards hold {row_start} rows in all, but {META_NAME} says num_rows={num_rows}"
         )
+    for header in headers:
+        _check_table_rows(header, row_start)
+    _meta_geometry(root, meta, row_start, width)
     return Sidecar(root, codec, width, rows_per_shard, row_start, shards, meta)
+
+
+def _scalars(header: Header, codec: Codec) -> dict[str, float]:
+    """Per-shard scalars (nvfp4 ``weight_scale_2``) read from the file."""
+    scalars = {}
+    for spec in codec.specs:
+        if not spec.per_row:
+            entry = header.tensors[spec.name]
+            scalars[spec.name] = float(
+                np.fromfile(header.path, entry.dtype, 1, offset=entry.offset)[0]
+            )
+    return scalars
+
+
+def _metadata_int(header: Header, key: str) -> int | None:
+    value = header.metadata.get(key)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SidecarError(
+            f"{header.path}: metadata {key}={value!r} is not an integer; re-create this shard"
+        ) from None
+
+
+def _check_shard_metadata(header: Header, codec: Codec, row_start: int) -> None:
+    """A shard's own metadata (where present) must agree with its place in the table."""
+    fmt = header.metadata.get("format")
+    if fmt in FORMATS and fmt != codec.name:
+        raise SidecarError(
+            f"{header.path}: its metadata says format {fmt!r}, the table is {codec.name}"
+        )
+    claimed = _metadata_int(header, "row_start")
+    if claimed is not None and claimed != row_start:
+        raise SidecarError(
+            f"{header.path}: its metadata says row_start {claimed}, but in shard-number order it "
+            f"starts at row {row_start}: the files are misnumbered, swapped or from another "
+            "table; rename them to follow row order or remove the stray one"
+        )
+
+
+def _check_table_rows(header: Header, total: int) -> None:
+    claimed = _metadata_int(header, "table_rows")
+    if claimed is not None and claimed != total:
+        raise SidecarError(
+            f"{header.path}: its metadata says the table has {claimed} rows, the shards hold "
+            f"{total}: a shard is missing or does not belong to this table"
+        )
 
 
 def _rows_of(header: Header, codec: Codec) -> int:
@@ -251,6 +475,7 @@ def _rows_of(header: Header, codec: Codec) -> int:
 
 
 def _width_of(header: Header, codec: Codec) -> int:
+    _rows_of(header, codec)  # 2-D, or a clear error
     return codec.width_of(header.tensors[codec.rows_spec.name].shape)
 
 
@@ -264,6 +489,11 @@ def _check_shard(
             f"({codec.name}, as in {shard_name(0)})"
         )
     rows = _rows_of(header, codec)
+    if rows == 0:
+        raise SidecarError(
+            f"{header.path}: tensor {codec.specs[0].name} has 0 rows; a shard holds at least one "
+            "row: remove it or re-create it"
+        )
     where = "rows per shard from META.json or shard_0" if not is_last else "at most rows per shard"
     if rows != rows_per_shard and not (is_last and 0 < rows <= rows_per_shard):
         raise SidecarError(
@@ -291,8 +521,11 @@ def _check_shard(
 class SidecarWriter:
     """Writes a sidecar shard by shard; :meth:`finish` writes META.json last.
 
-    Shards may be written in any order (parallel workers); each lands atomically. A shard
-    already on disk whose sha256 matches ``resume`` is kept (see :meth:`completed`).
+    :meth:`start` marks the directory unfinished (the state record :data:`STATE_NAME`) before
+    anything else is written, and only then removes an old META.json, so at every instant the
+    directory is either finished or refused by readers as unfinished. :meth:`finish` writes
+    META.json, then removes the state record. Shards may be written in any order (parallel
+    workers: :meth:`adopt` counts a shard written elsewhere); each lands atomically.
     """
 
     def __init__(
@@ -302,8 +535,9 @@ class SidecarWriter:
         width: int,
         num_rows: int,
         rows_per_shard: int,
-        geometry: Mapping[str, Any] | None = None,
+        geometry: PLEGeometry | Mapping[str, Any] | None = None,
         source: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
         self.codec = get_codec(fmt)
@@ -316,15 +550,50 @@ class SidecarWriter:
         self.num_rows = num_rows
         self.rows_per_shard = rows_per_shard
         self.num_shards = -(-num_rows // rows_per_shard)
+        if isinstance(geometry, PLEGeometry):
+            geometry = geometry.to_dict()
         self.geometry = dict(geometry) if geometry is not None else None
         self.source = dict(source or {})
+        #: What the output depends on besides the source; recorded in the state and META.json.
+        self.settings = dict(settings) if settings else self.default_settings()
         self.records: dict[int, dict[str, Any]] = {}
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._started = False
+
+    def default_settings(self) -> dict[str, Any]:
+        return {
+            "format": self.codec.name,
+            "rows_per_shard": self.rows_per_shard,
+            "num_rows": self.num_rows,
+            "width": self.width,
+            "flashnext_version": __version__,
+        }
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The identity of this output: settings and the source's identity."""
+        return {"settings": self.settings, "source": self.source}
 
     def shard_rows(self, index: int) -> tuple[int, int]:
         """Global row range ``[start, end)`` of shard ``index``."""
         start = index * self.rows_per_shard
         return start, min(start + self.rows_per_shard, self.num_rows)
+
+    def start(self, kept: Mapping[int, Mapping[str, Any]] | None = None) -> None:
+        """Mark the directory unfinished (creating it), counting ``kept`` shards as written."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.records = {int(i): dict(r) for i, r in (kept or {}).items()}
+        self._save_state()
+        (self.path / META_NAME).unlink(missing_ok=True)
+        self._started = True
+
+    def _save_state(self) -> None:
+        payload = {
+            "directory": str(self.path),
+            "num_shards": self.num_shards,
+            "params": self.params,
+            "shards": {str(k): v for k, v in sorted(self.records.items())},
+        }
+        write_json(self.path / STATE_NAME, make_record(STATE_KIND, payload))
 
     def write_shard(
         self, index: int, tensors: Mapping[str, np.ndarray], **extra: Any
@@ -336,22 +605,35 @@ class SidecarWriter:
         """
         if not 0 <= index < self.num_shards:
             raise SidecarError(f"{self.path}: shard index {index} outside [0, {self.num_shards})")
+        if not self._started:
+            self.start()
         start, end = self.shard_rows(index)
         record = write_shard_file(
-            self.path, self.codec, self.width, index, start, end - start, tensors, **extra
+            self.path,
+            self.codec,
+            self.width,
+            index,
+            start,
+            end - start,
+            tensors,
+            table_rows=self.num_rows,
+            **extra,
         )
-        self.records[index] = record
+        self.adopt(record)
         return record
 
     def adopt(self, record: Mapping[str, Any]) -> None:
-        """Count a shard already on disk (verified by the caller) as written."""
+        """Count a shard already on disk (written by a worker or verified) as written."""
         m = _SHARD_RE.match(str(record.get("file", "")))
         if not m:
             raise SidecarError(f"{self.path}: record {record!r} names no shard file")
+        if not self._started:
+            self.start()
         self.records[int(m.group(1))] = dict(record)
+        self._save_state()
 
     def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:
-        """Write META.json once every shard is written, then re-open and return the sidecar."""
+        """Write META.json once every shard is written, drop the state record, re-open."""
         missing = [i for i in range(self.num_shards) if i not in self.records]
         if missing:
             raise SidecarError(f"{self.path}: cannot finish, shards {missing[:8]} not written")
@@ -365,10 +647,12 @@ class SidecarWriter:
             "shards": [self.records[i] for i in range(self.num_shards)],
             "geometry": self.geometry,
             "source": self.source,
+            "settings": self.settings,
             "quantization": dict(quantization) if quantization else None,
             "flashnext_version": __version__,
         }
         write_json(self.path / META_NAME, meta)
+        (self.path / STATE_NAME).unlink(missing_ok=True)
         return open_sidecar(self.path)
 
 
@@ -380,11 +664,14 @@ def write_shard_file(
     row_start: int,
     rows: int,
     tensors: Mapping[str, np.ndarray],
+    *,
+    table_rows: int | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Write ``root/shard_{index}.safetensors`` atomically after checking names, dtypes, shapes.
 
-    Returns the shard's META.json record ``{"file", "rows", "sha256", **extra}``.
+    The shard's metadata records its format, first row and (when given) the table's rows,
+    so readers can check its place without META.json. Returns the shard's META.json record ``{"file", "rows", "sha256", **extra}``.
 
     Raises:
         FormatError: a tensor is missing or has the wrong dtype or shape.
@@ -404,7 +691,12 @@ def write_shard_file(
     digest = write_file(
         Path(root) / shard_name(index),
         ordered,
-        metadata={"format": codec.name, "row_start": str(row_start), "flashnext": __version__},
+        metadata={
+            "format": codec.name,
+            "row_start": str(row_start),
+            **({"table_rows": str(table_rows)} if table_rows is not None else {}),
+            "flashnext": __version__,
+        },
     )
     return {"file": shard_name(index), "rows": rows, "sha256": digest, **extra}
 

@@ -188,7 +188,7 @@ class PLETable:
     def _check_ids(self, ids: object) -> np.ndarray:
         if not self._segments:
             raise SidecarError(f"{self.sidecar.path}: lookup on a closed table")
-        arr = np.asarray(ids)
+        arr = _no_wrapping_ids(ids)
         if arr.dtype.kind not in "iu" and arr.size:
             raise IndexError(f"row ids must be integers, found dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False)
@@ -317,3 +317,14 @@ def dequantize_raw(codec: Codec, raw: Mapping[str, np.ndarray], width: int) -> n
         return np.zeros((*lead, width), dtype=np.float32)
     flat = {k: np.asarray(v).reshape(n, *np.shape(v)[len(lead) :]) for k, v in raw.items()}
     return codec.dequantize(flat).reshape(*lead, width)
+
+
+def _no_wrapping_ids(ids: object) -> np.ndarray:
+    """``ids`` as an array, refusing unsigned ids that int64 would wrap to -1 (padding)."""
+    arr = np.asarray(ids)
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise IndexError(
+            f"row id {int(arr.max())} does not fit in int64 (it would wrap to a negative id); "
+            "ids must be in [-1, num_rows)"
+        )
+    return arr
