@@ -51,7 +51,7 @@ _KERNELS: dict[str, tuple[Callable[..., int], tuple[np.ndarray, ...]]] = {
     "int4": (kern.lookup_int4, (_FP16_F32,)),
     "nvfp4": (kern.lookup_nvfp4, (np.ascontiguousarray(E2M1_CODES, np.float32), _E4M3_F32)),
 }
-_OUT_BITS = {np.dtype(np.float32): np.dtype(np.uint32), BF16: np.dtype(np.uint16)}
+_OUT_BITS = {np.dtype(np.float32): np.dtype(np.float32), BF16: np.dtype(np.uint16)}
 
 
 @dataclass
@@ -106,10 +106,18 @@ class _Locator:
 
     geo: np.ndarray  # int64 [6]
     seg_start: np.ndarray  # int64 [S]
-    bases: np.ndarray  # uint64 [T, S + 1]
+    bases: np.ndarray  # int64 [T, S + 1]: addresses
+    row_bytes: np.ndarray  # int64 [T]
     hot_ids: np.ndarray  # int64 [H], sorted
     scalars: np.ndarray  # float32 [S]
     keep: tuple[Any, ...]
+
+    @property
+    def args(self) -> tuple[np.ndarray, ...]:
+        """The locator arguments every kernel takes after ``ids, lo, hi``."""
+        return (
+            self.geo, self.seg_start, self.bases, self.row_bytes, self.hot_ids, self.scalars
+        )
 
 
 class PLETable:
@@ -254,12 +262,14 @@ class PLETable:
         """Per open shard: its first open row and each tensor's address of that row."""
         start, end = self.row_range
         seg_start = np.maximum(self._shard_starts, start)
-        bases = np.zeros((len(self._row_specs), seg_start.size + 1), dtype=np.uint64)
+        bases = np.zeros((len(self._row_specs), seg_start.size + 1), dtype=np.int64)
+        row_bytes = np.zeros(len(self._row_specs), dtype=np.int64)
         for t, spec in enumerate(self._row_specs):
             for k, first in enumerate(seg_start.tolist()):
                 seg = self._segments[0 if self.residency == "resident" else k]
                 arr = seg.arrays[spec.name]
                 bases[t, k] = arr.ctypes.data + (first - seg.start) * arr.strides[0]
+                row_bytes[t] = arr.strides[0]
             if hot:
                 bases[t, -1] = hot[spec.name].ctypes.data
         geo = np.array(
@@ -268,7 +278,8 @@ class PLETable:
         )
         scal = self._shard_scalars
         scalars = next(iter(scal.values())) if scal else np.ones(seg_start.size, np.float32)
-        return _Locator(geo, seg_start, bases, hot_ids, scalars, (self._segments, dict(hot)))
+        keep = (self._segments, dict(hot))
+        return _Locator(geo, seg_start, bases, row_bytes, hot_ids, scalars, keep)
 
     def _hot_ids(self, hot_rows: HotRows) -> np.ndarray:
         """The hot tier's global row ids inside row_range, unique and sorted (file order)."""
@@ -367,8 +378,7 @@ class PLETable:
             kernel, luts = _KERNELS[self.format]
             flat = arr.reshape(-1)
             bits = out.reshape(flat.size, self.width).view(_OUT_BITS[dt])
-            args = (state.geo, state.seg_start, state.bases, state.hot_ids, state.scalars)
-            bad = kern.run_split(kernel, flat, (*args, *luts, bits), self.threads)
+            bad = kern.run_split(kernel, flat, (*state.args, *luts, bits), self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return out
@@ -400,11 +410,9 @@ class PLETable:
         no_scalars = np.zeros(0, np.float32)
         for t, spec in enumerate(self._row_specs):
             dst = result[spec.name].reshape(flat.size, -1).view(np.uint8)
-            args = (state.geo, state.seg_start, state.bases[t], state.hot_ids, state.scalars)
             dst_scalars = scal[0] if t == 0 and scal else no_scalars
-            bad = kern.run_split(
-                kern.gather_tensor, flat, (*args, spec.pad, dst, dst_scalars), self.threads
-            )
+            args = (*state.args, t, spec.pad, dst, dst_scalars)
+            bad = kern.run_split(kern.gather_tensor, flat, args, self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return result
