@@ -34,9 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from llvmlite import ir
 from numba.extending import intrinsic, overload
 
 _OUT = -1  # padding or outside row_range: a zero row
@@ -121,7 +121,7 @@ def _row_of(out, i, scratch):  # type: ignore[no-untyped-def]
     """Where row ``i`` is decoded: ``out[i]`` itself (float32 out) or ``scratch`` (bfloat16)."""
 
 
-@overload(_row_of, jit_options={"nogil": True, "cache": True})
+@overload(_row_of, jit_options={"nogil": True, "cache": True})  # type: ignore[typeddict-unknown-key]
 def _row_of_impl(out, i, scratch):  # type: ignore[no-untyped-def]
     if out.dtype == types.float32:
         return lambda out, i, scratch: out[i]
@@ -133,7 +133,7 @@ def _finish(out, i, scratch):  # type: ignore[no-untyped-def]
     nearest-even, NaN kept NaN; nothing to do for float32 out."""
 
 
-@overload(_finish, jit_options={"nogil": True, "cache": True})
+@overload(_finish, jit_options={"nogil": True, "cache": True})  # type: ignore[typeddict-unknown-key]
 def _finish_impl(out, i, scratch):  # type: ignore[no-untyped-def]
     if out.dtype == types.float32:
         return lambda out, i, scratch: None
@@ -282,7 +282,9 @@ def lookup_nvfp4(ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars
 
 
 @numba.njit(nogil=True, cache=True)
-def gather_tensor(ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, t, pad, dst, dst_scalars):  # type: ignore[no-untyped-def]
+def gather_tensor(
+    ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, t, pad, dst, dst_scalars
+):  # type: ignore[no-untyped-def]
     """Stored bytes of tensor ``t`` -> ``dst`` uint8 [n, row_bytes[t]]; padding rows get byte
     ``pad``. When ``dst_scalars`` (float32 [n]) is not empty it receives each id's per-shard
     scalar (0 for padding)."""

@@ -39,7 +39,7 @@ from flashnext.safetensors_file import read_tensor
 Residency = Literal["mmap", "resident"]
 #: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
 #: (the first N rows of ``hot_rows.safetensors`` beside the sidecar).
-HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]
+HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
 PAD_ID = -1
 
 # Decode tables handed to the kernels, derived from the dtypes formats.py names.
@@ -51,7 +51,10 @@ _KERNELS: dict[str, tuple[Callable[..., int], tuple[np.ndarray, ...]]] = {
     "int4": (kern.lookup_int4, (_FP16_F32,)),
     "nvfp4": (kern.lookup_nvfp4, (np.ascontiguousarray(E2M1_CODES, np.float32), _E4M3_F32)),
 }
-_OUT_BITS = {np.dtype(np.float32): np.dtype(np.float32), BF16: np.dtype(np.uint16)}
+_OUT_BITS: dict[np.dtype[Any], np.dtype[Any]] = {
+    np.dtype(np.float32): np.dtype(np.float32),
+    BF16: np.dtype(np.uint16),
+}
 
 
 @dataclass
@@ -115,9 +118,7 @@ class _Locator:
     @property
     def args(self) -> tuple[np.ndarray, ...]:
         """The locator arguments every kernel takes after ``ids, lo, hi``."""
-        return (
-            self.geo, self.seg_start, self.bases, self.row_bytes, self.hot_ids, self.scalars
-        )
+        return (self.geo, self.seg_start, self.bases, self.row_bytes, self.hot_ids, self.scalars)
 
 
 class PLETable:
@@ -235,7 +236,7 @@ class PLETable:
         for spec in self._row_specs:
             full = read_tensor(shard.tensors[spec.name], shard.path, mmap=True)
             handle = getattr(full, "_mmap", None)
-            if self.residency == "mmap" and hasattr(handle, "madvise"):
+            if self.residency == "mmap" and handle is not None and hasattr(handle, "madvise"):
                 handle.madvise(mmap.MADV_RANDOM)  # a row is ~100 bytes: no readahead
             arrays[spec.name] = full.reshape(spec.shape(shard.rows, self.width))[lo:hi]
         return _Segment(shard.row_start + lo, hi - lo, arrays)
