@@ -113,3 +113,53 @@ def test_mmap_is_zero_copy_and_resident_copies(tmp_path):
     assert resident.resident_bytes == rows * 320 and mapped.resident_bytes == 0
     ids = rng.integers(0, rows, size=512)
     np.testing.assert_array_equal(mapped.lookup(ids), resident.lookup(ids))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("residency", ["mmap", "resident", "hot"])
+def test_fused_kernels_match_numpy_reference(tables, fmt, residency):
+    import ml_dtypes
+
+    root, _ = tables
+    rng = np.random.default_rng()
+    hot = rng.choice(1000, size=100, replace=False) if residency == "hot" else None
+    table = open_table(root / fmt, "mmap" if hot is not None else residency, hot_rows=hot)
+    assert table.hot_rows == (100 if hot is not None else 0)
+    for row_range in (None, (130, 700)):
+        if row_range:
+            table = open_table(root / fmt, "mmap", row_range=row_range, hot_rows=hot)
+        ids = rng.integers(-1, 1000, size=(3, 40_000 // 3))  # big enough to split over threads
+        ref = table.reference_lookup(ids)
+        got = table.lookup(ids)
+        np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+        bf = table.lookup(ids, dtype=ml_dtypes.bfloat16)
+        np.testing.assert_array_equal(
+            bf.view(np.uint16), ref.astype(ml_dtypes.bfloat16).view(np.uint16)
+        )
+        raw, want = table.gather_raw(ids), table.reference_gather_raw(ids)
+        for name in want:
+            assert raw[name].dtype == want[name].dtype and raw[name].shape == want[name].shape
+            np.testing.assert_array_equal(raw[name].view(np.uint8), want[name].view(np.uint8))
+
+
+def test_lookup_from_threads_matches_single_thread(tables):
+    from concurrent.futures import ThreadPoolExecutor
+
+    root, _ = tables
+    table = open_table(root / "int4")
+    rng = np.random.default_rng()
+    batches = [rng.integers(-1, 1000, size=int(rng.integers(1, 20_000))) for _ in range(24)]
+    expect = [table.lookup(b) for b in batches]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(table.lookup, batches))
+    for e, g in zip(expect, got):
+        np.testing.assert_array_equal(e, g)
+
+
+def test_warm_reads_the_open_rows(tables):
+    root, _ = tables
+    table = open_table(root / "fp8", row_range=(100, 900))
+    seen = []
+    warming = table.warm(background=True, progress=seen.append)
+    assert warming.wait(30) and warming.bytes_read == warming.total_bytes == sum(seen)
+    assert warming.total_bytes == 800 * table.codec.bytes_per_row(160)

@@ -1,29 +1,60 @@
-"""PLETable: row lookups from a sidecar, memory-mapped or resident, whole or one TP rank's rows.
+"""PLETable: row lookups from a sidecar, memory-mapped, resident or with a hot tier.
 
 ``mmap`` maps each shard's tensors straight from the safetensors data offsets: nothing is read
-until a row is gathered, and the cost in host RAM is reclaimable page cache. ``resident``
-copies the rows into anonymous memory at open (slower to open, no cold-start page faults).
+until a row is gathered, the cost in host RAM is reclaimable page cache, and the maps are
+advised ``MADV_RANDOM`` so one row does not drag in readahead. ``resident`` copies the rows
+into anonymous memory at open. ``hot_rows`` (mmap only) copies the most-used rows of a
+profile (:mod:`flashnext.ple.profile`) into a small anonymous tier at open, in one pass in
+file order; every other row stays mapped. :meth:`PLETable.warm` pulls the mapped files into
+the page cache in the background.
+
 ``row_range=(start, end)`` opens only the shards overlapping a tensor-parallel rank's rows;
 ids of other ranks' rows give zero rows, so the rank's partial sums add up across ranks.
+
+Lookups run the fused kernels of :mod:`flashnext.ple.lookup_kernels` (one pass per id, GIL
+released, big batches split over threads); :meth:`PLETable.reference_lookup` is the plain
+numpy path they are tested against. A table is safe to use from several threads at once.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal, Union
 
 import numpy as np
 
 from flashnext.errors import SidecarError
-from flashnext.ple.formats import Codec
+from flashnext.ple import lookup_kernels as kern
+from flashnext.ple.formats import BF16, E2M1_CODES, E4M3, GROUP, Codec
 from flashnext.ple.preflight import HostMemory, check_fits
-from flashnext.ple.sidecar import Sidecar, open_sidecar
+from flashnext.ple.profile import PROFILE_NAME, HotRowProfile, load_profile
+from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
 from flashnext.safetensors_file import read_tensor
 
 Residency = Literal["mmap", "resident"]
+#: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
+#: (the first N rows of ``hot_rows.safetensors`` beside the sidecar).
+HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
 PAD_ID = -1
+
+# Decode tables handed to the kernels, derived from the dtypes formats.py names.
+_E4M3_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+_FP16_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+_KERNELS: dict[str, tuple[Callable[..., int], tuple[np.ndarray, ...]]] = {
+    "bf16": (kern.lookup_bf16, ()),
+    "fp8": (kern.lookup_fp8, (_E4M3_F32,)),
+    "int4": (kern.lookup_int4, (_FP16_F32,)),
+    "nvfp4": (kern.lookup_nvfp4, (np.ascontiguousarray(E2M1_CODES, np.float32), _E4M3_F32)),
+}
+_OUT_BITS: dict[np.dtype[Any], np.dtype[Any]] = {
+    np.dtype(np.float32): np.dtype(np.float32),
+    BF16: np.dtype(np.uint16),
+}
 
 
 @dataclass
@@ -69,6 +100,27 @@ class StoredTable:
     shard_scalars: Mapping[str, np.ndarray]
 
 
+@dataclass(frozen=True)
+class _Locator:
+    """What a kernel call needs to find rows (see :mod:`flashnext.ple.lookup_kernels`).
+
+    Holding it keeps every addressed array alive, so a call in flight survives ``close()``.
+    """
+
+    geo: np.ndarray  # int64 [6]
+    seg_start: np.ndarray  # int64 [S]
+    bases: np.ndarray  # int64 [T, S + 1]: addresses
+    row_bytes: np.ndarray  # int64 [T]
+    hot_ids: np.ndarray  # int64 [H], sorted
+    scalars: np.ndarray  # float32 [S]
+    keep: tuple[Any, ...]
+
+    @property
+    def args(self) -> tuple[np.ndarray, ...]:
+        """The locator arguments every kernel takes after ``ids, lo, hi``."""
+        return (self.geo, self.seg_start, self.bases, self.row_bytes, self.hot_ids, self.scalars)
+
+
 class PLETable:
     """Read-only access to one PLE layer's table; build it with :func:`open_table`."""
 
@@ -78,11 +130,15 @@ class PLETable:
         residency: Residency,
         row_range: tuple[int, int] | None,
         preflight: bool | HostMemory = True,
+        hot_rows: HotRows = None,
+        threads: int | None = None,
     ):
         if residency not in ("mmap", "resident"):
             raise SidecarError(f"residency must be 'mmap' or 'resident', found {residency!r}")
         self.sidecar = sidecar
         self.residency: Residency = residency
+        #: Threads a big batch is split over (``FLASHNEXT_LOOKUP_THREADS`` or the CPUs).
+        self.threads = threads or kern.default_threads()
         start, end = (
             (0, sidecar.num_rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
         )
@@ -94,23 +150,34 @@ class PLETable:
         self.row_range = (start, end)
         self._row_specs = [s for s in self.codec.specs if s.per_row]
         self._scalar_specs = [s for s in self.codec.specs if not s.per_row]
-        shards = [
+        self._shards = [
             sh for sh in sidecar.shards if sh.row_start < end and sh.row_start + sh.rows > start
         ]
         # Per-shard scalars (nvfp4 weight_scale_2), found per id by the shard's first row.
-        self._shard_starts = np.array([sh.row_start for sh in shards], dtype=np.int64)
+        self._shard_starts = np.array([sh.row_start for sh in self._shards], dtype=np.int64)
         self._shard_scalars = {
-            spec.name: np.array([sh.scalars[spec.name] for sh in shards], dtype=np.float32)
+            spec.name: np.array([sh.scalars[spec.name] for sh in self._shards], dtype=np.float32)
             for spec in self._scalar_specs
         }
+        memory = preflight if isinstance(preflight, HostMemory) else None
         if residency == "resident" and preflight is not False:
             check_fits(
                 (end - start) * self.codec.bytes_per_row(self.width),
                 f"a resident copy of {sidecar.path} ({self.format}, rows {start}..{end})",
-                memory=preflight if isinstance(preflight, HostMemory) else None,
+                memory=memory,
             )
-        self._segments = self._open_segments(shards, start, end)
-        self._starts = np.array([s.start for s in self._segments], dtype=np.int64)
+        self._segments = self._open_segments(start, end)
+        self._state: _Locator | None = self._locator({}, np.zeros(0, np.int64))
+        hot_ids = self._hot_ids(hot_rows)
+        if hot_ids.size:
+            if preflight is not False:
+                check_fits(
+                    hot_ids.size * self.codec.bytes_per_row(self.width),
+                    f"the hot tier of {sidecar.path} ({hot_ids.size:,} rows)",
+                    memory=memory,
+                )
+            self._state = self._locator(self._load_hot(hot_ids), hot_ids)
+        self._warm_up()
 
     # -- description -------------------------------------------------------------------
     @property
@@ -131,10 +198,16 @@ class PLETable:
         return self.sidecar.width
 
     @property
+    def hot_rows(self) -> int:
+        """Rows held in the hot tier (0 without one)."""
+        return 0 if self._state is None else int(self._state.hot_ids.size)
+
+    @property
     def resident_bytes(self) -> int:
-        """Anonymous memory held by a resident table (0 when memory-mapped)."""
+        """Anonymous memory held for rows: the whole copy (resident) or the hot tier (mmap)."""
+        hot = self.hot_rows * self.codec.bytes_per_row(self.width)
         if self.residency == "mmap":
-            return 0
+            return hot
         return sum(a.nbytes for seg in self._segments for a in seg.arrays.values())
 
     def stored(self) -> StoredTable:
@@ -158,23 +231,25 @@ class PLETable:
         )
 
     # -- opening -------------------------------------------------------------------------
-    def _open_segments(self, shards: list, start: int, end: int) -> list[_Segment]:
+    def _map_shard(self, shard: Shard, lo: int, hi: int) -> _Segment:
+        arrays = {}
+        for spec in self._row_specs:
+            full = read_tensor(shard.tensors[spec.name], shard.path, mmap=True)
+            handle = getattr(full, "_mmap", None)
+            if self.residency == "mmap" and handle is not None and hasattr(handle, "madvise"):
+                handle.madvise(mmap.MADV_RANDOM)  # a row is ~100 bytes: no readahead
+            arrays[spec.name] = full.reshape(spec.shape(shard.rows, self.width))[lo:hi]
+        return _Segment(shard.row_start + lo, hi - lo, arrays)
+
+    def _open_segments(self, start: int, end: int) -> list[_Segment]:
         maps = []
-        for shard in shards:
+        for shard in self._shards:
             lo = max(start, shard.row_start) - shard.row_start
             hi = min(end, shard.row_start + shard.rows) - shard.row_start
-            arrays = {}
-            for spec in self._row_specs:
-                full = read_tensor(shard.tensors[spec.name], shard.path, mmap=True)
-                arrays[spec.name] = (
-                    full.reshape(shard.rows, -1)[lo:hi]
-                    if full.ndim > 1
-                    else (full.reshape(shard.rows)[lo:hi])
-                )
-            maps.append(_Segment(shard.row_start + lo, hi - lo, arrays))
+            maps.append(self._map_shard(shard, lo, hi))
         if self.residency == "mmap":
             return maps
-        # Resident: one anonymous array per tensor, so a lookup is a single gather.
+        # Resident: one anonymous array per tensor, filled shard by shard in file order.
         merged = {}
         for spec in self._row_specs:
             proto = maps[0].arrays[spec.name]
@@ -184,89 +259,256 @@ class PLETable:
             merged[spec.name] = dst
         return [_Segment(start, end - start, merged)]
 
+    def _locator(self, hot: Mapping[str, np.ndarray], hot_ids: np.ndarray) -> _Locator:
+        """Per open shard: its first open row and each tensor's address of that row."""
+        start, end = self.row_range
+        seg_start = np.maximum(self._shard_starts, start)
+        bases = np.zeros((len(self._row_specs), seg_start.size + 1), dtype=np.int64)
+        row_bytes = np.zeros(len(self._row_specs), dtype=np.int64)
+        for t, spec in enumerate(self._row_specs):
+            for k, first in enumerate(seg_start.tolist()):
+                seg = self._segments[0 if self.residency == "resident" else k]
+                arr = seg.arrays[spec.name]
+                bases[t, k] = arr.ctypes.data + (first - seg.start) * arr.strides[0]
+                row_bytes[t] = arr.strides[0]
+            if hot:
+                bases[t, -1] = hot[spec.name].ctypes.data
+        geo = np.array(
+            [self.sidecar.rows_per_shard, self._shards[0].index, start, end, self.num_rows, GROUP],
+            dtype=np.int64,
+        )
+        scal = self._shard_scalars
+        scalars = next(iter(scal.values())) if scal else np.ones(seg_start.size, np.float32)
+        keep = (self._segments, dict(hot))
+        return _Locator(geo, seg_start, bases, row_bytes, hot_ids, scalars, keep)
+
+    def _hot_ids(self, hot_rows: HotRows) -> np.ndarray:
+        """The hot tier's global row ids inside row_range, unique and sorted (file order)."""
+        if hot_rows is None or (isinstance(hot_rows, int) and hot_rows == 0):
+            return np.zeros(0, np.int64)
+        if self.residency != "mmap":
+            raise SidecarError(
+                f"{self.sidecar.path}: hot_rows applies to residency='mmap'; a resident table "
+                "already holds every row in memory"
+            )
+        if isinstance(hot_rows, int):
+            if hot_rows < 0:
+                raise SidecarError(f"hot_rows must be >= 0, found {hot_rows}")
+            ids = load_profile(self.sidecar.path / PROFILE_NAME).row_ids[:hot_rows]
+        elif isinstance(hot_rows, HotRowProfile):
+            ids = hot_rows.row_ids
+        elif isinstance(hot_rows, (str, os.PathLike)):
+            ids = load_profile(hot_rows).row_ids
+        else:
+            ids = np.asarray(hot_rows)
+        ids = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= self.num_rows)]
+        if bad.size:
+            raise SidecarError(
+                f"{self.sidecar.path}: hot row id {int(bad[0])} is outside the table's "
+                f"{self.num_rows} rows; was the profile built for another table?"
+            )
+        start, end = self.row_range
+        return np.unique(ids[(ids >= start) & (ids < end)])
+
+    def _load_hot(self, hot_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Copy rows ``hot_ids`` (sorted) out of the maps: one pass through the files in order."""
+        raw = self.gather_raw(hot_ids)
+        return {spec.name: raw[spec.name] for spec in self._row_specs}
+
+    def _warm_up(self) -> None:
+        """Load the kernels now (from numba's on-disk cache) so no request pays for it."""
+        pad = np.full(1, PAD_ID, np.int64)
+        self.lookup(pad)
+        self.lookup(pad, dtype=BF16)
+        self.gather_raw(pad)
+
     # -- lookups -------------------------------------------------------------------------
-    def _check_ids(self, ids: object) -> np.ndarray:
-        if not self._segments:
+    def _state_or_raise(self) -> _Locator:
+        state = self._state
+        if state is None:
             raise SidecarError(f"{self.sidecar.path}: lookup on a closed table")
+        return state
+
+    def _as_ids(self, ids: object) -> np.ndarray:
         arr = _no_wrapping_ids(ids)
         if arr.dtype.kind not in "iu" and arr.size:
             raise IndexError(f"row ids must be integers, found dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-        bad = (arr < PAD_ID) | (arr >= self.num_rows)
-        if bad.any():
-            pos = np.argwhere(bad)[0]
-            raise IndexError(
-                f"row id {int(arr[tuple(pos)])} at index {tuple(int(p) for p in pos)} is outside the "
-                f"table {self.sidecar.path} of {self.num_rows} rows (use -1 for padding)"
-            )
-        return arr
+        return np.ascontiguousarray(arr, dtype=np.int64)
 
-    def gather_raw(self, ids: object) -> dict[str, np.ndarray]:
+    def _raise_bad(self, arr: np.ndarray, index: int) -> None:
+        pos = tuple(int(p) for p in np.unravel_index(index, arr.shape))
+        raise IndexError(
+            f"row id {int(arr.reshape(-1)[index])} at index {pos} is outside the table "
+            f"{self.sidecar.path} of {self.num_rows} rows (use -1 for padding)"
+        )
+
+    def lookup(
+        self, ids: object, out: np.ndarray | None = None, dtype: Any = np.float32
+    ) -> np.ndarray:
+        """Dequantized rows ``[..., width]`` for int ids ``[...]``.
+
+        Args:
+            ids: int, any shape: global row ids; ``-1`` pads.
+            out: optional C-contiguous destination of shape ``[..., width]`` and ``dtype``.
+            dtype: ``np.float32`` (bit-exact with :meth:`reference_lookup`) or
+                ``ml_dtypes.bfloat16`` (that float32 rounded to nearest-even).
+
+        Returns:
+            ``out`` (or a new array). ``-1`` and ids of rows outside ``row_range`` give +0.0 rows.
+
+        Raises:
+            IndexError: an id is ``< -1`` or ``>= num_rows`` (the message names it).
+            ValueError: ``dtype`` or ``out`` does not fit.
+            SidecarError: the table is closed.
+        """
+        state = self._state_or_raise()
+        arr = self._as_ids(ids)
+        dt = np.dtype(dtype)
+        if dt not in _OUT_BITS:
+            raise ValueError(f"lookup dtype must be float32 or bfloat16, found {dt}")
+        shape = (*arr.shape, self.width)
+        if out is None:
+            out = np.empty(shape, dtype=dt)
+        elif out.dtype != dt or out.shape != shape or not out.flags.c_contiguous:
+            raise ValueError(
+                f"out must be a C-contiguous {dt} array of shape {list(shape)}, found "
+                f"{out.dtype} {list(out.shape)}"
+            )
+        if arr.size:
+            kernel, luts = _KERNELS[self.format]
+            flat = arr.reshape(-1)
+            bits = out.reshape(flat.size, self.width).view(_OUT_BITS[dt])
+            bad = kern.run_split(kernel, flat, (*state.args, *luts, bits), self.threads)
+            if bad >= 0:
+                self._raise_bad(arr, bad)
+        return out
+
+    def gather_raw(
+        self, ids: object, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """The stored tensors of rows ``ids``.
 
         Args:
-            ids: int64, any shape ``[...]``: global row ids; ``-1`` pads.
+            ids: int, any shape ``[...]``: global row ids; ``-1`` pads.
+            out: optional destinations, one per tensor name, shaped as the result below.
 
         Returns:
             For each per-row tensor of the format, an array ``[..., cols]`` (``[...]`` for fp8's
             per-row scale) in its stored dtype; per-shard scalars (nvfp4 ``weight_scale_2``) as
             float32 ``[...]``. Padding ids and ids outside ``row_range`` give entries that
-            dequantize to +0.0 rows (zero scales; int4 codes 0x88).
+            dequantize to +0.0 rows (the format's pad bytes; zero scalars).
 
         Raises:
             IndexError: an id is ``< -1`` or ``>= num_rows``; the message names it.
+            ValueError: an ``out`` array is missing or has the wrong dtype or shape.
         """
-        arr = self._check_ids(ids)
+        state = self._state_or_raise()
+        arr = self._as_ids(ids)
         flat = arr.reshape(-1)
-        n = flat.size
+        result = self._raw_buffers(arr.shape, out)
+        scal = [result[s.name].reshape(-1) for s in self._scalar_specs]
+        no_scalars = np.zeros(0, np.float32)
+        for t, spec in enumerate(self._row_specs):
+            dst = result[spec.name].reshape(flat.size, -1).view(np.uint8)
+            dst_scalars = scal[0] if t == 0 and scal else no_scalars
+            args = (*state.args, t, spec.pad, dst, dst_scalars)
+            bad = kern.run_split(kern.gather_tensor, flat, args, self.threads)
+            if bad >= 0:
+                self._raise_bad(arr, bad)
+        return result
+
+    def _raw_buffers(
+        self, shape: tuple[int, ...], out: Mapping[str, np.ndarray] | None
+    ) -> dict[str, np.ndarray]:
+        result = {}
+        for spec in self.codec.specs:
+            want = (*shape, *spec.shape(1, self.width)[1:])
+            dtype = spec.dtype if spec.per_row else np.dtype(np.float32)
+            if out is None:
+                result[spec.name] = np.empty(want, dtype=dtype)
+                continue
+            got = out.get(spec.name)
+            if got is None or got.dtype != dtype or got.shape != want or not got.flags.c_contiguous:
+                found = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
+                raise ValueError(
+                    f"out[{spec.name!r}] must be a C-contiguous {dtype} array of shape "
+                    f"{list(want)}, found {found}"
+                )
+            result[spec.name] = got
+        return result
+
+    # -- the numpy reference -----------------------------------------------------------------
+    def reference_gather_raw(self, ids: object) -> dict[str, np.ndarray]:
+        """:meth:`gather_raw` in plain numpy from the stored segments (the hot tier unused)."""
+        self._state_or_raise()
+        arr = self._as_ids(ids)
+        flat = arr.reshape(-1)
+        bad = np.flatnonzero((flat < PAD_ID) | (flat >= self.num_rows))
+        if bad.size:
+            self._raise_bad(arr, int(bad[0]))
         start, end = self.row_range
         valid = (flat >= start) & (flat < end)
-        all_valid = bool(valid.all())
+        rows = flat[valid]
+        seg_idx = np.searchsorted([s.start for s in self._segments], rows, side="right") - 1
         out: dict[str, np.ndarray] = {}
-        if len(self._segments) == 1:
-            # One array per tensor (resident, or a single shard): one gather, then pad fix-up.
-            local = flat - start if all_valid else np.where(valid, flat - start, 0)
-            for spec in self._row_specs:
-                out[spec.name] = np.take(self._segments[0].arrays[spec.name], local, axis=0)
-        else:
-            for spec in self._row_specs:
-                proto = self._segments[0].arrays[spec.name]
-                out[spec.name] = np.empty((n, *proto.shape[1:]), dtype=proto.dtype)
-            inside = np.arange(n) if all_valid else np.flatnonzero(valid)
-            rows = flat[inside]
-            seg_idx = np.searchsorted(self._starts, rows, side="right") - 1
-            order = np.argsort(seg_idx, kind="stable")
-            counts = np.bincount(seg_idx, minlength=len(self._segments))
-            bounds = np.concatenate([[0], np.cumsum(counts)])
-            for k in np.flatnonzero(counts):
-                sel = order[bounds[k] : bounds[k + 1]]
+        for spec in self._row_specs:
+            proto = self._segments[0].arrays[spec.name]
+            out[spec.name] = np.empty((flat.size, *proto.shape[1:]), dtype=proto.dtype)
+            out[spec.name][~valid] = spec.pad
+            picked = np.empty((rows.size, *proto.shape[1:]), dtype=proto.dtype)
+            for k in np.unique(seg_idx):
+                sel = seg_idx == k
                 seg = self._segments[k]
-                local = rows[sel] - seg.start
-                for spec in self._row_specs:
-                    out[spec.name][inside[sel]] = np.take(seg.arrays[spec.name], local, axis=0)
+                picked[sel] = np.take(seg.arrays[spec.name], rows[sel] - seg.start, axis=0)
+            out[spec.name][valid] = picked
         for spec in self._scalar_specs:
-            shard_idx = np.searchsorted(self._shard_starts, flat, side="right") - 1
-            out[spec.name] = np.take(self._shard_scalars[spec.name], np.maximum(shard_idx, 0))
-        if not all_valid:
-            pad = ~valid
-            for spec in self.codec.specs:
-                out[spec.name][pad] = spec.pad
-        shape = arr.shape
-        return {k: v.reshape(*shape, *v.shape[1:]) for k, v in out.items()}
+            shard = np.searchsorted(self._shard_starts, flat, side="right") - 1
+            values = np.take(self._shard_scalars[spec.name], np.maximum(shard, 0))
+            out[spec.name] = np.where(valid, values, np.float32(spec.pad)).astype(np.float32)
+        return {k: v.reshape(*arr.shape, *v.shape[1:]) for k, v in out.items()}
 
-    def lookup(self, ids: object) -> np.ndarray:
-        """Dequantized rows: float32 ``[..., width]`` for int ids ``[...]``.
+    def reference_lookup(self, ids: object) -> np.ndarray:
+        """:meth:`lookup` (float32) through the numpy codec: the reference for the kernels."""
+        return dequantize_raw(self.codec, self.reference_gather_raw(ids), self.width)
 
-        ``-1`` and ids of rows outside ``row_range`` give zero rows.
+    # -- cold start ------------------------------------------------------------------------
+    def warm(
+        self, background: bool = True, progress: Callable[[int], None] | None = None
+    ) -> Warming:
+        """Pull the open rows' bytes of every shard file into the page cache.
 
-        Raises:
-            IndexError: an id is ``< -1`` or ``>= num_rows``.
+        Reads the files front to back in large pieces (after ``posix_fadvise(WILLNEED)``) into
+        one reused buffer: no anonymous copy of the table. Lookups keep running meanwhile.
+
+        Args:
+            background: run in a daemon thread and return at once (``Warming.wait()`` joins).
+            progress: called with the bytes read after each piece.
         """
-        return dequantize_raw(self.codec, self.gather_raw(ids), self.width)
+        warming = Warming(self.file_ranges(), progress)
+        if background:
+            warming.start()
+        else:
+            warming.run()
+        return warming
+
+    def file_ranges(self) -> list[tuple[Path, int, int]]:
+        """``(file, offset, length)`` of the open rows' bytes, per shard and tensor."""
+        start, end = self.row_range
+        ranges = []
+        for shard in self._shards:
+            lo = max(start, shard.row_start) - shard.row_start
+            hi = min(end, shard.row_start + shard.rows) - shard.row_start
+            for spec in self._row_specs:
+                entry = shard.tensors[spec.name]
+                row_bytes = entry.nbytes // shard.rows
+                ranges.append((shard.path, entry.offset + lo * row_bytes, (hi - lo) * row_bytes))
+        return ranges
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Drop the maps and copies (memory maps close when their last view is gone)."""
+        self._state = None
         self._segments = []
 
     def __enter__(self) -> PLETable:
@@ -278,8 +520,64 @@ class PLETable:
     def __repr__(self) -> str:
         return (
             f"PLETable({str(self.sidecar.path)!r}, format={self.format}, rows={self.num_rows}, "
-            f"width={self.width}, residency={self.residency}, row_range={self.row_range})"
+            f"width={self.width}, residency={self.residency}, row_range={self.row_range}, "
+            f"hot_rows={self.hot_rows})"
         )
+
+
+class Warming:
+    """Reads byte ranges of files so the kernel caches them; see :meth:`PLETable.warm`."""
+
+    CHUNK = 16 << 20
+
+    def __init__(
+        self, ranges: list[tuple[Path, int, int]], progress: Callable[[int], None] | None = None
+    ):
+        self.ranges = ranges
+        self.total_bytes = sum(length for _, _, length in ranges)
+        self.bytes_read = 0
+        self.error: BaseException | None = None
+        self._progress = progress
+        self._thread: threading.Thread | None = None
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="flashnext-warm", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until warming ends (or ``timeout`` seconds); re-raise its error. True = done."""
+        finished = self._done.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return finished
+
+    def run(self) -> None:
+        """Advise, then read every range in ``CHUNK`` pieces into one reused buffer."""
+        buf = bytearray(self.CHUNK)
+        try:
+            for path, offset, length in self.ranges:
+                with open(path, "rb", buffering=0) as fh:
+                    if hasattr(os, "posix_fadvise"):
+                        os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+                    fh.seek(offset)
+                    left = length
+                    while left > 0:
+                        got = fh.readinto(memoryview(buf)[: min(left, self.CHUNK)])
+                        if not got:
+                            break
+                        left -= got
+                        self.bytes_read += got
+                        if self._progress is not None:
+                            self._progress(got)
+        except BaseException as exc:  # reported by wait()
+            self.error = exc
+        finally:
+            self._done.set()
 
 
 def open_table(
@@ -287,6 +585,8 @@ def open_table(
     residency: Residency = "mmap",
     row_range: tuple[int, int] | None = None,
     preflight: bool | HostMemory = True,
+    hot_rows: HotRows = None,
+    threads: int | None = None,
 ) -> PLETable:
     """Open a sidecar directory for lookups.
 
@@ -296,16 +596,22 @@ def open_table(
             rows into anonymous memory now).
         row_range: ``(start, end)`` global rows this process serves (a tensor-parallel rank's
             rows); only overlapping shards are opened. ``None`` = the whole table.
-        preflight: for ``resident``, refuse up front when host memory (MemAvailable, and the
-            cgroup limit less usage plus reclaimable page cache) cannot hold the copy; a
+        preflight: for a resident copy or a hot tier, refuse up front when host memory
+            (MemAvailable, the cgroup limit less usage plus reclaimable page cache, and the
+            commit limit under ``vm.overcommit_memory=2``) cannot hold it; a
             :class:`HostMemory` checks against that reading instead (another host's, say).
+        hot_rows: mmap only: a :class:`HotRowProfile`, a profile file, row ids in priority
+            order, or N (the first N rows of ``hot_rows.safetensors`` in the sidecar), copied
+            into anonymous memory at open; other rows stay mapped.
+        threads: threads a big lookup is split over (default: the CPUs this process may use).
 
     Raises:
-        SidecarError: the directory is not a valid sidecar or ``row_range`` is out of bounds.
-        PreflightError: a resident copy would not fit in host memory.
+        SidecarError: the directory is not a valid sidecar, ``row_range`` is out of bounds, or
+            the hot-row profile is missing or names rows outside the table.
+        PreflightError: a resident copy or hot tier would not fit in host memory.
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
-    return PLETable(sidecar, residency, row_range, preflight)
+    return PLETable(sidecar, residency, row_range, preflight, hot_rows, threads)
 
 
 def dequantize_raw(codec: Codec, raw: Mapping[str, np.ndarray], width: int) -> np.ndarray:
