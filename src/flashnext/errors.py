@@ -23,12 +23,24 @@ class FormatError(FlashnextError, ValueError):
     """Tensors do not match a PLE table format (dtype, shape, names)."""
 
 
+class SafetensorsError(FlashnextError, ValueError):
+    """A file is not a valid safetensors file; the message names the file and field."""
+
+
+class RowIdError(FlashnextError, IndexError):
+    """A row id given to a lookup is outside the table (or not an integer)."""
+
+
 class SidecarError(FlashnextError):
     """A sidecar directory is missing, incomplete or inconsistent."""
 
 
 class CheckpointError(FlashnextError):
     """A model checkpoint on disk is incomplete or has an unexpected layout."""
+
+
+class InputError(FlashnextError):
+    """A path given on the command line cannot be read or written (the message names it)."""
 
 
 class ValidationError(FlashnextError):

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from flashnext.atomic import atomic_write
+from flashnext.errors import SafetensorsError
 
 #: safetensors dtype names -> numpy dtypes.
 DTYPES: dict[str, np.dtype] = {
@@ -53,10 +54,6 @@ MAX_HEADER = 100 * 1024 * 1024
 def dtype_name(dtype: np.dtype) -> str:
     """The safetensors name of a numpy dtype ("BF16", "F8_E4M3", ...), else ``str(dtype)``."""
     return _NAMES.get(np.dtype(dtype), str(dtype))
-
-
-class SafetensorsError(ValueError):
-    """A file is not a valid safetensors file; the message names the file and field."""
 
 
 @dataclass(frozen=True)
@@ -99,27 +96,43 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise SafetensorsError(f"{p}: {size} bytes, too short for a safetensors file (truncated?)")
     with open(p, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
-        if n > min(MAX_HEADER, size - 8):
+        if n > size - 8:
             raise SafetensorsError(
                 f"{p}: header length {n} exceeds the file ({size} bytes): truncated or not safetensors"
+            )
+        if n > MAX_HEADER:
+            raise SafetensorsError(
+                f"{p}: header length {n} is over the {MAX_HEADER}-byte limit: not a safetensors file"
             )
         raw = fh.read(n)
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise SafetensorsError(f"{p}: header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise SafetensorsError(f"{p}: header is not a JSON object")
-    meta = doc.pop("__metadata__", None) or {}
+    meta = doc.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict):
+        raise SafetensorsError(
+            f"{p}: __metadata__ is a JSON {type(meta).__name__}, expected an object of strings; "
+            "the file was not written by a safetensors writer: re-write it"
+        )
     data_start = 8 + n
     entries: dict[str, TensorEntry] = {}
     spans = []
     for name, info in doc.items():
+        if not isinstance(info, dict):
+            raise SafetensorsError(
+                f"{p}: tensor {name}: header entry is a JSON {type(info).__name__}, expected an "
+                "object with dtype, shape and data_offsets"
+            )
         try:
             dtype_name = info["dtype"]
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(v) for v in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise SafetensorsError(f"{p}: tensor {name}: malformed header entry {info!r}") from None
         if dtype_name not in DTYPES:
             raise SafetensorsError(f"{p}: tensor {name}: unknown dtype {dtype_name!r}")

@@ -9,7 +9,16 @@ import click
 import numpy as np
 from rich.table import Table
 
-from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
+from flashnext.cli._common import (
+    OutputDir,
+    cell,
+    human_bytes,
+    note,
+    out_console,
+    print_record,
+    progress,
+    show,
+)
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.preflight import DEFAULT_HEADROOM, GIB, host_memory
@@ -68,7 +77,7 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         "geometry": sidecar.geometry,
     }
     if as_json:
-        print_json(record)
+        print_record("flashnext.ple.info", record)
     else:
         table = Table(show_header=False, box=None)
         for key in (
@@ -82,18 +91,18 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
             "checksums",
         ):
             value = record[key]
-            table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+            table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))
         table.add_row("size", human_bytes(record["size_bytes"]))
         fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
         table.add_row(
             "resident copy",
-            f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})",
+            cell(f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})"),
         )
         if record["rel_rmse"] is not None:
             table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
-        out_console.print(table)
+        show(table)
         for line in problems:
-            err_console.print(f"[red]{line}")
+            note(line, style="red")
     if problems:
         raise SystemExit(1)
 
@@ -115,7 +124,7 @@ def open_row_source(src: Path, layer: int | None) -> RowSource:
 
 @ple.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=OutputDir())
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Output format.")
 @click.option(
     "--rows-per-shard",
@@ -186,9 +195,9 @@ def quantize(
         "input_mb_per_s": result.source_bytes / 1e6 / result.seconds if result.seconds else None,
     }
     if as_json:
-        print_json(summary)
+        print_record("flashnext.ple.quantize", summary)
         return
-    table = Table(title=f"quantized to {fmt}: {dst}", show_header=False, box=None)
+    table = Table(title=cell(f"quantized to {fmt}: {dst}"), show_header=False, box=None)
     table.add_row("rows", f"{summary['num_rows']:,} x {summary['width']}")
     table.add_row(
         "shards",
@@ -200,7 +209,7 @@ def quantize(
         "rel. RMSE", f"{result.rel_rmse:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})"
     )
     table.add_row("time", f"{result.seconds:.1f} s")
-    err_console.print(table)
+    show(table)
 
 
 def _parse_ids(text: str) -> np.ndarray:
@@ -233,7 +242,8 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) 
     except IndexError as exc:
         raise SidecarError(f"--ids: {exc}") from None
     if as_json:
-        print_json(
+        print_record(
+            "flashnext.ple.lookup",
             {
                 "format": table.format,
                 "ids": row_ids.tolist(),
@@ -247,7 +257,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) 
                     if raw
                     else {}
                 ),
-            }
+            },
         )
         return
     codec = get_codec(table.format)

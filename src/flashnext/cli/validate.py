@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 
 import click
 
+from flashnext.cli._common import OutputDir, cell, err_console, say, show
 from flashnext.errors import ValidationError
 
 if TYPE_CHECKING:
@@ -49,11 +50,6 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ValidationError(f"{name} {value}: expected a number > 0")
-
-
 @click.group("validate", invoke_without_command=True)
 @click.option("--url", help="Server root, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped).")
 @click.option("--model", default=None, help="Served model name (default: the first served).")
@@ -73,17 +69,22 @@ def _positive(name: str, value: float) -> None:
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(path_type=Path),
+    type=OutputDir(),
     default=Path("validate-report"),
     show_default=True,
     help="Directory for report.json, report.md, report.png.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option(
-    "--ready-timeout", default=600.0, show_default=True, help="Seconds to wait for /health."
+    "--ready-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for /health.",
 )
 @click.option(
     "--recovery-timeout",
+    type=click.FloatRange(min=0, min_open=True),
     default=180.0,
     show_default=True,
     help="Seconds to wait for a server lost during a stage to come back.",
@@ -91,50 +92,83 @@ def _positive(name: str, value: float) -> None:
 @click.option(
     "--timeout",
     "request_timeout",
+    type=click.FloatRange(min=0, min_open=True),
     default=180.0,
     show_default=True,
     help="Client timeout per request (s).",
 )
-@click.option("--rounds", default=3, show_default=True, help="Concurrency stage: rounds.")
 @click.option(
-    "--concurrency", default=16, show_default=True, help="Concurrency stage: requests per round."
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Concurrency stage: rounds.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Concurrency stage: requests per round.",
 )
 @click.option(
     "--max-tokens",
+    type=click.IntRange(min=1),
     default=700,
     show_default=True,
     help="Concurrency stage: max_tokens per request.",
 )
-@click.option("--temperature", default=0.8, show_default=True, help="Concurrency and sustained.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0, max=2),
+    default=0.8,
+    show_default=True,
+    help="Concurrency and sustained.",
+)
 @click.option(
     "--long-fraction",
+    type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
     default=0.9,
     show_default=True,
     help="Long stage: prompt length as a fraction of max_model_len.",
 )
-@click.option("--long-max-tokens", default=32, show_default=True)
+@click.option("--long-max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
     "--prefix-requests",
+    type=click.IntRange(min=1),
     default=4,
     show_default=True,
     help="Prefix-cache stage: requests sharing the prefix.",
 )
-@click.option("--sustained-seconds", default=60.0, show_default=True)
-@click.option("--sustained-concurrency", default=8, show_default=True)
-@click.option("--sustained-max-tokens", default=128, show_default=True)
+@click.option(
+    "--sustained-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+)
+@click.option("--sustained-concurrency", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--sustained-max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option(
     "--sustained-max-requests",
+    type=click.IntRange(min=1),
     default=10_000,
     show_default=True,
     help="Sustained stage: stop after this many requests even before the duration.",
 )
 @click.option(
     "--probe-interval",
+    type=click.FloatRange(min=0, min_open=True),
     default=0.5,
     show_default=True,
     help="Seconds between /metrics scrapes and NVML samples.",
 )
-@click.option("--gpu-index", default=0, show_default=True, help="NVML GPU index to sample.")
+@click.option(
+    "--gpu-index",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="NVML GPU index to sample.",
+)
 @click.option(
     "--nvml/--no-nvml",
     default=True,
@@ -168,25 +202,6 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     from flashnext.validate.report import build_report, write_report
     from flashnext.validate.stages import STAGES, Config
 
-    for flag in (
-        "ready_timeout",
-        "recovery_timeout",
-        "request_timeout",
-        "long_fraction",
-        "probe_interval",
-        "sustained_seconds",
-        "rounds",
-        "concurrency",
-        "max_tokens",
-        "long_max_tokens",
-        "prefix_requests",
-        "sustained_concurrency",
-        "sustained_max_tokens",
-        "sustained_max_requests",
-    ):
-        _positive("--" + flag.replace("_", "-"), opts[flag])
-    if opts["long_fraction"] >= 1:
-        raise ValidationError(f"--long-fraction {opts['long_fraction']}: expected 0 < f < 1")
     cfg = Config(
         url=_parse_url(opts["url"]),
         model=opts["model"],
@@ -211,11 +226,7 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         nvml=opts["nvml"],
         container=opts["container"],
     )
-    if not 0 <= opts["temperature"] <= 2:
-        raise ValidationError(f"--temperature {opts['temperature']}: expected 0 <= t <= 2")
     out_dir: Path = opts["out_dir"]
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValidationError(f"--out {out_dir}: exists and is not a directory")
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -235,12 +246,11 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
 
 
 async def _run_with_progress(cfg: Config) -> dict[str, Any]:
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from flashnext.validate.stages import run_validation
 
-    console = Console(stderr=True)
+    console = err_console
     with Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.fields[stage]:<13}"),
@@ -262,31 +272,29 @@ async def _run_with_progress(cfg: Config) -> dict[str, Any]:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from flashnext.validate.report import key_text
 
-    console = Console()
-    verdict = "[green]PASSED" if report["passed"] else "[red]FAILED"
-    table = Table(title=f"flashnext validate {report['target']['url']}: {verdict}")
+    verdict = cell("PASSED", "green") if report["passed"] else cell("FAILED", "red")
+    title = cell(f"flashnext validate {report['target']['url']}: ").append_text(verdict)
+    table = Table(title=title)
     for col in ("stage", "status", "s", "key numbers"):
         table.add_column(col)
     colours = {"pass": "green", "fail": "red", "skipped": "yellow"}
     for s in report["stages"]:
         status = s["status"] + (f": {s['reason']}" if s["status"] == "skipped" else "")
         table.add_row(
-            s["name"],
-            f"[{colours[s['status']]}]{status}",
+            cell(s["name"]),
+            cell(status, colours[s["status"]]),
             f"{s['duration_s']:.1f}",
-            key_text(s["key"]),
+            cell(key_text(s["key"])),
         )
-    console.print(table)
+    show(table)
     for s in report["stages"]:
         for m in s["failures"][:3]:
-            console.print(f"[red]{s['name']}[/]: {m}", highlight=False)
-    nvml = report["probes"]["nvml"]
-    console.print(f"GPU memory: {nvml['status']}", highlight=False)
+            say(f"{s['name']}: {m}", "red")
+    say(f"GPU memory: {report['probes']['nvml']['status']}")
 
 
 @validate.command("compare")

@@ -16,7 +16,7 @@ from typing import Literal
 
 import numpy as np
 
-from flashnext.errors import SidecarError
+from flashnext.errors import RowIdError, SidecarError
 from flashnext.ple.formats import Codec
 from flashnext.ple.preflight import HostMemory, check_fits
 from flashnext.ple.sidecar import Sidecar, open_sidecar
@@ -190,12 +190,12 @@ class PLETable:
             raise SidecarError(f"{self.sidecar.path}: lookup on a closed table")
         arr = np.asarray(ids)
         if arr.dtype.kind not in "iu" and arr.size:
-            raise IndexError(f"row ids must be integers, found dtype {arr.dtype}")
+            raise RowIdError(f"row ids must be integers, found dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False)
         bad = (arr < PAD_ID) | (arr >= self.num_rows)
         if bad.any():
             pos = np.argwhere(bad)[0]
-            raise IndexError(
+            raise RowIdError(
                 f"row id {int(arr[tuple(pos)])} at index {tuple(int(p) for p in pos)} is outside the "
                 f"table {self.sidecar.path} of {self.num_rows} rows (use -1 for padding)"
             )
