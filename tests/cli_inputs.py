@@ -82,8 +82,10 @@ def build_inputs(root: Path, rng: np.random.Generator) -> Inputs:
     a_file.write_text("not a directory\n")
     out = root / "validate-report"
     code, _, err = run_subprocess(
-        ["validate", "--url", f"http://127.0.0.1:{closed_port()}", "--ready-timeout", "0.5"]
-        + ["--out", str(out), "--no-png"]
+        [
+            *("validate", "--url", f"http://127.0.0.1:{closed_port()}", "--ready-timeout", "0.5"),
+            *("--out", str(out), "--no-png"),
+        ]
     )
     assert code == 1 and (out / "report.json").exists(), err
     return Inputs(root, ck, sidecar, out / "report.json", a_file)

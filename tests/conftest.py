@@ -46,9 +46,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.failed:
-        report.sections.append(
-            ("flashnext test seed", f"{SEED_ENV}={SEED} pytest '{item.nodeid}'")
-        )
+        report.sections.append(("flashnext test seed", f"{SEED_ENV}={SEED} pytest '{item.nodeid}'"))
 
 
 @pytest.fixture

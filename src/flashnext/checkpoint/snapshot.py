@@ -138,7 +138,8 @@ def resolve_snapshot(path: str | os.PathLike[str]) -> tuple[Path, str]:
     """
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory (expected a downloaded model snapshot)")
+        what = "not a directory" if root.exists() else "does not exist"
+        raise CheckpointError(f"{root}: {what} (expected a downloaded model snapshot)")
     snaps = root / "snapshots"
     if (root / "blobs").is_dir() and snaps.is_dir():
         ref = root / "refs" / "main"
@@ -294,7 +295,7 @@ def _check_config(root: Path, report: VerifyReport) -> None:
     try:
         read_config(root)
     except CheckpointError as exc:
-        report.error(CONFIG_NAME, str(exc))
+        report.error(CONFIG_NAME, str(exc).removeprefix(f"{root / CONFIG_NAME}: "))
 
 
 def _load_index(root: Path, report: VerifyReport) -> dict[str, str] | None:

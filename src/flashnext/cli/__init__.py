@@ -92,10 +92,10 @@ _OS_HINTS = {
     errno.ENOENT: "check the path",
     errno.ENOTDIR: "a part of the path is a file, not a directory",
     errno.EISDIR: "expected a file, found a directory",
-    errno.EACCES: "permission denied: check the file's owner and mode",
-    errno.EPERM: "operation not permitted: check the file's owner and mode",
-    errno.ENOSPC: "the disk is full: free space or choose another destination",
-    errno.EROFS: "the file system is read-only: choose another destination",
+    errno.EACCES: "check the owner and mode of the file and its directories",
+    errno.EPERM: "check the owner and mode of the file and its directories",
+    errno.ENOSPC: "free space or choose another destination",
+    errno.EROFS: "choose another destination",
 }
 
 
@@ -105,7 +105,7 @@ def describe_os_error(exc: OSError) -> str:
     what = exc.strerror or str(exc) or type(exc).__name__
     hint = _OS_HINTS.get(exc.errno or 0)
     text = f"{where}: {what}" if where else what
-    return _one_line(f"{text} ({hint})" if hint and hint.lower() != what.lower() else text)
+    return _one_line(f"{text} ({hint})" if hint else text)
 
 
 def _one_line(text: str) -> str:

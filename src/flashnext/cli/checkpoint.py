@@ -23,6 +23,7 @@ from flashnext.cli._common import (
     say,
     show,
 )
+from flashnext.errors import CheckpointError
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -75,7 +76,9 @@ def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -
     else:
         _print_report(report)
     if not report.ok:
-        sys.exit(1)
+        first = report.errors[0]
+        more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"{report.root}: incomplete: {first.file}: {first.message}{more}")
 
 
 def _hash_cell(f: FileCheck) -> Text:

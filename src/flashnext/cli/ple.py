@@ -215,6 +215,11 @@ def quantize(
 def _parse_ids(text: str) -> np.ndarray:
     try:
         ids = np.array([int(v) for v in text.replace(",", " ").split()], dtype=np.int64)
+    except OverflowError:
+        raise click.BadParameter(
+            f"{text!r}: a row id is beyond int64; ids are 0 <= id < num_rows, -1 pads",
+            param_hint="--ids",
+        ) from None
     except ValueError:
         ids = np.empty(0, dtype=np.int64)
     if ids.size == 0:
