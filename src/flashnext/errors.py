@@ -1,7 +1,8 @@
 """One error root for flashnext, a subclass per area.
 
 Every message names the file, tensor, shape or flag at fault, what was expected, and
-where there is one, the fix. The CLI prints ``error: <message>`` and exits 1.
+where there is one, the fix. The CLI prints ``error: <message>`` and exits 1; it prints an
+``OSError`` (a path that cannot be read or written) the same way, naming the path.
 """
 
 from __future__ import annotations
@@ -37,10 +38,6 @@ class SidecarError(FlashnextError):
 
 class CheckpointError(FlashnextError):
     """A model checkpoint on disk is incomplete or has an unexpected layout."""
-
-
-class InputError(FlashnextError):
-    """A path given on the command line cannot be read or written (the message names it)."""
 
 
 class ValidationError(FlashnextError):
