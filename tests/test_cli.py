@@ -103,9 +103,10 @@ def test_help_lists_commands():
     assert "demo" in out and "ple" in out
 
 
-def test_demo_runs_and_measures(tmp_path):
-    proc = run("demo", "--base", "2000", "--out", tmp_path / "demo", "--json")
-    result = json.loads(proc.stdout)
+def test_demo_runs_and_measures(demo_run):
+    out_dir, stdout = demo_run
+    result = json.loads(stdout)
+    assert result["kind"] == "flashnext.demo"
     formats = [r["format"] for r in result["rows"]]
     assert formats == ["bf16", "fp8", "int4", "nvfp4"]
     rmse = {r["format"]: r["rel_rmse"] for r in result["rows"]}
@@ -117,4 +118,4 @@ def test_demo_runs_and_measures(tmp_path):
     assert geo["vocab_size"] == result["tokenizer_vocab"] > 1000
     for row in result["rows"]:
         assert row["decode_us"]["mmap"] > 0 and row["prefill_ms"]["resident"] > 0
-    assert (tmp_path / "demo" / "ple_nvfp4" / "META.json").exists()
+    assert (out_dir / "ple_nvfp4" / "META.json").exists()

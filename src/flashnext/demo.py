@@ -142,23 +142,8 @@ def run_demo(
         f"geometry: {geo.num_rows:,} rows x {geo.width} ({geo.num_heads} heads, "
         f"{geo.split_ngram_parts} shards of {geo.shard_rows():,} rows)"
     )
-
-    # Token streams: documents joined by EOS, as a serving engine would see them.
-    docs = list(_documents(files[-40:]))
-    stream = []
-    for enc in tok.encode_batch(docs):
-        stream.extend(enc.ids)
-        stream.append(eos_id)
-    tokens = np.array(stream, dtype=np.int64)
-    prefill = tokens[:PREFILL_TOKENS]
-    starts = rng.integers(2, tokens.size, size=DECODE_REQUESTS)
-    decode_tokens = tokens[starts]
-    decode_ctx = np.stack([tokens[s - 2 : s] for s in starts])
-    qsl = np.arange(DECODE_REQUESTS + 1)
-    hash_decode = _median_time(50, ngram_ids_packed, geo, decode_tokens, qsl, decode_ctx)
-    hash_prefill = _median_time(5, ngram_ids, geo, prefill)
-    decode_ids = ngram_ids_packed(geo, decode_tokens, qsl, decode_ctx)
-    prefill_ids = ngram_ids(geo, prefill)
+    tokens = _token_stream(tok, files[-40:], eos_id)
+    ids = _hashed_ids(geo, tokens, rng)
 
     log("building the synthetic BF16 table")
     source_rows = embedding_rows(geo.num_rows, geo.width, rng)
@@ -173,11 +158,10 @@ def run_demo(
     )
     bf16_ref = open_table(bf16_dir, "resident")
     bf16_array = bf16_ref.lookup(np.arange(geo.num_rows)).astype(BF16)
-    numpy_decode = _median_time(50, np.take, bf16_array, decode_ids, 0)
-    numpy_prefill = _median_time(5, np.take, bf16_array, prefill_ids, 0)
+    numpy_decode = _median_time(50, np.take, bf16_array, ids.decode, 0)
+    numpy_prefill = _median_time(5, np.take, bf16_array, ids.prefill, 0)
 
     rows: list[FormatRow] = []
-    source = SidecarSource(bf16_dir)
     for fmt in FORMATS:
         if fmt == "bf16":
             directory = bf16_dir
@@ -186,21 +170,16 @@ def run_demo(
             log(f"quantizing to {fmt} ({workers} workers)")
             directory = out / f"ple_{fmt}"
             result = quantize_table(
-                source, directory, fmt, geo.shard_rows(), workers=workers, geometry=geo.to_dict(),
+                SidecarSource(bf16_dir),
+                directory,
+                fmt,
+                geo.shard_rows(),
+                workers=workers,
+                geometry=geo.to_dict(),
                 force=True,  # the demo's own output directory: always rebuilt
             )
             rmse = result.rel_rmse
-        size = sum(p.stat().st_size for p in directory.glob("shard_*.safetensors"))
-        row = FormatRow(fmt, size, open_table(directory).codec.bytes_per_row(geo.width), rmse)
-        for residency in ("mmap", "resident"):
-            t = time.perf_counter()
-            table = open_table(directory, residency)  # type: ignore[arg-type]
-            row.open_ms[residency] = (time.perf_counter() - t) * 1e3
-            table.lookup(prefill_ids)  # warm the page cache / first touch
-            row.decode_us[residency] = _median_time(30, table.lookup, decode_ids) * 1e6
-            row.prefill_ms[residency] = _median_time(3, table.lookup, prefill_ids) * 1e3
-            table.close()
-        rows.append(row)
+        rows.append(_time_lookups(fmt, directory, geo.width, rmse, ids))
 
     return DemoResult(
         out_dir=str(out),
@@ -208,10 +187,58 @@ def run_demo(
         tokenizer_vocab=tok.get_vocab_size(),
         corpus_bytes=corpus_bytes,
         tokens_hashed=int(tokens.size),
-        hash_decode_us=hash_decode * 1e6,
-        hash_prefill_ms=hash_prefill * 1e3,
+        hash_decode_us=ids.hash_decode_s * 1e6,
+        hash_prefill_ms=ids.hash_prefill_s * 1e3,
         rows=rows,
         numpy_take_decode_us=numpy_decode * 1e6,
         numpy_take_prefill_ms=numpy_prefill * 1e3,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _token_stream(tok: Any, files: list[Path], eos_id: int) -> np.ndarray:
+    """int64 [T]: the documents of ``files`` tokenized and joined by EOS, as a serving engine
+    would see them."""
+    stream: list[int] = []
+    for enc in tok.encode_batch(list(_documents(files))):
+        stream.extend(enc.ids)
+        stream.append(eos_id)
+    return np.array(stream, dtype=np.int64)
+
+
+@dataclass
+class _HashedIds:
+    decode: np.ndarray  # int64 [DECODE_REQUESTS, heads]: one decode step of a batch
+    prefill: np.ndarray  # int64 [PREFILL_TOKENS, heads]: one prefill
+    hash_decode_s: float  # median time to hash ``decode``
+    hash_prefill_s: float  # median time to hash ``prefill``
+
+
+def _hashed_ids(geo: PLEGeometry, tokens: np.ndarray, rng: np.random.Generator) -> _HashedIds:
+    """Row ids of a decode step (random positions of ``tokens``) and a prefill, timed."""
+    prefill = tokens[:PREFILL_TOKENS]
+    starts = rng.integers(2, tokens.size, size=DECODE_REQUESTS)
+    decode_tokens = tokens[starts]
+    decode_ctx = np.stack([tokens[s - 2 : s] for s in starts])
+    qsl = np.arange(DECODE_REQUESTS + 1)
+    return _HashedIds(
+        decode=ngram_ids_packed(geo, decode_tokens, qsl, decode_ctx),
+        prefill=ngram_ids(geo, prefill),
+        hash_decode_s=_median_time(50, ngram_ids_packed, geo, decode_tokens, qsl, decode_ctx),
+        hash_prefill_s=_median_time(5, ngram_ids, geo, prefill),
+    )
+
+
+def _time_lookups(fmt: str, directory: Path, width: int, rmse: float, ids: _HashedIds) -> FormatRow:
+    """Size on disk and open/decode/prefill lookup times of the table in ``directory``."""
+    size = sum(p.stat().st_size for p in directory.glob("shard_*.safetensors"))
+    row = FormatRow(fmt, size, open_table(directory).codec.bytes_per_row(width), rmse)
+    for residency in ("mmap", "resident"):
+        t = time.perf_counter()
+        table = open_table(directory, residency)  # type: ignore[arg-type]
+        row.open_ms[residency] = (time.perf_counter() - t) * 1e3
+        table.lookup(ids.prefill)  # warm the page cache / first touch
+        row.decode_us[residency] = _median_time(30, table.lookup, ids.decode) * 1e6
+        row.prefill_ms[residency] = _median_time(3, table.lookup, ids.prefill) * 1e3
+        table.close()
+    return row

@@ -1,7 +1,8 @@
 """One error root for flashnext, a subclass per area.
 
 Every message names the file, tensor, shape or flag at fault, what was expected, and
-where there is one, the fix. The CLI prints ``error: <message>`` and exits 1.
+where there is one, the fix. The CLI prints ``error: <message>`` and exits 1; it prints an
+``OSError`` (a path that cannot be read or written) the same way, naming the path.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ class GeometryError(FlashnextError, ValueError):
 
 class FormatError(FlashnextError, ValueError):
     """Tensors do not match a PLE table format (dtype, shape, names)."""
+
+
+class SafetensorsError(FlashnextError, ValueError):
+    """A file is not a valid safetensors file; the message names the file and field."""
+
+
+class RowIdError(FlashnextError, IndexError):
+    """A row id given to a lookup is outside the table (or not an integer)."""
 
 
 class SidecarError(FlashnextError):

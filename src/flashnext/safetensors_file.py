@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from flashnext.atomic import atomic_write
+from flashnext.errors import SafetensorsError
 
 #: safetensors dtype names -> numpy dtypes.
 DTYPES: dict[str, np.dtype] = {
@@ -53,10 +54,6 @@ MAX_HEADER = 100 * 1024 * 1024
 def dtype_name(dtype: np.dtype) -> str:
     """The safetensors name of a numpy dtype ("BF16", "F8_E4M3", ...), else ``str(dtype)``."""
     return _NAMES.get(np.dtype(dtype), str(dtype))
-
-
-class SafetensorsError(ValueError):
-    """A file is not a valid safetensors file; the message names the file and field."""
 
 
 @dataclass(frozen=True)
@@ -89,66 +86,97 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     """Parse and validate the header of ``path`` without reading tensor data.
 
     Raises:
-        SafetensorsError: the file is too short, the header is not JSON, a dtype is unknown,
-            a tensor's byte range disagrees with its shape, the ranges leave gaps or overlap,
-            or the file is shorter or longer than the header says (truncated download).
+        SafetensorsError: the file is too short, the header is not a JSON object, its
+            ``__metadata__`` is not an object, a dtype is unknown, a tensor's byte range
+            disagrees with its shape, the ranges leave gaps or overlap, or the file is shorter
+            or longer than the header says (truncated download).
+        OSError: the file cannot be read.
     """
     p = Path(path)
     size = p.stat().st_size
+    doc, n = _read_json_header(p, size)
+    meta = doc.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    elif not isinstance(meta, dict):
+        raise SafetensorsError(
+            f"{p}: __metadata__ is a JSON {type(meta).__name__}, expected an object of strings; "
+            "the file was not written by a safetensors writer: re-write it"
+        )
+    data_start = 8 + n
+    entries = {name: _parse_entry(p, name, info, data_start) for name, info in doc.items()}
+    data_end = _check_tiling(p, entries, data_start)
+    if data_end != size:
+        raise SafetensorsError(
+            f"{p}: file is {size} bytes but its header describes {data_end} "
+            f"({'truncated' if size < data_end else 'trailing bytes'}); "
+            "re-download or re-write this file"
+        )
+    return Header(p, entries, {str(k): str(v) for k, v in meta.items()}, data_start, size)
+
+
+def _read_json_header(p: Path, size: int) -> tuple[dict[str, Any], int]:
+    """The header's JSON object and its length ``N`` (bounded before it is read)."""
     if size < 8:
         raise SafetensorsError(f"{p}: {size} bytes, too short for a safetensors file (truncated?)")
     with open(p, "rb") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
-        if n > min(MAX_HEADER, size - 8):
+        if n > size - 8:
             raise SafetensorsError(
                 f"{p}: header length {n} exceeds the file ({size} bytes): truncated or not safetensors"
+            )
+        if n > MAX_HEADER:
+            raise SafetensorsError(
+                f"{p}: header length {n} is over the {MAX_HEADER}-byte limit: not a safetensors file"
             )
         raw = fh.read(n)
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise SafetensorsError(f"{p}: header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise SafetensorsError(f"{p}: header is not a JSON object")
-    meta = doc.pop("__metadata__", None) or {}
-    data_start = 8 + n
-    entries: dict[str, TensorEntry] = {}
-    spans = []
-    for name, info in doc.items():
-        try:
-            dtype_name = info["dtype"]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(v) for v in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise SafetensorsError(f"{p}: tensor {name}: malformed header entry {info!r}") from None
-        if dtype_name not in DTYPES:
-            raise SafetensorsError(f"{p}: tensor {name}: unknown dtype {dtype_name!r}")
-        if any(d < 0 for d in shape):
-            raise SafetensorsError(f"{p}: tensor {name}: negative dimension in shape {list(shape)}")
-        expect = int(np.prod(shape, dtype=object)) * DTYPES[dtype_name].itemsize
-        if end - begin != expect or begin < 0:
-            raise SafetensorsError(
-                f"{p}: tensor {name}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
-                f"expected {expect} for {dtype_name} {list(shape)}"
-            )
-        entries[name] = TensorEntry(name, dtype_name, shape, data_start + begin, expect)
-        spans.append((begin, end, name))
-    spans.sort()
+    return doc, n
+
+
+def _parse_entry(p: Path, name: str, info: object, data_start: int) -> TensorEntry:
+    """One tensor's entry, its byte size checked (exactly, in Python ints) against its shape."""
+    if not isinstance(info, dict):
+        raise SafetensorsError(
+            f"{p}: tensor {name}: header entry is a JSON {type(info).__name__}, expected an "
+            "object with dtype, shape and data_offsets"
+        )
+    try:
+        dtype_name = info["dtype"]
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(v) for v in info["data_offsets"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        raise SafetensorsError(f"{p}: tensor {name}: malformed header entry {info!r}") from None
+    if dtype_name not in DTYPES:
+        raise SafetensorsError(f"{p}: tensor {name}: unknown dtype {dtype_name!r}")
+    if any(d < 0 for d in shape):
+        raise SafetensorsError(f"{p}: tensor {name}: negative dimension in shape {list(shape)}")
+    expect = int(np.prod(shape, dtype=object)) * DTYPES[dtype_name].itemsize
+    if end - begin != expect or begin < 0:
+        raise SafetensorsError(
+            f"{p}: tensor {name}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+            f"expected {expect} for {dtype_name} {list(shape)}"
+        )
+    return TensorEntry(name, dtype_name, shape, data_start + begin, expect)
+
+
+def _check_tiling(p: Path, entries: dict[str, TensorEntry], data_start: int) -> int:
+    """Check that the tensors tile the data area without gaps or overlaps; return its end."""
     pos = 0
-    for begin, end, name in spans:
+    for entry in sorted(entries.values(), key=lambda e: (e.offset, e.offset + e.nbytes)):
+        begin = entry.offset - data_start
         if begin != pos:
             raise SafetensorsError(
-                f"{p}: tensor {name} starts at data offset {begin}, expected {pos} "
+                f"{p}: tensor {entry.name} starts at data offset {begin}, expected {pos} "
                 "(tensors must tile the data area without gaps or overlaps)"
             )
-        pos = end
-    if data_start + pos != size:
-        raise SafetensorsError(
-            f"{p}: file is {size} bytes but its header describes {data_start + pos} "
-            f"({'truncated' if size < data_start + pos else 'trailing bytes'}); "
-            "re-download or re-write this file"
-        )
-    return Header(p, entries, {str(k): str(v) for k, v in meta.items()}, data_start, size)
+        pos = begin + entry.nbytes
+    return data_start + pos
 
 
 def read_tensor(entry: TensorEntry, path: str | os.PathLike[str], mmap: bool = True) -> np.ndarray:

@@ -16,6 +16,7 @@ from flashnext.checkpoint.config import (
     parse_mapping,
 )
 from flashnext.errors import CheckpointError
+from flashnext.records import check_record
 
 from .builder import build_checkpoint, make_config
 from .test_snapshot import run_cli
@@ -28,7 +29,7 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
     built = build_checkpoint(tmp_path / "ck", base=400, nested=nested, files=2)
     original = (built.root / "config.json").read_bytes()
     out = tmp_path / "patched"
-    code, _, err = run_cli(
+    code, printed, _ = run_cli(
         [
             "checkpoint",
             "override",
@@ -50,7 +51,7 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
     assert text["layer_types"] == [
         "full_attention" if t == "qwen_sparse_attention" else t for t in before_types
     ]
-    record = doc[OVERRIDES_KEY]
+    record = check_record(doc[OVERRIDES_KEY], kind="flashnext.checkpoint.override")
     n_changed = before_types.count("qwen_sparse_attention")
     assert len(record["changes"]) == n_changed == 3
     where = "text_config." if nested else ""
@@ -63,8 +64,8 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
     assert "NOT shown to be computationally equivalent" in record["caveat"]
     assert record["source_sha256"] == hashlib.sha256(original).hexdigest()
     assert json.loads((out / OVERRIDES_FILE).read_text()) == record
-    # each change and the caveat are printed
-    assert f"changed {where}layer_types[1]" in err and "NOT" in err
+    # each change and the caveat are the summary on stdout
+    assert f"changed {where}layer_types[1]" in printed and "NOT" in printed
     # the patched copy is a servable snapshot: weights symlinked, nothing else differs
     assert (out / "model-00001-of-00002.safetensors").is_symlink()
     assert verify_snapshot(out).ok
@@ -113,7 +114,7 @@ def test_bad_override_requests(tmp_path, capsys):
     assert code == 1 and "is the checkpoint or inside it" in err
     assert not (built.root / "patched").exists()
     code, _, err = run_cli(["checkpoint", "override", root, *MAPPING], capsys)
-    assert code == 1 and "exactly one of" in err
+    assert code == 2 and "exactly one of" in err
     with pytest.raises(CheckpointError, match="expected OLD=NEW"):
         parse_mapping(["qwen_sparse_attention"])
     cfg = make_config()

@@ -200,3 +200,74 @@ def test_file_digest_algorithms(tmp_path):
     assert file_digest(p, "sha256", seen.append, chunk=1 << 20) == hashlib.sha256(data).hexdigest()
     assert sum(seen) == len(data) and len(seen) == 3
     assert file_digest(p, "git-sha1") == git_blob_sha1(data)
+
+
+@pytest.mark.parametrize(
+    "name", ["../outside.safetensors", "sub/../../outside.safetensors", "/etc/hostname"]
+)
+def test_index_entry_outside_the_snapshot_is_refused(snap, tmp_path, capsys, name):
+    """An index may only name files inside its snapshot; `../` is never followed."""
+    import shutil
+
+    from flashnext.checkpoint import tensor_map
+    from flashnext.errors import CheckpointError
+
+    shutil.copy(snap / "model-00001-of-00003.safetensors", tmp_path / "outside.safetensors")
+    index_path = snap / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    tensor = next(iter(index["weight_map"]))
+    index["weight_map"][tensor] = name
+    index_path.write_text(json.dumps(index))
+    report = verify_snapshot(snap)
+    assert not report.ok
+    (f, m) = _errors(report)[0]
+    assert f == "model.safetensors.index.json" and repr(tensor) in m and repr(name) in m
+    assert "outside the snapshot" in m
+    with pytest.raises(CheckpointError, match="outside the snapshot"):
+        tensor_map(snap)
+    code, _, err = run_cli(["checkpoint", "ple", str(snap)], capsys)
+    assert code == 1 and err.count("\n") == 1 and "outside the snapshot" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("[1, 2]", "array"), ('"x"', "string"), ("3", "number")]
+)
+def test_config_that_is_not_an_object_fails_verify(snap, capsys, text, kind):
+    (snap / "config.json").write_text(text)
+    report = verify_snapshot(snap)
+    assert [(f, m) for f, m in _errors(report)] == [
+        ("config.json", f"a JSON {kind}, expected an object of config fields; re-download it")
+    ]
+    code, _, err = run_cli(["checkpoint", "verify", str(snap)], capsys)
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_bad_ple_field_names_config_json_and_the_fix(snap, capsys):
+    config = json.loads((snap / "config.json").read_text())
+    config["ple_embed_dim"] = 2561
+    (snap / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(["checkpoint", "ple", str(snap)], capsys)
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith(f"error: {snap / 'config.json'}: ") and "ple_embed_dim" in err
+    assert "correct the field in config.json" in err
+
+
+def test_verify_json_is_a_record(snap, capsys):
+    from flashnext.records import check_record
+
+    code, out, err = run_cli(["checkpoint", "verify", str(snap), "--json"], capsys)
+    doc = check_record(json.loads(out), kind="flashnext.checkpoint.verify", schema_version=1)
+    assert code == 0 and doc["ok"] and err == ""
+
+
+def test_empty_shard_note_is_data(tmp_path, capsys):
+    from flashnext.checkpoint.ple_report import LAYOUT_NOTES, report_ple_tables
+
+    built = build_checkpoint(tmp_path / "ck", base=400, layout="empty-shard")
+    (report,) = report_ple_tables(built.root, tp_size=2)
+    assert report.notes == [LAYOUT_NOTES["empty-shard"]] and len(report.ranks) == 2
+    assert report.to_dict()["notes"] == report.notes
+    code, out, _ = run_cli(["checkpoint", "ple", str(built.root)], capsys)
+    assert code == 0 and f"note: {LAYOUT_NOTES['empty-shard']}" in " ".join(out.split())
+    (plain,) = report_ple_tables(build_checkpoint(tmp_path / "ck2", base=400).root)
+    assert plain.notes == [] and plain.ranks == []

@@ -132,12 +132,14 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         "of ready,short,long,multimodal,concurrency,prefix-cache,sustained"
     )
     assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--rounds", "0") == (
-        "error: --rounds 0: expected a number > 0"
+        "error: Invalid value for '--rounds': 0 is not in the range x>=1. "
+        "(see `flashnext validate --help`)"
     )
     f = tmp_path / "file"
     f.write_text("x")
     assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--out", str(f)) == (
-        f"error: --out {f}: exists and is not a directory"
+        f"error: Invalid value for '--out': Directory '{f}' is a file. "
+        "(see `flashnext validate --help`)"
     )
     assert _cli_error(capsys, "validate", "compare", str(f), str(f)).startswith(
         f"error: {f}: cannot read a report.json"
@@ -145,10 +147,11 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     # checked before any stage runs: the run's evidence would be lost otherwise
     assert _cli_error(
         capsys, "validate", "--url", "http://127.0.0.1:1", "--out", str(f / "sub")
-    ) == f"error: --out {f / 'sub'}: cannot write a report there (Not a directory)"
+    ).startswith(f"error: Invalid value for '--out': {f} is a file, not a directory")
     assert (
         _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--temperature", "-1")
-        == "error: --temperature -1.0: expected 0 <= t <= 2"
+        == "error: Invalid value for '--temperature': -1.0 is not in the range 0<=x<=2. "
+        "(see `flashnext validate --help`)"
     )
     incomplete = tmp_path / "incomplete.json"
     incomplete.write_text('{"schema_version": 1}')

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashnext import __version__
 from flashnext.atomic import write_json
-from flashnext.errors import CheckpointError
+from flashnext.errors import CheckpointError, GeometryError
+from flashnext.ple.geometry import PLEGeometry, ple_layer_ids
+from flashnext.records import make_record
 
 CONFIG_NAME = "config.json"
 OVERRIDES_KEY = "_flashnext_overrides"
@@ -51,11 +52,43 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{p}: missing; a model snapshot needs config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot read ({exc.strerror or exc}); check its mode") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{p}: not valid JSON ({exc}); re-download it") from None
     if not isinstance(doc, dict):
-        raise CheckpointError(f"{p}: expected a JSON object, found {type(doc).__name__}")
+        raise CheckpointError(
+            f"{p}: a JSON {_json_type(doc)}, expected an object of config fields; re-download it"
+        )
     return doc
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def config_error(path: str | os.PathLike[str], exc: GeometryError) -> GeometryError:
+    """``exc`` (raised for a config's PLE fields) with the config file and the fix named."""
+    return GeometryError(
+        f"{path}: {exc}; correct the field in config.json (compare with the model's published "
+        "config) or re-download it"
+    )
+
+
+def check_ple_config(config: Mapping[str, Any], source: str | os.PathLike[str]) -> None:
+    """Check that ``config`` (read from ``source``) describes a valid geometry for every PLE
+    layer it lists, before any tensor is looked at.
+
+    Raises:
+        GeometryError: a PLE field is missing or out of range; the message names ``source``,
+            the field and the fix.
+    """
+    try:
+        for layer_id in ple_layer_ids(config):
+            PLEGeometry.from_config(config, layer_id=layer_id)
+    except GeometryError as exc:
+        raise config_error(source, exc) from None
 
 
 @dataclass(frozen=True)
@@ -130,13 +163,17 @@ def override_layer_types(
     return patched, changes
 
 
+OVERRIDE_KIND = "flashnext.checkpoint.override"
+OVERRIDE_SCHEMA = 1
+
+
 def override_record(
     mapping: Mapping[str, str], changes: list[Change], source: Path, reason: str | None
 ) -> dict[str, Any]:
-    """The record stored with a patched config: what changed, why, and the caveat."""
+    """The record stored with a patched config (a ``flashnext.checkpoint.override`` record):
+    what changed, why, the source config's sha256, and the caveat."""
     src_bytes = source.read_bytes() if source.exists() else b""
-    return {
-        "flashnext_version": __version__,
+    payload = {
         "source_config": str(source.resolve()),
         "source_sha256": hashlib.sha256(src_bytes).hexdigest(),
         "layer_type_mapping": dict(mapping),
@@ -146,6 +183,45 @@ def override_record(
         "equivalence": "not shown",
         "caveat": CAVEAT,
     }
+    return make_record(OVERRIDE_KIND, payload, schema_version=OVERRIDE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class OverridePlan:
+    """A ``layer_types`` override worked out but not yet written (see :func:`plan_override`)."""
+
+    root: Path  # the snapshot directory the config comes from
+    patched: dict[str, Any]  # the whole patched config
+    changes: list[Change]
+    record: dict[str, Any]  # the override record
+
+    @property
+    def hf_overrides(self) -> dict[str, Any]:
+        """The JSON for vLLM ``--hf-overrides``."""
+        return hf_overrides(self.patched, self.changes)
+
+    def write(self, out: str | os.PathLike[str]) -> list[str]:
+        """Write the servable patched copy (:func:`write_overridden_snapshot`)."""
+        return write_overridden_snapshot(self.root, out, self.patched, self.record)
+
+
+def plan_override(
+    path: str | os.PathLike[str], specs: list[str] | tuple[str, ...], reason: str | None
+) -> OverridePlan:
+    """Work out the override ``specs`` (``OLD=NEW`` strings) of the snapshot at ``path``.
+
+    Raises:
+        CheckpointError: ``path`` is no snapshot, its config.json is missing or not an object,
+            a spec is malformed, or no ``layer_types`` entry matches.
+    """
+    from flashnext.checkpoint.snapshot import resolve_snapshot
+
+    root, _layout = resolve_snapshot(path)
+    mapping = parse_mapping(specs)
+    patched, changes = override_layer_types(read_config(root), mapping)
+    return OverridePlan(
+        root, patched, changes, override_record(mapping, changes, root / CONFIG_NAME, reason)
+    )
 
 
 def hf_overrides(patched: Mapping[str, Any], changes: list[Change]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from flashnext.checkpoint.config import read_config
+from flashnext.checkpoint.config import check_ple_config, read_config
 from flashnext.checkpoint.snapshot import resolve_snapshot, tensor_map
 from flashnext.errors import CheckpointError, FormatError, GeometryError
 from flashnext.ple.formats import (
@@ -660,6 +660,7 @@ def find_ple_tables(
     root, _layout = resolve_snapshot(path)
     if config is None:
         config = read_config(root)
+    check_ple_config(config, root / "config.json")
     ids = ple_layer_ids(config)
     if not ids:
         raise CheckpointError(

@@ -34,13 +34,14 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from flashnext import __version__
+from flashnext.checkpoint.config import read_config
 from flashnext.errors import CheckpointError
 from flashnext.safetensors_file import SafetensorsError, TensorEntry, hash_file, read_header
 
+RECORD_KIND = "flashnext.checkpoint.verify"
 SCHEMA_VERSION = 1
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -106,10 +107,9 @@ class VerifyReport:
         self.findings.append(Finding("warning", file, message))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready report (``schema_version`` 1)."""
+        """JSON-ready payload of the ``flashnext.checkpoint.verify`` record (version
+        :data:`SCHEMA_VERSION`)."""
         return {
-            "schema_version": SCHEMA_VERSION,
-            "flashnext_version": __version__,
             "root": str(self.root),
             "layout": self.layout,
             "weights": self.weights,
@@ -138,7 +138,8 @@ def resolve_snapshot(path: str | os.PathLike[str]) -> tuple[Path, str]:
     """
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory (expected a downloaded model snapshot)")
+        what = "not a directory" if root.exists() else "does not exist"
+        raise CheckpointError(f"{root}: {what} (expected a downloaded model snapshot)")
     snaps = root / "snapshots"
     if (root / "blobs").is_dir() and snaps.is_dir():
         ref = root / "refs" / "main"
@@ -288,17 +289,18 @@ def verify_snapshot(
 
 
 def _check_config(root: Path, report: VerifyReport) -> None:
-    p = root / CONFIG_NAME
-    if not p.exists():
+    if not (root / CONFIG_NAME).exists():
         report.error(CONFIG_NAME, "missing: every model snapshot needs config.json")
         return
     try:
-        json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        report.error(CONFIG_NAME, f"not valid JSON ({exc}); re-download it")
+        read_config(root)
+    except CheckpointError as exc:
+        report.error(CONFIG_NAME, str(exc).removeprefix(f"{root / CONFIG_NAME}: "))
 
 
 def _load_index(root: Path, report: VerifyReport) -> dict[str, str] | None:
+    """The index's tensor -> file map, or None (with an error in ``report``) when it cannot be
+    read or names a file outside the snapshot."""
     p = root / INDEX_NAME
     try:
         doc = json.loads(p.read_text())
@@ -312,30 +314,74 @@ def _load_index(root: Path, report: VerifyReport) -> dict[str, str] | None:
             INDEX_NAME, f"cannot read the tensor-to-file map ({exc!s}); re-download the index"
         )
         return None
+    for tensor, fname in weight_map.items():
+        if not _inside_snapshot(fname):
+            report.error(
+                INDEX_NAME,
+                f"entry {tensor!r} names the file {fname!r}, which is outside the snapshot; "
+                "an index may only name files inside its own directory: re-download the index",
+            )
+            return None
     return weight_map
 
 
+def _inside_snapshot(name: str) -> bool:
+    """Whether an index file name stays inside the snapshot (relative, no ``..``)."""
+    parts = PurePosixPath(name).parts
+    return bool(parts) and not name.startswith("/") and ".." not in parts
+
+
 def _check_weights(root: Path, report: VerifyReport, checks: dict[str, FileCheck]) -> None:
-    st_files = sorted(k for k in checks if k.endswith(".safetensors"))
+    """Weights: which files should exist, their headers, and index/header agreement."""
+    found = _named_weight_files(root, report, checks)
+    if found is None:
+        return
+    weight_map, named = found
+    headers = _read_headers(root, report, checks, named, weight_map)
+    for name in sorted(k for k in checks if k.endswith(".safetensors")):
+        if name not in named:
+            report.warn(
+                name,
+                f"not named by {INDEX_NAME if weight_map is not None else 'the snapshot'}: "
+                "loaders ignore it (a leftover from another revision?)",
+            )
+    if weight_map is not None:
+        # A loader trusts the index to find a tensor, then loads every tensor of each file it
+        # names: the two must agree both ways.
+        _index_entries_in_headers(report, weight_map, headers)
+        _header_tensors_in_index(report, weight_map, headers)
+
+
+def _named_weight_files(
+    root: Path, report: VerifyReport, checks: dict[str, FileCheck]
+) -> tuple[dict[str, str] | None, list[str]] | None:
+    """``(index map or None for a single file, the weight files that should exist)``; None
+    (with an error reported) when the weights cannot even be listed. Sets ``report.weights``."""
     if (root / INDEX_NAME).exists():
         report.weights = "index"
         weight_map = _load_index(root, report)
-        if weight_map is None:
-            return
-        named = sorted(set(weight_map.values()))
-    elif (root / SINGLE_NAME).exists() or SINGLE_NAME in checks:
+        return None if weight_map is None else (weight_map, sorted(set(weight_map.values())))
+    if (root / SINGLE_NAME).exists() or SINGLE_NAME in checks:
         report.weights = "single"
-        weight_map = None
-        named = [SINGLE_NAME]
-    else:
-        report.error(
-            "-",
-            f"no {INDEX_NAME} and no {SINGLE_NAME}: the weights are missing "
-            + (f"(found {len(st_files)} other .safetensors files) " if st_files else "")
-            + "; re-download",
-        )
-        return
+        return None, [SINGLE_NAME]
+    others = sum(1 for k in checks if k.endswith(".safetensors"))
+    report.error(
+        "-",
+        f"no {INDEX_NAME} and no {SINGLE_NAME}: the weights are missing "
+        + (f"(found {others} other .safetensors files) " if others else "")
+        + "; re-download",
+    )
+    return None
 
+
+def _read_headers(
+    root: Path,
+    report: VerifyReport,
+    checks: dict[str, FileCheck],
+    named: list[str],
+    weight_map: dict[str, str] | None,
+) -> dict[str, dict[str, TensorEntry]]:
+    """The header of every named file that exists and parses; the others are reported."""
     headers: dict[str, dict[str, TensorEntry]] = {}
     for name in named:
         if name not in checks:
@@ -351,21 +397,18 @@ def _check_weights(root: Path, report: VerifyReport, checks: dict[str, FileCheck
         except SafetensorsError as exc:
             report.error(name, str(exc))
             continue
+        except OSError as exc:
+            report.error(name, f"cannot read ({exc.strerror or exc}); check its mode")
+            continue
         headers[name] = header.tensors
         checks[name].tensors = len(header.tensors)
+    return headers
 
-    for name in st_files:
-        if name not in named:
-            report.warn(
-                name,
-                f"not named by {INDEX_NAME if weight_map is not None else 'the snapshot'}: "
-                "loaders ignore it (a leftover from another revision?)",
-            )
 
-    if weight_map is None:
-        return
-    # The index and the headers must agree both ways: a loader trusts the index to find a
-    # tensor, then loads every tensor of each file it names.
+def _index_entries_in_headers(
+    report: VerifyReport, weight_map: dict[str, str], headers: dict[str, dict[str, TensorEntry]]
+) -> None:
+    """Every tensor the index places in a readable file is in that file's header."""
     misplaced: dict[tuple[str, str], list[str]] = {}
     absent: dict[str, list[str]] = {}
     where: dict[str, str] = {}
@@ -393,20 +436,25 @@ def _check_weights(root: Path, report: VerifyReport, checks: dict[str, FileCheck
             f"{INDEX_NAME} places {len(phantom)} tensor(s) here that no file holds "
             f"(e.g. {phantom[0]}); re-download this file and the index",
         )
+
+
+def _header_tensors_in_index(
+    report: VerifyReport, weight_map: dict[str, str], headers: dict[str, dict[str, TensorEntry]]
+) -> None:
+    """Every tensor a header holds is placed in that file by the index."""
     for fname, tensors in headers.items():
         extra = [t for t in tensors if weight_map.get(t) != fname]
-        if extra:
-            report.error(
-                fname,
-                f"header holds {len(extra)} tensor(s) that {INDEX_NAME} does not place in this "
-                f"file (e.g. {extra[0]}"
-                + (
-                    f", which the index places in {weight_map[extra[0]]}"
-                    if extra[0] in weight_map
-                    else ""
-                )
-                + "): the index and the shards disagree; re-download both",
-            )
+        if not extra:
+            continue
+        elsewhere = (
+            f", which the index places in {weight_map[extra[0]]}" if extra[0] in weight_map else ""
+        )
+        report.error(
+            fname,
+            f"header holds {len(extra)} tensor(s) that {INDEX_NAME} does not place in this "
+            f"file (e.g. {extra[0]}{elsewhere}): the index and the shards disagree; "
+            "re-download both",
+        )
 
 
 def _expected_hashes(

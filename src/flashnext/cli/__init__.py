@@ -8,7 +8,9 @@ Data goes to stdout, diagnostics to stderr; a :class:`FlashnextError` becomes on
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 
 import click
@@ -64,19 +66,59 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the CLI, turning flashnext errors into one line."""
+    """Console-script entry point: run the CLI; expected failures become one ``error:`` line.
+
+    Exit status: 0 success, 1 a flashnext error or a file that cannot be read or written,
+    2 a bad flag (click), 130 interrupted.
+    """
     try:
         rv = cli.main(args=argv, prog_name="flashnext", standalone_mode=False)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        # One line, like every other error; click's own form spans four.
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+        click.echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"error: {_one_line(exc.format_message())}", err=True)
         sys.exit(exc.exit_code)
     except FlashnextError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"error: {_one_line(str(exc))}", err=True)
+        sys.exit(1)
+    except BrokenPipeError:
+        # stdout closed early (``| head``): not an error of ours; silence the flush at exit.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        sys.exit(1)
+    except OSError as exc:
+        click.echo(f"error: {describe_os_error(exc)}", err=True)
         sys.exit(1)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     if isinstance(rv, int):
         sys.exit(rv)
+
+
+_OS_HINTS = {
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory",
+    errno.EISDIR: "expected a file, found a directory",
+    errno.EACCES: "check the owner and mode of the file and its directories",
+    errno.EPERM: "check the owner and mode of the file and its directories",
+    errno.ENOSPC: "free space or choose another destination",
+    errno.EROFS: "choose another destination",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an ``OSError``: the path(s), what went wrong and what to check."""
+    where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    what = exc.strerror or str(exc) or type(exc).__name__
+    hint = _OS_HINTS.get(exc.errno or 0)
+    text = f"{where}: {what}" if where else what
+    return _one_line(f"{text} ({hint})" if hint else text)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

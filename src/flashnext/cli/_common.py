@@ -1,12 +1,25 @@
-"""Shared CLI plumbing: stderr console, progress bars, JSON output."""
+"""One console for every command: what goes where, and how text is printed.
+
+- stdout: data and the closing summary. With ``--json`` stdout holds the record and nothing
+  else (:func:`print_record`).
+- stderr: progress bars, diagnostics, notes, and the ``error: ...`` line of ``flashnext.cli.main``.
+
+Text is printed as it is: square brackets in paths, package extras (``flashnext[nvml]``) or
+server messages are never read as rich markup. :func:`say` and :func:`note` print plain text
+(``style`` colours the whole line); :func:`cell` makes a table cell from plain text; only
+literal markup written in this package's own source goes through rich's parser.
+"""
 
 from __future__ import annotations
 
-import json
+import os
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+import click
+from rich.console import Console, RenderableType
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,9 +32,43 @@ from rich.progress import (
 )
 from rich.text import Text
 
-#: Diagnostics, progress and human summaries go to stderr; data goes to stdout.
-err_console = Console(stderr=True)
-out_console = Console()
+from flashnext.records import dumps, make_record
+
+#: Data and summaries.
+out_console = Console(highlight=False)
+#: Progress, diagnostics and notes.
+err_console = Console(stderr=True, highlight=False)
+
+
+def say(text: str, style: str | None = None) -> None:
+    """One line of summary on stdout, printed verbatim (no markup, not wrapped)."""
+    out_console.print(Text(text, style=style or ""), soft_wrap=True)
+
+
+def note(text: str, style: str | None = None) -> None:
+    """One line of diagnostics on stderr, printed verbatim (no markup, not wrapped)."""
+    err_console.print(Text(text, style=style or ""), soft_wrap=True)
+
+
+def show(renderable: RenderableType) -> None:
+    """A summary table (or other rich renderable) on stdout."""
+    out_console.print(renderable)
+
+
+def cell(value: object, style: str | None = None) -> Text:
+    """A table cell (or title) showing ``value``'s text verbatim, never parsed as markup."""
+    return Text(str(value), style=style or "")
+
+
+def print_record(kind: str, payload: Mapping[str, Any] | Any, schema_version: int = 1) -> None:
+    """The ``--json`` output: ``payload`` as a :func:`flashnext.records.make_record` record on
+    stdout (strict JSON: NaN/inf become null).
+
+    Raises:
+        RecordError: ``kind`` is malformed or the payload uses an envelope key.
+    """
+    sys.stdout.write(dumps(make_record(kind, payload, schema_version=schema_version)))
+    sys.stdout.flush()
 
 
 class _RateColumn(ProgressColumn):
@@ -36,10 +83,23 @@ class _RateColumn(ProgressColumn):
         return Text(f"{speed:,.0f} {unit}/s  {mb:,.1f} MB/s", style="progress.data.speed")
 
 
+class _Progress(Progress):
+    """A progress display that leaves nothing behind when the work fails, so that the
+    ``error:`` line is the only thing a failed command prints on stderr."""
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            super().__exit__(exc_type, exc, tb)
+        elif not self.disable:
+            # Progress.stop() would print the last frame (and a blank line when not a terminal).
+            self.live.transient = True
+            self.live.stop()
+
+
 def progress(disable: bool = False) -> Progress:
     """A progress display on stderr with count, rate, MB/s and ETA."""
-    return Progress(
-        TextColumn("[bold]{task.description}"),
+    return _Progress(
+        TextColumn("[bold]{task.description}", markup=True),
         BarColumn(),
         MofNCompleteColumn(),
         _RateColumn(),
@@ -51,12 +111,43 @@ def progress(disable: bool = False) -> Progress:
     )
 
 
-def print_json(data: Any) -> None:
-    """Machine-readable output on stdout."""
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+class OutputDir(click.Path):
+    """A directory a command will create or write into: checked before any work starts.
+
+    It may exist (as a directory) or not; the nearest existing ancestor must be a writable
+    directory. A file where a directory is expected, or an unwritable parent, is a usage
+    error (exit 2) naming the path at fault, instead of a failure after the work is done.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        problem = output_dir_problem(Path(os.fsdecode(path)))
+        if problem:
+            self.fail(problem, param, ctx)
+        return path
+
+
+def output_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot become a directory we write into, or None if it can."""
+    probe = path
+    while not probe.exists():
+        if probe.is_symlink():
+            return f"{probe} is a dangling symbolic link"
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory; choose another path"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable by this user; choose another path or fix its mode"
+    return None
 
 
 def human_bytes(n: float) -> str:
+    """``n`` bytes in decimal units: ``"512 B"``, ``"1.5 MB"``, ``"49.0 GB"``."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"

@@ -9,10 +9,26 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
+from flashnext.cli._common import (
+    OutputDir,
+    cell,
+    human_bytes,
+    note,
+    print_record,
+    progress,
+    say,
+    show,
+)
+from flashnext.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from rich.text import Text
+
+    from flashnext.checkpoint.snapshot import FileCheck, VerifyReport
 
 
 @click.group("checkpoint")
@@ -25,8 +41,15 @@ def checkpoint() -> None:
 @click.option(
     "--hash", "do_hash", is_flag=True, help="Also sha256 every file with a recorded hash."
 )
-@click.option("--workers", type=int, default=None, help="Hashing threads (default: CPUs, max 8).")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1, max=256),
+    default=None,
+    help="Hashing threads (default: CPUs, max 8).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the report as a JSON record on stdout."
+)
 def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -> None:
     """Check that the snapshot in DIRECTORY is complete; exit 0 only if it is.
 
@@ -35,7 +58,7 @@ def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -
     each file's sha256 (git-sha1 for small files) is compared with the value recorded by
     `hf download --local-dir` (.cache/huggingface/download/*.metadata) or the cache blob name.
     """
-    from flashnext.checkpoint.snapshot import verify_snapshot
+    from flashnext.checkpoint.snapshot import RECORD_KIND, SCHEMA_VERSION, verify_snapshot
 
     if do_hash:
         with progress(disable=as_json) as bar:
@@ -49,57 +72,58 @@ def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -
         report = verify_snapshot(directory)
 
     if as_json:
-        print_json(report.to_dict())
+        print_record(RECORD_KIND, report.to_dict(), SCHEMA_VERSION)
     else:
         _print_report(report)
     if not report.ok:
-        sys.exit(1)
+        first = report.errors[0]
+        more = f" (and {len(report.errors) - 1} more)" if len(report.errors) > 1 else ""
+        raise CheckpointError(f"{report.root}: incomplete: {first.file}: {first.message}{more}")
 
 
-def _print_report(report) -> None:
+def _hash_cell(f: FileCheck) -> Text:
+    if f.hash_ok is True:
+        return cell(f"ok {f.algorithm}", "green")
+    if f.hash_ok is False:
+        return cell("MISMATCH", "red")
+    return cell(f"recorded ({f.algorithm})" if f.expected else "-")
+
+
+def _print_report(report: VerifyReport) -> None:
     from rich.table import Table
 
-    out = out_console
     table = Table(
-        title=f"{report.root} ({report.layout}, weights: {report.weights})", title_justify="left"
+        title=cell(f"{report.root} ({report.layout}, weights: {report.weights})"),
+        title_justify="left",
     )
-    table.add_column("file")
-    table.add_column("size", justify="right")
-    table.add_column("tensors", justify="right")
-    table.add_column("hash")
+    for name, justify in (
+        ("file", "left"),
+        ("size", "right"),
+        ("tensors", "right"),
+        ("hash", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for f in report.files:
-        if f.hash_ok is True:
-            h = f"[green]ok[/] {f.algorithm}"
-        elif f.hash_ok is False:
-            h = "[red]MISMATCH[/]"
-        elif f.expected:
-            h = f"recorded ({f.algorithm})"
-        else:
-            h = "-"
-        table.add_row(f.file, human_bytes(f.size), "" if f.tensors is None else str(f.tensors), h)
+        tensors = "" if f.tensors is None else str(f.tensors)
+        table.add_row(cell(f.file), human_bytes(f.size), tensors, _hash_cell(f))
     if len(report.files) <= 40:
-        out.print(table)
+        show(table)
     for finding in report.findings:
-        color = "red" if finding.severity == "error" else "yellow"
-        out.print(
-            f"[{color}]{finding.severity}[/] {finding.file}: {finding.message}", highlight=False
-        )
-    total = sum(f.size for f in report.files)
-    hashed = sum(1 for f in report.files if f.hash_ok)
+        colour = "red" if finding.severity == "error" else "yellow"
+        say(f"{finding.severity} {finding.file}: {finding.message}", colour)
+    total = human_bytes(sum(f.size for f in report.files))
     if report.ok:
-        out.print(
-            f"[green]complete[/]: {len(report.files)} files, {human_bytes(total)}"
-            + (
-                f", {hashed} hashes match"
-                if report.hashed
-                else " (headers and sizes; --hash to hash)"
-            )
-            + f" ({report.seconds:.1f} s)"
+        hashed = sum(1 for f in report.files if f.hash_ok)
+        how = (
+            f", {hashed} hashes match" if report.hashed else " (headers and sizes; --hash to hash)"
         )
+        say(f"complete: {len(report.files)} files, {total}{how} ({report.seconds:.1f} s)", "green")
     else:
-        out.print(
-            f"[red]INCOMPLETE[/]: {len(report.errors)} problem(s) in {len({e.file for e in report.errors})} "
-            f"file(s); {len(report.files)} files, {human_bytes(total)} on disk"
+        bad_files = len({e.file for e in report.errors})
+        say(
+            f"INCOMPLETE: {len(report.errors)} problem(s) in {bad_files} file(s); "
+            f"{len(report.files)} files, {total} on disk",
+            "red",
         )
 
 
@@ -107,60 +131,40 @@ def _print_report(report) -> None:
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
     "--tp",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=4096),
     default=None,
     help="Also show each rank's row copies for this TP size.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the tables as JSON on stdout.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the tables as a JSON record on stdout."
+)
 def ple(directory: Path, tp: int | None, as_json: bool) -> None:
     """Find each PLE layer's n-gram table in DIRECTORY: layout, prefix, format, shapes checked."""
-    from dataclasses import asdict
+    from flashnext.checkpoint.ple_report import (
+        RECORD_KIND,
+        SCHEMA_VERSION,
+        report_ple_tables,
+        row_copy_text,
+    )
 
-    from flashnext.checkpoint.ple_tensors import find_ple_tables
-
-    tables = find_ple_tables(directory)
+    reports = report_ple_tables(directory, tp)
     if as_json:
-        doc = []
-        for t in tables:
-            d = t.to_dict()
-            if tp:
-                d["tp"] = {
-                    "size": tp,
-                    "ranks": [[asdict(c) for c in t.tp_row_map(tp, r)] for r in range(tp)],
-                }
-            doc.append(d)
-        print_json({"schema_version": 1, "tables": doc})
+        print_record(RECORD_KIND, {"tables": [r.to_dict() for r in reports]}, SCHEMA_VERSION)
         return
-    out = out_console
-    for t in tables:
-        out.print(
+    for r in reports:
+        t = r.table
+        say(
             f"layer {t.layer_id} (index {t.layer_index}, ordinal {t.ordinal}): {t.format}, "
             f"layout {t.layout}, {t.prefix} prefix {t.name_prefix}, {t.num_rows:,} rows x "
             f"{t.width}, {len(t.weights)} tensor(s) in {len({p.file for p in t.parts})} file(s), "
             f"{human_bytes(t.nbytes)}"
             + "".join(f", {name} {value:g}" for name, value in t.scalars.items())
-            + (f", buffers {sorted(t.buffers)}" if t.buffers else ""),
-            highlight=False,
+            + (f", buffers {sorted(t.buffers)}" if t.buffers else "")
         )
-        if t.layout == "empty-shard":
-            out.print(
-                "  note: vLLM 0.33.0 rejects the empty shard index ('shard_.weight'); "
-                "the flashnext loader accepts it after this shape check",
-                highlight=False,
-            )
-        if tp:
-            for r in range(tp):
-                copies = t.tp_row_map(tp, r)
-                out.print(
-                    f"  rank {r}: "
-                    + "; ".join(
-                        f"{c.tensor.rsplit('.', 2)[-2]}.{c.tensor.rsplit('.', 1)[-1]}"
-                        f"[{c.src_offset}:{c.src_offset + c.rows}] -> [{c.dst_offset}:"
-                        f"{c.dst_offset + c.rows}]"
-                        for c in copies
-                    ),
-                    highlight=False,
-                )
+        for text in r.notes:
+            say(f"  note: {text}")
+        for rank, copies in enumerate(r.ranks):
+            say(f"  rank {rank}: " + "; ".join(row_copy_text(c) for c in copies))
 
 
 @checkpoint.command("override")
@@ -172,49 +176,49 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
     required=True,
     help="OLD=NEW: every layer_types entry equal to OLD becomes NEW (repeatable).",
 )
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=None, help="Write a servable copy here."
-)
+@click.option("--out", type=OutputDir(), default=None, help="Write a servable copy here.")
 @click.option("--hf-overrides", "hf", is_flag=True, help="Print JSON for vLLM --hf-overrides.")
 @click.option("--reason", default=None, help="Why the override is needed (recorded).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the override record as JSON on stdout."
+)
 def override(
-    directory: Path, layer_types: tuple[str, ...], out: Path | None, hf: bool, reason: str | None
+    directory: Path,
+    layer_types: tuple[str, ...],
+    out: Path | None,
+    hf: bool,
+    reason: str | None,
+    as_json: bool,
 ) -> None:
     """Change layer_types entries of DIRECTORY's config.json, recording why.
 
     Never edits config.json in place: --out DIR2 writes a patched copy (other files are
     symlinked), --hf-overrides prints the JSON for vLLM. The record says the change lets the
-    runtime load but is not shown to be computationally equivalent.
+    runtime load but is not shown to be computationally equivalent. --json prints the record
+    (with --hf-overrides: the record, whose ``hf_overrides`` field is the JSON for vLLM).
     """
-    from flashnext.checkpoint.config import (
-        CAVEAT,
-        hf_overrides,
-        override_layer_types,
-        override_record,
-        parse_mapping,
-        read_config,
-        write_overridden_snapshot,
-    )
-    from flashnext.checkpoint.snapshot import resolve_snapshot
-    from flashnext.errors import CheckpointError
+    from flashnext.checkpoint.config import CAVEAT, plan_override
+    from flashnext.records import dumps
 
     if (out is None) == (not hf):
-        raise CheckpointError("choose exactly one of --out DIR2 and --hf-overrides")
-    root, _layout = resolve_snapshot(directory)
-    mapping = parse_mapping(layer_types)
-    patched, changes = override_layer_types(read_config(root), mapping)
-    record = override_record(mapping, changes, root / "config.json", reason)
-    err = err_console
-    for c in changes:
-        err.print(f"changed {c.field}: {c.old!r} -> {c.new!r}", highlight=False)
-    if out is None:
-        click.echo(json.dumps(hf_overrides(patched, changes)))
-    else:
-        write_overridden_snapshot(root, out, patched, record)
-        err.print(
-            f"wrote {out / 'config.json'} (+ FLASHNEXT_OVERRIDES.json; other files symlinked)"
-        )
-    err.print(f"{len(changes)} entries changed. {CAVEAT}", highlight=False)
+        raise click.UsageError("choose exactly one of --out DIR2 and --hf-overrides")
+    plan = plan_override(directory, layer_types, reason)
+    if out is not None:
+        plan.write(out)
+    # stdout carries data when there is some (the record, or the JSON for vLLM); the list of
+    # changes is then a diagnostic on stderr, otherwise it is the summary on stdout.
+    data_on_stdout = as_json or hf
+    tell = note if data_on_stdout else say
+    for c in plan.changes:
+        tell(f"changed {c.field}: {c.old!r} -> {c.new!r}")
+    if out is not None:
+        tell(f"wrote {out / 'config.json'} (+ FLASHNEXT_OVERRIDES.json; other files symlinked)")
+    tell(f"{len(plan.changes)} entries changed. {CAVEAT}")
+    if as_json:
+        extra = {"hf_overrides": plan.hf_overrides} if hf else {"out": str(out)}
+        sys.stdout.write(dumps({**plan.record, **extra}))
+    elif hf:
+        click.echo(json.dumps(plan.hf_overrides))
 
 
 def _attach_plan() -> None:

@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
 
 import click
 from rich.table import Table
 
-from flashnext.cli._common import err_console, human_bytes, out_console, print_json
+from flashnext.cli._common import OutputDir, human_bytes, note, print_record, show
 
 
 @click.command()
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputDir(),
     default=None,
     help="Keep the tables here [default: a temporary directory, removed at the end].",
 )
@@ -38,14 +37,14 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
     """Build a synthetic PLE table, quantize it three ways, hash real text, time lookups."""
     from flashnext.demo import run_demo
 
-    log = (lambda msg: None) if as_json else (lambda msg: err_console.print(f"[dim]{msg}"))
+    log = (lambda msg: None) if as_json else (lambda msg: note(msg, "dim"))
     if out_dir is None:
         with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
             result = run_demo(tmp, base=base, workers=workers, log=log)
     else:
         result = run_demo(out_dir, base=base, workers=workers, log=log)
     if as_json:
-        print_json(dataclasses.asdict(result))
+        print_record("flashnext.demo", result)
         return
 
     geo = result.geometry
@@ -80,6 +79,6 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
             f"{row.prefill_ms['mmap']:.1f} ms",
             f"{row.prefill_ms['resident']:.1f} ms",
         )
-    out_console.print(table)
+    show(table)
     if out_dir is not None:
-        err_console.print(f"tables kept in {out_dir}")
+        note(f"tables kept in {out_dir}")

@@ -5,14 +5,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import click
 import numpy as np
 from rich.progress import Progress
 from rich.table import Table
 
-from flashnext.cli._common import err_console, human_bytes, out_console, print_json, progress
+from flashnext.cli._common import (
+    OutputDir,
+    cell,
+    human_bytes,
+    note,
+    out_console,
+    print_record,
+    progress,
+    show,
+)
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
@@ -57,7 +65,7 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     problems = found.problems
     resident_bytes, memory = found.resident_bytes, found.memory
     if as_json:
-        print_json(record)
+        print_record("flashnext.ple.info", record)
     else:
         table = Table(show_header=False, box=None)
         for key in (
@@ -71,25 +79,25 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
             "checksums",
         ):
             value = record[key]
-            table.add_row(key, f"{value:,}" if isinstance(value, int) else str(value))
+            table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))
         table.add_row("size", human_bytes(record["size_bytes"]))
         fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
         table.add_row(
             "resident copy",
-            f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})",
+            cell(f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})"),
         )
         if record["rel_rmse"] is not None:
             table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
-        out_console.print(table)
+        show(table)
         for line in problems:
-            err_console.print(f"[red]{line}")
+            note(line, style="red")
     if problems:
         raise SystemExit(1)
 
 
 @ple.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("dst", type=OutputDir())
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Output format.")
 @click.option(
     "--rows-per-shard",
@@ -171,14 +179,10 @@ def quantize(
         )
     summary = result.summary(source, dst)
     if as_json:
-        print_json(summary)
-    else:
-        _print_quantize_summary(summary)
-
-
-def _print_quantize_summary(summary: dict[str, Any]) -> None:
+        print_record("flashnext.ple.quantize", summary)
+        return
     table = Table(
-        title=f"quantized to {summary['format']}: {summary['destination']}",
+        title=cell(f"quantized to {summary['format']}: {summary['destination']}"),
         show_header=False,
         box=None,
     )
@@ -194,7 +198,7 @@ def _print_quantize_summary(summary: dict[str, Any]) -> None:
         f"{summary['rel_rmse']:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})",
     )
     table.add_row("time", f"{summary['seconds']:.1f} s")
-    err_console.print(table)
+    show(table)
 
 
 def _parse_ids(text: str) -> np.ndarray:
@@ -233,7 +237,8 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) 
     except IndexError as exc:
         raise SidecarError(f"--ids: {exc}") from None
     if as_json:
-        print_json(
+        print_record(
+            "flashnext.ple.lookup",
             {
                 "format": table.format,
                 "ids": row_ids.tolist(),
@@ -247,7 +252,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) 
                     if raw
                     else {}
                 ),
-            }
+            },
         )
         return
     codec = get_codec(table.format)

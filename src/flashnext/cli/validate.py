@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from flashnext.cli._common import err_console
+from flashnext.cli._common import OutputDir, err_console, out_console, show
 from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
@@ -51,11 +51,6 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     return names
 
 
-def _positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ValidationError(f"{name} {value}: expected a number > 0")
-
-
 @click.group("validate", invoke_without_command=True)
 @click.option(
     "--url",
@@ -79,17 +74,22 @@ def _positive(name: str, value: float) -> None:
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(path_type=Path),
+    type=OutputDir(),
     default=Path("validate-report"),
     show_default=True,
     help="Directory for report.json, report.md, report.png.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option(
-    "--ready-timeout", default=600.0, show_default=True, help="Seconds to wait for /health."
+    "--ready-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait for /health.",
 )
 @click.option(
     "--recovery-timeout",
+    type=click.FloatRange(min=0, min_open=True),
     default=180.0,
     show_default=True,
     help="Seconds to wait for a server lost during a stage to come back.",
@@ -97,50 +97,83 @@ def _positive(name: str, value: float) -> None:
 @click.option(
     "--timeout",
     "request_timeout",
+    type=click.FloatRange(min=0, min_open=True),
     default=180.0,
     show_default=True,
     help="Client timeout per request (s).",
 )
-@click.option("--rounds", default=3, show_default=True, help="Concurrency stage: rounds.")
 @click.option(
-    "--concurrency", default=16, show_default=True, help="Concurrency stage: requests per round."
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Concurrency stage: rounds.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Concurrency stage: requests per round.",
 )
 @click.option(
     "--max-tokens",
+    type=click.IntRange(min=1),
     default=700,
     show_default=True,
     help="Concurrency stage: max_tokens per request.",
 )
-@click.option("--temperature", default=0.8, show_default=True, help="Concurrency and sustained.")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0, max=2),
+    default=0.8,
+    show_default=True,
+    help="Concurrency and sustained.",
+)
 @click.option(
     "--long-fraction",
+    type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
     default=0.9,
     show_default=True,
     help="Long stage: prompt length as a fraction of max_model_len.",
 )
-@click.option("--long-max-tokens", default=32, show_default=True)
+@click.option("--long-max-tokens", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option(
     "--prefix-requests",
+    type=click.IntRange(min=1),
     default=4,
     show_default=True,
     help="Prefix-cache stage: requests sharing the prefix.",
 )
-@click.option("--sustained-seconds", default=60.0, show_default=True)
-@click.option("--sustained-concurrency", default=8, show_default=True)
-@click.option("--sustained-max-tokens", default=128, show_default=True)
+@click.option(
+    "--sustained-seconds",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+)
+@click.option("--sustained-concurrency", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--sustained-max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option(
     "--sustained-max-requests",
+    type=click.IntRange(min=1),
     default=10_000,
     show_default=True,
     help="Sustained stage: stop after this many requests even before the duration.",
 )
 @click.option(
     "--probe-interval",
+    type=click.FloatRange(min=0, min_open=True),
     default=0.5,
     show_default=True,
     help="Seconds between /metrics scrapes and NVML samples.",
 )
-@click.option("--gpu-index", default=0, show_default=True, help="NVML GPU index to sample.")
+@click.option(
+    "--gpu-index",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="NVML GPU index to sample.",
+)
 @click.option(
     "--nvml/--no-nvml",
     default=True,
@@ -173,27 +206,7 @@ def _config(opts: dict[str, Any]) -> Config:
     """The run's :class:`Config` from parsed flags, each checked (one-line errors)."""
     from flashnext.validate.stages import STAGES, Config
 
-    for flag in (
-        "ready_timeout",
-        "recovery_timeout",
-        "request_timeout",
-        "long_fraction",
-        "probe_interval",
-        "sustained_seconds",
-        "rounds",
-        "concurrency",
-        "max_tokens",
-        "long_max_tokens",
-        "prefix_requests",
-        "sustained_concurrency",
-        "sustained_max_tokens",
-        "sustained_max_requests",
-    ):
-        _positive("--" + flag.replace("_", "-"), opts[flag])
-    if opts["long_fraction"] >= 1:
-        raise ValidationError(f"--long-fraction {opts['long_fraction']}: expected 0 < f < 1")
-    if not 0 <= opts["temperature"] <= 2:
-        raise ValidationError(f"--temperature {opts['temperature']}: expected 0 <= t <= 2")
+    # Ranges are click types on the options (exit 2 before any work).
     return Config(
         url=_parse_url(opts["url"]),
         model=opts["model"],
@@ -299,13 +312,12 @@ async def _run_with_progress(cfg: Config) -> ValidationResult:
 
 
 def _print_summary(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from flashnext.validate.report import key_text
 
-    console = Console()
+    console = out_console
     colours = {"pass": "green", "fail": "red", "skipped": "yellow", "interrupted": "magenta"}
     verdict = "PASSED" if report["passed"] else "FAILED"
     if report["interrupted"]:
@@ -323,7 +335,7 @@ def _print_summary(report: dict[str, Any]) -> None:
             f"{s['duration_s']:.1f}",
             Text(key_text(s["key"])),
         )
-    console.print(table)
+    show(table)
     for s in report["stages"]:
         for m in s["failures"][:3]:
             console.print(Text.assemble((s["name"], "red"), f": {m}"), highlight=False)

@@ -28,7 +28,7 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from flashnext.errors import SidecarError
+from flashnext.errors import RowIdError, SidecarError
 from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, E2M1_CODES, E4M3, GROUP, Codec
 from flashnext.ple.preflight import HostMemory, check_fits
@@ -333,12 +333,12 @@ class PLETable:
     def _as_ids(self, ids: object) -> np.ndarray:
         arr = _no_wrapping_ids(ids)
         if arr.dtype.kind not in "iu" and arr.size:
-            raise IndexError(f"row ids must be integers, found dtype {arr.dtype}")
+            raise RowIdError(f"row ids must be integers, found dtype {arr.dtype}")
         return np.ascontiguousarray(arr, dtype=np.int64)
 
     def _raise_bad(self, arr: np.ndarray, index: int) -> None:
         pos = tuple(int(p) for p in np.unravel_index(index, arr.shape))
-        raise IndexError(
+        raise RowIdError(
             f"row id {int(arr.reshape(-1)[index])} at index {pos} is outside the table "
             f"{self.sidecar.path} of {self.num_rows} rows (use -1 for padding)"
         )
@@ -629,7 +629,7 @@ def _no_wrapping_ids(ids: object) -> np.ndarray:
     """``ids`` as an array, refusing unsigned ids that int64 would wrap to -1 (padding)."""
     arr = np.asarray(ids)
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise IndexError(
+        raise RowIdError(
             f"row id {int(arr.max())} does not fit in int64 (it would wrap to a negative id); "
             "ids must be in [-1, num_rows)"
         )

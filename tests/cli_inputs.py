@@ -1,0 +1,128 @@
+"""The command tree and real inputs for every command (shared by the tests that walk all of them).
+
+:func:`leaf_commands` discovers the commands from the click tree, so a command added later is
+walked too; the tests then fail until it is given an input here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import numpy as np
+import pytest
+
+from flashnext.cli import cli, main
+from flashnext.ple import write_sidecar
+
+from .checkpoint.builder import build_checkpoint
+
+
+def leaf_commands() -> dict[str, click.Command]:
+    """Every runnable command, by its path (``"ple info"``); a group that runs on its own
+    (``validate``) is one too."""
+    out: dict[str, click.Command] = {}
+
+    def walk(cmd: click.Command, path: list[str], parent: click.Context | None) -> None:
+        ctx = click.Context(cmd, info_name=path[-1] if path else "flashnext", parent=parent)
+        if isinstance(cmd, click.Group):
+            if cmd.invoke_without_command and path:
+                out[" ".join(path)] = cmd
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                assert sub is not None, name
+                walk(sub, [*path, name], ctx)
+        else:
+            out[" ".join(path)] = cmd
+
+    walk(cli, [], None)
+    return out
+
+
+def has_option(cmd: click.Command, flag: str) -> bool:
+    return any(flag in getattr(p, "opts", ()) for p in cmd.params)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Inputs:
+    """Real inputs built once per session: a checkpoint, a sidecar, a validate report."""
+
+    root: Path
+    checkpoint: Path  # a complete snapshot (bf16 PLE table, 3 files, hf metadata)
+    sidecar: Path  # a bf16 sidecar, 2 shards of 100 rows
+    report: Path  # a report.json of `flashnext validate` against a closed port
+    a_file: Path  # a plain file
+
+    def fresh(self, name: str) -> Path:
+        """A path that does not exist yet, unique per call."""
+        n = 0
+        while (self.root / f"{name}{n}").exists() or (self.root / f"{name}{n}").is_symlink():
+            n += 1
+        return self.root / f"{name}{n}"
+
+
+def build_inputs(root: Path, rng: np.random.Generator) -> Inputs:
+    ck = build_checkpoint(root / "ck", base=400, rng=rng).root
+    sidecar = root / "sidecar"
+    write_sidecar(sidecar, "bf16", rng.standard_normal((200, 160), dtype=np.float32), 100)
+    a_file = root / "a_file"
+    a_file.write_text("not a directory\n")
+    out = root / "validate-report"
+    code, _, err = run_subprocess(
+        [
+            *("validate", "--url", f"http://127.0.0.1:{closed_port()}", "--ready-timeout", "0.5"),
+            *("--out", str(out), "--no-png"),
+        ]
+    )
+    assert code == 1 and (out / "report.json").exists(), err
+    return Inputs(root, ck, sidecar, out / "report.json", a_file)
+
+
+def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``flashnext ARGV`` in this process: (exit status, stdout, stderr). An exception that
+    escapes ``main`` (a traceback a user would see) propagates and fails the test."""
+    capsys.readouterr()
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _drop_file_permission_override() -> None:
+    """In the child, before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the
+    bounding set, so that root obeys file modes (root bypasses them otherwise)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, cap_dac_override, cap_dac_read_search = 24, 1, 2
+    for cap in (cap_dac_override, cap_dac_read_search):
+        if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def run_subprocess(argv: list[str], unprivileged: bool = False) -> tuple[int, str, str]:
+    """``flashnext ARGV`` in a subprocess: (exit status, stdout, stderr). ``unprivileged``:
+    file permissions apply to it even when the tests run as root."""
+    drop = unprivileged and os.geteuid() == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashnext", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_drop_file_permission_override if drop else None,
+    )
+    return proc.returncode, proc.stdout, proc.stderr

@@ -1,0 +1,161 @@
+"""Bad input through every command: one ``error:`` line on stderr, a non-zero exit, no traceback.
+
+The commands are discovered from the click tree; ``BAD_INPUTS`` must give every command every
+case, as arguments or as the reason the case does not apply to it. Cases:
+
+- ``missing``: a path that does not exist;
+- ``wrong-kind``: a file where a directory is expected (or a directory where a file is);
+- ``unreadable``: an input the user may not read (config.json, a shard, a report) or an output
+  directory they may not write; run in a subprocess that file modes apply to even as root;
+- ``out-of-range``: a flag value outside its range (click types: exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from .cli_inputs import Inputs, leaf_commands, run_in_process, run_subprocess
+
+CASES = ("missing", "wrong-kind", "unreadable", "out-of-range")
+LAYER_TYPE = ["--layer-type", "qwen_sparse_attention=full_attention"]
+URL = ["--url", "http://127.0.0.1:1", "--ready-timeout", "0.5", "--no-png"]
+
+Args = Callable[[Inputs], list[object]]
+
+
+def _unreadable_config(i: Inputs) -> Path:
+    """A copy of the checkpoint (weights symlinked) whose config.json has mode 000."""
+    dst = i.fresh("ck-unreadable")
+    dst.mkdir()
+    for entry in i.checkpoint.iterdir():
+        if entry.name != "config.json":
+            (dst / entry.name).symlink_to(entry)
+    shutil.copy(i.checkpoint / "config.json", dst / "config.json")
+    os.chmod(dst / "config.json", 0)
+    return dst
+
+
+def _unreadable_shard(i: Inputs) -> Path:
+    dst = i.fresh("sidecar-unreadable")
+    shutil.copytree(i.sidecar, dst)
+    os.chmod(dst / "shard_1.safetensors", 0)
+    return dst
+
+
+def _unreadable_file(i: Inputs) -> Path:
+    dst = i.fresh("report-unreadable")
+    shutil.copy(i.report, dst)
+    os.chmod(dst, 0)
+    return dst
+
+
+def _unwritable_dir(i: Inputs) -> Path:
+    parent = i.fresh("read-only")
+    parent.mkdir(mode=0o555)
+    return parent / "out"
+
+
+# command -> case -> arguments, or a string: why the case does not apply to the command
+BAD_INPUTS: dict[str, dict[str, Args | str]] = {
+    "checkpoint verify": {
+        "missing": lambda i: [i.fresh("nothing")],
+        "wrong-kind": lambda i: [i.a_file],
+        "unreadable": lambda i: [_unreadable_config(i)],
+        "out-of-range": lambda i: [i.checkpoint, "--workers", "0"],
+    },
+    "checkpoint ple": {
+        "missing": lambda i: [i.fresh("nothing")],
+        "wrong-kind": lambda i: [i.a_file],
+        "unreadable": lambda i: [_unreadable_config(i)],
+        "out-of-range": lambda i: [i.checkpoint, "--tp", "0"],
+    },
+    "checkpoint override": {
+        "missing": lambda i: [i.fresh("nothing"), *LAYER_TYPE, "--hf-overrides"],
+        "wrong-kind": lambda i: [i.checkpoint, *LAYER_TYPE, "--out", i.a_file / "sub"],
+        "unreadable": lambda i: [_unreadable_config(i), *LAYER_TYPE, "--hf-overrides"],
+        "out-of-range": lambda i: [i.checkpoint, "--layer-type", "=x", "--hf-overrides"],
+    },
+    "demo": {
+        "missing": "demo reads no input; --out is created when missing",
+        "wrong-kind": lambda i: ["--out", i.a_file],
+        "unreadable": lambda i: ["--out", _unwritable_dir(i)],
+        "out-of-range": lambda i: ["--base", "5"],
+    },
+    "ple info": {
+        "missing": lambda i: [i.fresh("nothing")],
+        "wrong-kind": lambda i: [i.a_file],
+        "unreadable": lambda i: [_unreadable_shard(i)],
+        "out-of-range": "ple info has no flag with a range",
+    },
+    "ple lookup": {
+        "missing": lambda i: [i.fresh("nothing"), "--ids", "0"],
+        "wrong-kind": lambda i: [i.a_file, "--ids", "0"],
+        "unreadable": lambda i: [_unreadable_shard(i), "--ids", "0,150"],
+        "out-of-range": lambda i: [i.sidecar, "--ids", "0,99999999999999999999"],
+    },
+    "ple quantize": {
+        "missing": lambda i: [i.fresh("nothing"), i.fresh("dst"), "--format", "int4"],
+        "wrong-kind": lambda i: [i.sidecar, i.a_file / "dst", "--format", "int4"],
+        "unreadable": lambda i: [_unreadable_config(i), i.fresh("dst"), "--format", "int4"],
+        "out-of-range": lambda i: [i.sidecar, i.fresh("dst"), "--format", "int4", "--workers", "0"],
+    },
+    "validate": {
+        "missing": "validate reads no input path; --out is created when missing",
+        "wrong-kind": lambda i: [*URL, "--out", i.a_file],
+        "unreadable": lambda i: [*URL, "--out", _unwritable_dir(i)],
+        "out-of-range": lambda i: [*URL, "--out", i.fresh("report"), "--rounds", "0"],
+    },
+    "validate compare": {
+        "missing": lambda i: [i.fresh("nothing.json"), i.report],
+        "wrong-kind": lambda i: [i.root, i.report],
+        "unreadable": lambda i: [_unreadable_file(i), i.report],
+        "out-of-range": "validate compare has no flag with a range",
+    },
+}
+
+COMMANDS = sorted(leaf_commands())
+ITEMS = [
+    (command, case)
+    for command in COMMANDS
+    for case in CASES
+    if not isinstance(BAD_INPUTS.get(command, {}).get(case), str)
+]
+
+
+def test_every_command_has_every_case():
+    for command in COMMANDS:
+        table = BAD_INPUTS.get(command)
+        assert table is not None, f"add `{command}` to BAD_INPUTS"
+        assert set(table) == set(CASES), f"{command}: give every case {CASES}"
+        for case, value in table.items():
+            assert not isinstance(value, str) or len(value) > 10, (command, case)
+
+
+@pytest.mark.parametrize(("command", "case"), ITEMS)
+def test_bad_input_is_one_line(command, case, cli_inputs, capsys):
+    args = BAD_INPUTS[command][case]
+    assert callable(args), f"add `{command}` / {case} to BAD_INPUTS"
+    argv = [*command.split(), *map(str, args(cli_inputs))]
+    if case == "unreadable":
+        code, out, err = run_subprocess(argv, unprivileged=True)
+    else:
+        code, out, err = run_in_process(argv, capsys)
+    shown = f"flashnext {' '.join(argv)}\nexit {code}\nstdout:\n{out}\nstderr:\n{err}"
+    assert code != 0, shown
+    assert "Traceback" not in out + err, shown
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), shown
+    if case == "out-of-range":
+        assert code == 2 or command == "checkpoint override", shown  # click's usage error
+
+
+def test_unreadable_really_is_unreadable(cli_inputs):
+    """The privilege drop works: the subprocess cannot read a mode-000 file even as root."""
+    target = _unreadable_file(cli_inputs)
+    code, _, err = run_subprocess(["validate", "compare", target, target], unprivileged=True)
+    assert code == 2 and f"Path '{target}' is not readable" in err, err
