@@ -40,6 +40,7 @@ PROMPTS = [
         "id": "long",
         "category": "long",
         "fill_fraction": 0.5,
+        "filler": "Grain, rain and river levels. ",
         "messages": [{"role": "user", "content": "Notes:\n{fill}\nWhat did the clerks copy?"}],
     },
 ]
@@ -88,6 +89,13 @@ def ab_models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return models
 
 
+class AbServer(VllmServer):
+    """A test server given more time to come up: this file starts several on a shared machine."""
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        super().wait_healthy(timeout_s)
+
+
 def start_all(servers: list[VllmServer]) -> list[VllmServer]:
     """Start servers side by side (each start is mostly waiting on its own process)."""
     with ThreadPoolExecutor(len(servers)) as pool:
@@ -100,7 +108,7 @@ def ab_pair(
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
     """Two servers of the same A/B model (the second is killed by the last test)."""
     logs = tmp_path_factory.mktemp("ab-logs")
-    pair = [VllmServer(vllm_python, ab_models["base"], logs) for _ in range(2)]
+    pair = [AbServer(vllm_python, ab_models["base"], logs) for _ in range(2)]
     try:
         start_all(pair)
         yield pair[0], pair[1]
@@ -141,7 +149,7 @@ def test_same_model_twice_is_identical(ab_pair, prompts_file, tmp_path):
         assert info["teacher_forcing"] == "prompt_logprobs"
     rows = {r["id"]: r for r in record["prompts"]}
     assert set(rows) == {"code", "fr", "long"}
-    assert 200 <= rows["long"]["prompt_tokens"] <= 512 - int(MAX_TOKENS)  # filled to ~0.5
+    assert 230 <= rows["long"]["prompt_tokens"] <= 256  # filled to ~0.5 of max_model_len
     for r in rows.values():
         assert r["error"] is None and r["first_difference"] is None
         assert r["baseline"]["token_ids"] == r["candidate"]["token_ids"]
@@ -158,7 +166,7 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(
     vllm_python, ab_models, ab_pair, prompts_file, tmp_path
 ):
     base = ab_pair[0]
-    noisy = [VllmServer(vllm_python, ab_models[str(rel)], tmp_path) for rel in NOISE]
+    noisy = [AbServer(vllm_python, ab_models[str(rel)], tmp_path) for rel in NOISE]
     try:
         start_all(noisy)
         runs = [
@@ -170,6 +178,10 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(
             s.stop()
     (_, small), (rc_large, large) = runs
     kl_small, kl_large = small["summary"]["kl"]["mean"], large["summary"]["kl"]["mean"]
+    for rel, rec in ((NOISE[0], small), (NOISE[1], large)):
+        s = rec["summary"]
+        print(f"noise {rel}: {rec['verdict']['status']} KL mean {s['kl']['mean']:.3g} "
+              f"top-1 {s['top1_agreement']:.3f} tokens {s['token_agreement']:.3f}")  # fmt: skip
     assert 0 < kl_small < kl_large / 4, (kl_small, kl_large)  # KL ~ noise^2: 225x expected
     assert rc_large == 1 and large["verdict"]["status"] == "fail"
     assert large["summary"]["top1_agreement"] < small["summary"]["top1_agreement"]

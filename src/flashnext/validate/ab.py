@@ -171,17 +171,21 @@ async def _fill(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> Prompt:
         raise RequestFailed("both", "no_max_model_len", "long prompt: /v1/models gave no length")
     budget = min(lens) - cfg.max_tokens - _TEMPLATE_SLACK
     target = min(int(min(lens) * (p.fill_fraction or 0)), budget)
-    empty = await base.tokenize(p.filled(0).messages, p.filled(0).text)
-    unit = await base.tokenize(None, p.filler)
-    if target <= len(empty):
+    empty = len(await base.tokenize(p.filled(0).messages, p.filled(0).text))
+    if target <= empty:
         raise RequestFailed(
             "both", "too_long", f"max_model_len {min(lens)} leaves no room for filling"
         )
-    repeats = fill_repeats(len(empty), len(unit), target)
+    # Fillers merge with each other at their seams, so a filler costs fewer tokens inside the
+    # prompt than alone: measure the cost per filler from a rough fill, then fill to the target.
+    rough = max(1, fill_repeats(0, len(p.filler) // 3 or 1, target - empty))
+    probe = p.filled(rough)
+    per = (len(await base.tokenize(probe.messages, probe.text)) - empty) / rough
+    repeats = max(0, int((target - empty) / max(per, 1e-9)))
     filled = p.filled(repeats)
     n = len(await base.tokenize(filled.messages, filled.text))
-    if n > budget:  # fillers merge at their seams: trim once by the overshoot
-        filled = p.filled(max(0, repeats - (n - budget) // max(len(unit), 1) - 1))
+    if n > budget:  # trim once by the overshoot
+        filled = p.filled(max(0, repeats - int((n - budget) / max(per, 1e-9)) - 1))
     return filled
 
 
