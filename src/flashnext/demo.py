@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from flashnext._extras import require
+from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
 from flashnext.ple.quantize import SidecarSource, quantize_table
@@ -171,17 +172,15 @@ def run_demo(
         source={"kind": "synthetic", "generator": "flashnext.synthetic.embedding_rows"},
     )
     bf16_ref = open_table(bf16_dir, "resident")
-    bf16_array = bf16_ref.lookup(np.arange(geo.num_rows)).astype(np.dtype("bfloat16"))
+    bf16_array = bf16_ref.lookup(np.arange(geo.num_rows)).astype(BF16)
     numpy_decode = _median_time(50, np.take, bf16_array, decode_ids, 0)
     numpy_prefill = _median_time(5, np.take, bf16_array, prefill_ids, 0)
 
     rows: list[FormatRow] = []
     source = SidecarSource(bf16_dir)
-    for fmt in ("bf16", "fp8", "int4", "nvfp4"):
+    for fmt in FORMATS:
         if fmt == "bf16":
             directory = bf16_dir
-            from flashnext.ple.formats import rel_rmse
-
             rmse = rel_rmse(source_rows, bf16_ref.lookup(np.arange(geo.num_rows)))
         else:
             log(f"quantizing to {fmt} ({workers} workers)")

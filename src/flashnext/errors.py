@@ -33,3 +33,7 @@ class CheckpointError(FlashnextError):
 
 class ValidationError(FlashnextError):
     """The deployment validator could not run (bad flags, unreachable server at start)."""
+
+
+class KernelError(FlashnextError):
+    """A GPU lookup table cannot be built or used as asked (placement, ids, buffers)."""

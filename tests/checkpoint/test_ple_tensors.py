@@ -54,9 +54,15 @@ def test_discovery_and_rows(tmp_path, fmt, layout, prefix):
             t.name_prefix == f"{PREFIXES[prefix]}{t.layer_id - 1}.ple.ple_embedding.ngram_embedding"
         )
         if fmt == "fp8":
-            assert t.weight_scale == float(built.tensors[f"{t.name_prefix}.weight_scale"])
+            assert t.scalars == {
+                "weight_scale": float(built.tensors[f"{t.name_prefix}.weight_scale"])
+            }
         if fmt == "nvfp4":
-            assert t.weight_scale_2 == float(built.tensors[f"{t.name_prefix}.weight_scale_2"])
+            assert t.scalars == {
+                "weight_scale_2": float(built.tensors[f"{t.name_prefix}.weight_scale_2"])
+            }
+        if fmt == "bf16":
+            assert t.scalars == {}
     # the rows, dequantized, against float64 references from the stored bytes
     src = open_table_source(built.root, 1)
     ref = built.refs[5]
@@ -85,7 +91,7 @@ def _assemble(table, start, end, fmt):
         if c.tensor.endswith(".weight"):
             covered[c.dst_offset : c.dst_offset + c.rows] += 1
     assert (covered == 1).all()  # every destination row written exactly once
-    gscale = table.weight_scale if fmt == "fp8" else table.weight_scale_2
+    gscale = table.scalars.get("weight_scale" if fmt == "fp8" else "weight_scale_2")
     return decode(fmt, bufs["weight"], bufs.get("weight_scale"), gscale)
 
 
@@ -355,3 +361,71 @@ def test_invalid_geometry_buffer(tmp_path):
     rewrite(b)
     with pytest.raises(CheckpointError, match=r"layer_multipliers has shape \[2\], expected \[3\]"):
         find_ple_tables(b.root)
+
+
+# -- the format contract's checkpoint spellings, as discovery reads them ----------------------
+
+
+def test_rows_of_no_format_are_named(tmp_path):
+    b = build_checkpoint(tmp_path / "ck", fmt="bf16", layout="whole", base=400)
+    b.tensors[f"{BASE}.weight"] = b.tensors[f"{BASE}.weight"].astype(np.float32)
+    rewrite(b)
+    with pytest.raises(
+        CheckpointError, match=r"tensor .*ngram_embedding\.weight: a PLE table's rows are never F32"
+    ):
+        find_ple_tables(b.root)
+
+
+def test_nvfp4_without_block_scale(shards_ckpt):
+    b = shards_ckpt
+    del b.tensors[f"{BASE}.shard_1.weight_scale"]
+    rewrite(b)
+    with pytest.raises(
+        CheckpointError, match=r"nvfp4 tensor .*shard_1\.weight has no .*shard_1\.weight_scale"
+    ):
+        find_ple_tables(b.root)
+
+
+def test_block_scale_of_the_wrong_dtype(shards_ckpt):
+    b = shards_ckpt
+    name = f"{BASE}.shard_3.weight_scale"
+    b.tensors[name] = b.tensors[name].astype(np.float32)
+    rewrite(b)
+    with pytest.raises(
+        CheckpointError, match=r"shard_3\.weight_scale has dtype F32, expected F8_E4M3"
+    ):
+        find_ple_tables(b.root)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "stray"),
+    [
+        ("bf16", "shard_1.weight_scale"),
+        ("bf16", "weight_scale"),
+        ("fp8", "weight_scale_2"),
+        ("nvfp4", "weight_scale"),
+    ],
+)
+def test_tensor_outside_the_spelling_is_refused(tmp_path, fmt, stray):
+    b = build_checkpoint(tmp_path / "ck", fmt=fmt, layout="shards", base=400)
+    b.tensors[f"{BASE}.{stray}"] = np.ones((), dtype=np.float32)
+    rewrite(b)
+    with pytest.raises(CheckpointError, match=f"{stray} is not part of a {fmt} table"):
+        find_ple_tables(b.root)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_json_keeps_the_global_scale_keys(tmp_path, fmt):
+    b = build_checkpoint(tmp_path / "ck", fmt=fmt, layout="whole", base=400)
+    (t,) = find_ple_tables(b.root)
+    d = t.to_dict()
+    keys = list(d)
+    assert keys[keys.index("nbytes") + 1 : keys.index("buffers")] == [
+        "weight_scale",
+        "weight_scale_2",
+    ]
+    for name in ("weight_scale", "weight_scale_2"):
+        assert d[name] == t.scalars.get(name)
+    assert [p.kind for p in t.parts] == (
+        ["weight", "weight_scale"] if fmt == "nvfp4" else ["weight"]
+    )

@@ -17,15 +17,11 @@ empty-shard    ``P.ngram_embedding.shard_.weight``              all ``R`` (vLLM 
 (``ple_layer_id - 1``) and ``{prefix}`` one of ``model.language_model.layers.`` (long),
 ``model.layers.`` (short) or ``language_model.model.layers.`` (VL).
 
-Stored formats, detected from the row tensor's dtype (``w`` = width = ple_embed_dim / heads):
-
-- bf16: row tensors BF16 ``[rows, w]``.
-- fp8: row tensors F8_E4M3 ``[rows, w]`` plus ONE global F32 ``P.ngram_embedding.weight_scale``
-  (shape ``[]`` or ``[1]``): ``row = fp8 * weight_scale``.
-- nvfp4: row tensors U8 ``[rows, w/2]`` (two E2M1 codes per byte, low nibble = even column),
-  next to each a F8_E4M3 ``...weight_scale`` ``[rows, w/16]``, plus a global F32
-  ``P.ngram_embedding.weight_scale_2``: ``row[c] = E2M1[code] * weight_scale[row, c//16] *
-  weight_scale_2`` (the same math as the sidecar nvfp4 codec with one scale_2 for the table).
+``weight`` is the rows tensor every format spells alike
+(:data:`~flashnext.ple.formats.CHECKPOINT_ROWS`). Which other tensors a format adds to each
+piece and beside the pieces is its checkpoint spelling in :mod:`flashnext.ple.formats` (the
+"Checkpoint spellings" table there); the rows' dtype tells the format
+(:func:`~flashnext.ple.formats.checkpoint_format`), and the format's codec dequantizes them.
 
 Optional int64 geometry buffers ``layer_multipliers``, ``ngram_heads_vocab_sizes``,
 ``ngram_heads_offsets`` under ``P`` (or ``P.ngram_embedding``) win over the geometry computed
@@ -48,10 +44,19 @@ import numpy as np
 
 from flashnext.checkpoint.config import read_config
 from flashnext.checkpoint.snapshot import resolve_snapshot, tensor_map
-from flashnext.errors import CheckpointError, GeometryError
-from flashnext.ple.formats import GROUP, get_codec
+from flashnext.errors import CheckpointError, FormatError, GeometryError
+from flashnext.ple.formats import (
+    CHECKPOINT_PER_ROW_NAMES,
+    CHECKPOINT_ROWS,
+    CHECKPOINT_SCALAR_NAMES,
+    CheckpointSpelling,
+    CheckpointTensor,
+    Codec,
+    checkpoint_format,
+    get_codec,
+)
 from flashnext.ple.geometry import PLEGeometry, ple_layer_ids, text_config
-from flashnext.safetensors_file import DTYPES, TensorEntry
+from flashnext.safetensors_file import DTYPES, TensorEntry, dtype_name
 
 #: Tensor-name prefixes before the 0-based layer index, by the name we report them under.
 PREFIXES: dict[str, str] = {
@@ -61,15 +66,22 @@ PREFIXES: dict[str, str] = {
 }
 BUFFER_NAMES = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 LAYOUTS = ("shards", "whole", "empty-shard")
-FORMATS = ("bf16", "fp8", "nvfp4")
 
 _LAYER_RE = re.compile(
     r"^(?P<prefix>model\.language_model\.layers\.|model\.layers\.|language_model\.model\.layers\.)"
     r"(?P<L>0|[1-9]\d*)\.(?P<rest>.*)$"
 )
 _TABLE_HEAD = "ple.ple_embedding.ngram_embedding."
-_SHARD_RE = re.compile(r"^shard_(?P<k>0|[1-9]\d*)?\.(?P<kind>weight|weight_scale)$")
-_GLOBAL_RE = re.compile(r"^(?P<kind>weight|weight_scale|weight_scale_2)$")
+# Tensor names after the table head, from the formats' checkpoint spellings: per-row tensors
+# per piece (shard_{k}. / shard_.), and under the head itself the whole table's per-row
+# tensors or the one-per-table scalars.
+_TOP_NAMES = tuple(dict.fromkeys((*CHECKPOINT_PER_ROW_NAMES, *CHECKPOINT_SCALAR_NAMES)))
+_SHARD_RE = re.compile(
+    r"^shard_(?P<k>0|[1-9]\d*)?\.(?P<kind>"
+    + "|".join(map(re.escape, CHECKPOINT_PER_ROW_NAMES))
+    + ")$"
+)
+_TOP_RE = re.compile(r"^(?P<kind>" + "|".join(map(re.escape, _TOP_NAMES)) + ")$")
 _BUFFER_RE = re.compile(
     r"^ple\.(?:ple_embedding\.)?(?:ngram_embedding\.)?(?P<buf>" + "|".join(BUFFER_NAMES) + r")$"
 )
@@ -79,9 +91,9 @@ _BUFFER_RE = re.compile(
 class TablePart:
     """One stored tensor of per-row data: table rows ``[row_start, row_start + rows)``.
 
-    ``kind`` is ``weight`` (the rows) or ``weight_scale`` (nvfp4 per-row block scales).
-    ``cols`` is the tensor's second dimension; ``offset`` the absolute byte offset of its
-    first element in ``file``.
+    ``kind`` is the tensor's name in the format's checkpoint spelling: :data:`CHECKPOINT_ROWS`
+    for the rows, else a per-row scale. ``cols`` is the number of stored columns (the tensor's
+    second dimension); ``offset`` the absolute byte offset of its first element in ``file``.
     """
 
     name: str
@@ -121,11 +133,12 @@ class PLETableInfo:
         ordinal: ``d``, the layer's position among the sorted PLE layers.
         prefix: ``long``, ``short`` or ``vl`` (see :data:`PREFIXES`).
         layout: ``shards``, ``whole`` or ``empty-shard``.
-        format: ``bf16``, ``fp8`` or ``nvfp4``.
+        format: one of :data:`~flashnext.ple.formats.CHECKPOINT_FORMATS`.
         geometry: the layer's geometry, checkpoint buffers applied.
-        parts: per-row tensors in row order (nvfp4: each ``weight`` then its ``weight_scale``).
-        weight_scale: fp8 global scale (float) or None.
-        weight_scale_2: nvfp4 global scale (float) or None.
+        parts: per-row tensors in row order; per piece in the order of the format's
+            checkpoint spelling (the rows first, then their per-row scales).
+        scalars: the format's one-per-table scalars, checkpoint name -> value (fp8: the
+            global scale; nvfp4: the global second-level scale; none for bf16).
         scalar_tensors: tensor name -> file of the global scalars.
         buffers: geometry buffers found in the checkpoint: name -> values.
     """
@@ -138,10 +151,14 @@ class PLETableInfo:
     format: str
     geometry: PLEGeometry
     parts: list[TablePart]
-    weight_scale: float | None = None
-    weight_scale_2: float | None = None
+    scalars: dict[str, float] = field(default_factory=dict)
     scalar_tensors: dict[str, str] = field(default_factory=dict)
     buffers: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def codec(self) -> Codec:
+        """The format's codec (its tensors, checkpoint spelling and dequantizer)."""
+        return get_codec(self.format)
 
     @property
     def num_rows(self) -> int:
@@ -163,7 +180,8 @@ class PLETableInfo:
 
     @property
     def weights(self) -> list[TablePart]:
-        return [p for p in self.parts if p.kind == "weight"]
+        """The parts holding rows (not their per-row scales)."""
+        return [p for p in self.parts if p.kind == CHECKPOINT_ROWS]
 
     @property
     def nbytes(self) -> int:
@@ -174,10 +192,10 @@ class PLETableInfo:
         """What to copy to assemble table rows ``[start, end)`` in a destination buffer.
 
         For every per-row source tensor overlapping the range (shards: each overlapping
-        shard's ``weight`` and, for nvfp4, ``weight_scale``; whole/empty-shard: the one
-        tensor, checkpoint offset ``start``), one :class:`RowCopy` with the first source row,
-        the first destination row (relative to ``start``) and the row count. Global scalars
-        (fp8 ``weight_scale``, nvfp4 ``weight_scale_2``) are not rows; every rank loads them.
+        shard's rows and per-row scales; whole/empty-shard: the one piece's, checkpoint offset
+        ``start``), one :class:`RowCopy` with the first source row, the first destination row
+        (relative to ``start``) and the row count. The one-per-table scalars (:attr:`scalars`)
+        are not rows; every rank loads them.
 
         Raises:
             CheckpointError: the range is empty or outside ``[0, num_rows]``.
@@ -225,8 +243,7 @@ class PLETableInfo:
             "num_tensors": len(weights),
             "files": sorted({p.file for p in self.parts}),
             "nbytes": self.nbytes,
-            "weight_scale": self.weight_scale,
-            "weight_scale_2": self.weight_scale_2,
+            **{name: self.scalars.get(name) for name in CHECKPOINT_SCALAR_NAMES},
             "buffers": sorted(self.buffers),
             "first_tensor": weights[0].name if weights else None,
         }
@@ -246,13 +263,13 @@ def _bad_shape(
     )
 
 
-def _read_scalar(path: Path, entry: TensorEntry, what: str) -> float:
-    if entry.dtype_name != "F32" or entry.shape not in ((), (1,)):
+def _read_scalar(path: Path, entry: TensorEntry, spec: CheckpointTensor, what: str) -> float:
+    if entry.dtype != spec.dtype or entry.shape not in ((), (1,)):
         raise CheckpointError(
             f"{path}: tensor {entry.name} is {entry.dtype_name} {_shape_text(entry.shape)}, "
-            f"expected F32 [] or [1] ({what})"
+            f"expected {dtype_name(spec.dtype)} [] or [1] ({what})"
         )
-    value = float(np.fromfile(path, np.float32, 1, offset=entry.offset)[0])
+    value = float(np.fromfile(path, spec.dtype, 1, offset=entry.offset)[0])
     if not (np.isfinite(value) and value > 0):
         raise CheckpointError(
             f"{path}: tensor {entry.name} ({what}) is {value}; a scale must be finite and positive"
@@ -268,6 +285,22 @@ class _LayerNames:
     empty: dict[str, str] = field(default_factory=dict)  # kind -> name
     whole: dict[str, str] = field(default_factory=dict)  # kind -> name (incl. globals)
     buffers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base(self) -> str:
+        """``{prefix}{L}.ple.ple_embedding.ngram_embedding.``: the table tensors' head."""
+        return f"{PREFIXES[self.prefix]}{self.layer_index}.{_TABLE_HEAD}"
+
+
+_KNOWN_TAILS = (
+    "{"
+    + " | ".join(
+        [f"shard_<k>.{n}" for n in CHECKPOINT_PER_ROW_NAMES]
+        + [f"shard_.{n}" for n in CHECKPOINT_PER_ROW_NAMES]
+        + list(_TOP_NAMES)
+    )
+    + "}"
+)
 
 
 def _classify(names: Mapping[str, tuple[Path, TensorEntry]]) -> dict[int, _LayerNames]:
@@ -302,7 +335,7 @@ def _classify(names: Mapping[str, tuple[Path, TensorEntry]]) -> dict[int, _Layer
             continue
         tail = rest[len(_TABLE_HEAD) :] if rest.startswith(_TABLE_HEAD) else None
         sm = _SHARD_RE.match(tail) if tail is not None else None
-        gm = _GLOBAL_RE.match(tail) if tail is not None else None
+        gm = _TOP_RE.match(tail) if tail is not None else None
         if sm:
             if sm.group("k") is None:
                 layer.empty[sm.group("kind")] = name
@@ -313,10 +346,8 @@ def _classify(names: Mapping[str, tuple[Path, TensorEntry]]) -> dict[int, _Layer
         else:
             raise CheckpointError(
                 f"{names[name][0]}: tensor {name} looks like a PLE table tensor but fits no "
-                f"known layout (expected {PREFIXES[prefix]}{L}.{_TABLE_HEAD}"
-                "{shard_<k>.weight | shard_<k>.weight_scale | shard_.weight | weight | "
-                "weight_scale | weight_scale_2} with <k> a plain decimal index). "
-                "Rename or remove it; it is never skipped silently"
+                f"known layout (expected {layer.base}{_KNOWN_TAILS} with <k> a plain decimal "
+                "index). Rename or remove it; it is never skipped silently"
             )
     return layers
 
@@ -338,6 +369,16 @@ def _read_buffers(
     return out
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One piece of a layout: its per-row tensors (checkpoint name -> tensor) and rows."""
+
+    shard: int | None  # k for the shards layout, None otherwise
+    tensors: Mapping[str, str]
+    row_start: int
+    rows: int
+
+
 def _describe_table(
     ln: _LayerNames,
     names: Mapping[str, tuple[Path, TensorEntry]],
@@ -345,6 +386,37 @@ def _describe_table(
     layer_id: int,
     ordinal: int,
 ) -> PLETableInfo:
+    """One layer's table, checked in order: geometry, layout, completeness, format, shapes,
+    global scalars. Raises CheckpointError naming the tensor at the first problem."""
+    geo, buffers = _layer_geometry(ln, names, config, layer_id)
+    layout = _pick_layout(ln, layer_id)
+    pieces = _pieces(ln, layout, geo, config, names, layer_id)
+    codec, spelling = _table_format(pieces[0], names)
+    _refuse_strays(ln, layout, codec, spelling, names)
+    parts = [p for piece in pieces for p in _piece_parts(piece, codec, spelling, geo, names)]
+    scalars, scalar_tensors = _table_scalars(ln, codec, spelling, parts[0], names)
+    return PLETableInfo(
+        layer_id=layer_id,
+        layer_index=ln.layer_index,
+        ordinal=ordinal,
+        prefix=ln.prefix,
+        layout=layout,
+        format=codec.name,
+        geometry=geo,
+        parts=parts,
+        scalars=scalars,
+        scalar_tensors=scalar_tensors,
+        buffers=buffers,
+    )
+
+
+def _layer_geometry(
+    ln: _LayerNames,
+    names: Mapping[str, tuple[Path, TensorEntry]],
+    config: Mapping[str, Any],
+    layer_id: int,
+) -> tuple[PLEGeometry, dict[str, list[int]]]:
+    """The layer's geometry from config.json, with the checkpoint's buffers applied."""
     geo = PLEGeometry.from_config(config, layer_id=layer_id)
     buffers = _read_buffers(ln, names)
     if buffers:
@@ -356,203 +428,216 @@ def _describe_table(
                 f"{names[first_buf][0]}: layer {layer_id}'s geometry buffers "
                 f"({', '.join(sorted(ln.buffers.values()))}) are invalid: {exc}"
             ) from None
+    return geo, buffers
+
+
+def _pick_layout(ln: _LayerNames, layer_id: int) -> str:
+    """The one layout the layer's rows are stored in (see the module table)."""
     layouts = [
         lay
         for lay, present in (
             ("shards", bool(ln.shards)),
-            ("whole", "weight" in ln.whole),
+            ("whole", CHECKPOINT_ROWS in ln.whole),
             ("empty-shard", bool(ln.empty)),
         )
         if present
     ]
-    base = f"{PREFIXES[ln.prefix]}{ln.layer_index}.{_TABLE_HEAD}"
+    base = ln.base
     if not layouts:
         found = sorted([*ln.whole.values(), *ln.empty.values()])
         raise CheckpointError(
             f"layer {layer_id} (tensor prefix {base}): no table rows found "
             f"({'only ' + ', '.join(found) if found else 'no table tensors'}); expected "
-            f"{base}shard_<k>.weight, {base}weight or {base}shard_.weight"
+            f"{base}shard_<k>.{CHECKPOINT_ROWS}, {base}{CHECKPOINT_ROWS} or "
+            f"{base}shard_.{CHECKPOINT_ROWS}"
         )
     if len(layouts) > 1:
         raise CheckpointError(
             f"layer {layer_id}: the table is stored in {len(layouts)} layouts at once "
             f"({', '.join(layouts)}; under {base}); keep exactly one"
         )
-    layout = layouts[0]
-    R, W = geo.num_rows, geo.width
+    return layouts[0]
 
-    # (shard, weight name, scale name or None, row_start, rows)
-    pieces: list[tuple[int | None, str, str | None, int, int]] = []
-    if layout == "shards":
-        parts_n = geo.split_ngram_parts
-        S = geo.shard_rows()
-        extra = sorted(k for k in ln.shards if k >= parts_n)
-        if extra:
-            name = next(iter(ln.shards[extra[0]].values()))
-            raise CheckpointError(
-                f"{names[name][0]}: tensor {name}: shard index {extra[0]} is beyond "
-                f"split_ngram_parts={parts_n} in config.json (shards 0..{parts_n - 1} expected)"
-            )
-        missing = [k for k in range(parts_n) if "weight" not in ln.shards.get(k, {})]
-        missing = [k for k in missing if min((k + 1) * S, R) - k * S > 0]
-        if missing:
-            if "split_ngram_parts" not in text_config(config):
-                # The count came from the default, not the checkpoint's config: say so.
-                raise CheckpointError(
-                    f"layer {layer_id}: config.json has no split_ngram_parts, so the released "
-                    f"checkpoints' {parts_n} shards were assumed, but {len(ln.shards)} shard "
-                    f'tensors are stored under {base}; add "split_ngram_parts": '
-                    f"{len(ln.shards)} to config.json if that is the table's shard count"
-                )
-            raise CheckpointError(
-                f"layer {layer_id}: missing {len(missing)} of {parts_n} table shards, e.g. "
-                f"{base}shard_{missing[0]}.weight; the checkpoint is incomplete: run "
-                "`flashnext checkpoint verify` and re-download"
-            )
-        for k in sorted(ln.shards):
-            lo, hi = k * S, min((k + 1) * S, R)
-            pieces.append(
-                (k, ln.shards[k]["weight"], ln.shards[k].get("weight_scale"), lo, hi - lo)
-            )
-    elif layout == "whole":
-        per_row_scale = None
-        ws = ln.whole.get("weight_scale")
-        if ws is not None and len(names[ws][1].shape) == 2:
-            per_row_scale = ws  # nvfp4: [rows, w/16]; fp8's global scale is a scalar
-        pieces.append((None, ln.whole["weight"], per_row_scale, 0, R))
-    else:
-        pieces.append((None, ln.empty["weight"], ln.empty.get("weight_scale"), 0, R))
 
-    first_path, first = names[pieces[0][1]]
-    fmt = {"BF16": "bf16", "F8_E4M3": "fp8", "U8": "nvfp4"}.get(first.dtype_name)
-    if fmt is None:
+def _pieces(
+    ln: _LayerNames,
+    layout: str,
+    geo: PLEGeometry,
+    config: Mapping[str, Any],
+    names: Mapping[str, tuple[Path, TensorEntry]],
+    layer_id: int,
+) -> list[_Piece]:
+    """The layout's pieces in row order; for shards, after checking that none is missing."""
+    R = geo.num_rows
+    if layout == "whole":
+        return [_Piece(None, ln.whole, 0, R)]
+    if layout == "empty-shard":
+        return [_Piece(None, ln.empty, 0, R)]
+    _check_shard_set(ln, geo, config, names, layer_id)
+    S = geo.shard_rows()
+    return [
+        _Piece(k, ln.shards[k], k * S, max(0, min((k + 1) * S, R) - k * S))
+        for k in sorted(ln.shards)
+    ]
+
+
+def _check_shard_set(
+    ln: _LayerNames,
+    geo: PLEGeometry,
+    config: Mapping[str, Any],
+    names: Mapping[str, tuple[Path, TensorEntry]],
+    layer_id: int,
+) -> None:
+    """Shards 0..split_ngram_parts-1 that hold rows are all there, and no others."""
+    parts_n, S, R = geo.split_ngram_parts, geo.shard_rows(), geo.num_rows
+    extra = sorted(k for k in ln.shards if k >= parts_n)
+    if extra:
+        name = next(iter(ln.shards[extra[0]].values()))
         raise CheckpointError(
-            f"{first_path}: tensor {first.name} has dtype {first.dtype_name}; a PLE table is "
-            "BF16 (bf16), F8_E4M3 (fp8 + global weight_scale) or U8 (nvfp4 + weight_scale + "
-            "weight_scale_2)"
+            f"{names[name][0]}: tensor {name}: shard index {extra[0]} is beyond "
+            f"split_ngram_parts={parts_n} in config.json (shards 0..{parts_n - 1} expected)"
         )
-    cols = W // 2 if fmt == "nvfp4" else W
-    if fmt == "nvfp4" and W % GROUP:
+    missing = [
+        k
+        for k in range(parts_n)
+        if CHECKPOINT_ROWS not in ln.shards.get(k, {}) and min((k + 1) * S, R) - k * S > 0
+    ]
+    if not missing:
+        return
+    if "split_ngram_parts" not in text_config(config):
+        # The count came from the default, not the checkpoint's config: say so.
         raise CheckpointError(
-            f"layer {layer_id}: width {W} is not a multiple of {GROUP}, so it cannot be nvfp4"
+            f"layer {layer_id}: config.json has no split_ngram_parts, so the released "
+            f"checkpoints' {parts_n} shards were assumed, but {len(ln.shards)} shard "
+            f'tensors are stored under {ln.base}; add "split_ngram_parts": '
+            f"{len(ln.shards)} to config.json if that is the table's shard count"
         )
-    parts: list[TablePart] = []
-    for shard, wname, sname, row_start, rows in pieces:
-        path, entry = names[wname]
-        where = (
-            (
-                f"shard {shard} of {geo.split_ngram_parts}: rows per shard = ceil({R} / "
-                f"split_ngram_parts={geo.split_ngram_parts}) = {geo.shard_rows()}"
-                if shard is not None
-                else f"the whole table: {R} rows"
-            )
-            + f", width = ple_embed_dim / heads = {W}"
-            + (" / 2 bytes per row (nvfp4)" if fmt == "nvfp4" else "")
-        )
-        if entry.dtype_name != first.dtype_name:
-            raise CheckpointError(
-                f"{path}: tensor {wname} has dtype {entry.dtype_name}, but {first.name} has "
-                f"{first.dtype_name}; every table tensor of a layer must share one format"
-            )
-        if entry.shape != (rows, cols):
-            raise _bad_shape(path, wname, entry.shape, (rows, cols), where)
-        parts.append(
-            TablePart(
-                wname,
-                str(path),
-                "weight",
-                entry.dtype_name,
-                entry.offset,
-                cols,
-                row_start,
-                rows,
-                shard,
-            )
-        )
-        if fmt == "nvfp4":
-            if sname is None:
-                raise CheckpointError(
-                    f"{path}: nvfp4 tensor {wname} has no block scale "
-                    f"{wname.removesuffix('weight')}weight_scale (F8_E4M3 [{rows}, {W // GROUP}])"
-                )
-            spath, sentry = names[sname]
-            if sentry.dtype_name != "F8_E4M3":
-                raise CheckpointError(
-                    f"{spath}: tensor {sname} has dtype {sentry.dtype_name}, expected F8_E4M3 "
-                    "(nvfp4 block scale)"
-                )
-            if sentry.shape != (rows, W // GROUP):
-                raise _bad_shape(
-                    spath,
-                    sname,
-                    sentry.shape,
-                    (rows, W // GROUP),
-                    where + f", {GROUP} columns per scale",
-                )
-            parts.append(
-                TablePart(
-                    sname,
-                    str(spath),
-                    "weight_scale",
-                    "F8_E4M3",
-                    sentry.offset,
-                    W // GROUP,
-                    row_start,
-                    rows,
-                    shard,
-                )
-            )
-        elif sname is not None:
-            spath, _ = names[sname]
-            raise CheckpointError(
-                f"{spath}: tensor {sname} is a per-row scale, but {wname} is {first.dtype_name} "
-                f"({fmt}), which has none; this layout is not known"
-            )
-
-    info = PLETableInfo(
-        layer_id=layer_id,
-        layer_index=ln.layer_index,
-        ordinal=ordinal,
-        prefix=ln.prefix,
-        layout=layout,
-        format=fmt,
-        geometry=geo,
-        parts=parts,
-        buffers=buffers,
+    raise CheckpointError(
+        f"layer {layer_id}: missing {len(missing)} of {parts_n} table shards, e.g. "
+        f"{ln.base}shard_{missing[0]}.{CHECKPOINT_ROWS}; the checkpoint is incomplete: run "
+        "`flashnext checkpoint verify` and re-download"
     )
-    gscale = ln.whole.get("weight_scale")
-    if layout == "whole" and gscale is not None and len(names[gscale][1].shape) == 2:
-        gscale = None  # the whole table's per-row nvfp4 block scale, checked above
-    gscale2 = ln.whole.get("weight_scale_2")
-    if fmt == "fp8":
-        if gscale is None:
+
+
+def _table_format(
+    piece: _Piece, names: Mapping[str, tuple[Path, TensorEntry]]
+) -> tuple[Codec, CheckpointSpelling]:
+    """The format, from the dtype of the first piece's rows tensor."""
+    path, entry = names[piece.tensors[CHECKPOINT_ROWS]]
+    try:
+        codec = checkpoint_format(entry.dtype)
+    except FormatError as exc:
+        raise CheckpointError(f"{path}: tensor {entry.name}: {exc}") from None
+    if codec.checkpoint is None:  # checkpoint_format only returns spelled formats
+        raise CheckpointError(f"{codec.name} has no checkpoint spelling")
+    return codec, codec.checkpoint
+
+
+def _refuse_strays(
+    ln: _LayerNames,
+    layout: str,
+    codec: Codec,
+    spelling: CheckpointSpelling,
+    names: Mapping[str, tuple[Path, TensorEntry]],
+) -> None:
+    """Every table tensor of the layer belongs to the format's spelling in this layout."""
+    per_row = {t.name for t in spelling.per_row}
+    top = {t.name for t in spelling.table_scalars} | (per_row if layout == "whole" else set())
+    places = [(ln.whole, top), (ln.empty, per_row), *((d, per_row) for d in ln.shards.values())]
+    for found, allowed in places:
+        for kind, name in found.items():
+            if kind not in allowed:
+                raise CheckpointError(
+                    f"{names[name][0]}: tensor {name} is not part of a {codec.name} table "
+                    f"stored as {layout} (a {codec.name} table is {spelling.describe()}, "
+                    f"as its rows' dtype says); this layout is not known: remove the tensor "
+                    "or fix the table"
+                )
+
+
+def _piece_parts(
+    piece: _Piece,
+    codec: Codec,
+    spelling: CheckpointSpelling,
+    geo: PLEGeometry,
+    names: Mapping[str, tuple[Path, TensorEntry]],
+) -> list[TablePart]:
+    """The piece's per-row tensors, dtype and shape checked against the spelling."""
+    # The rows tensor, or (a shard past the last row holding only a scale) any other.
+    anchor = piece.tensors.get(CHECKPOINT_ROWS) or next(iter(piece.tensors.values()))
+    out = []
+    for t in spelling.per_row:
+        name = piece.tensors.get(t.name)
+        expected = t.shape(piece.rows, geo.width)
+        if name is None:
             raise CheckpointError(
-                f"{first_path}: fp8 table {first.name} has no global scale {base}weight_scale "
-                "(F32 []); without it the rows cannot be dequantized"
+                f"{names[anchor][0]}: {codec.name} tensor {anchor} has no "
+                f"{anchor.rsplit('.', 1)[0]}.{t.name} beside it "
+                f"({dtype_name(t.dtype)} {_shape_text(expected)})"
             )
-        gpath, gentry = names[gscale]
-        info.weight_scale = _read_scalar(gpath, gentry, "fp8 global weight_scale")
-        info.scalar_tensors[gscale] = str(gpath)
-    elif gscale is not None:
-        gpath, _ = names[gscale]
-        raise CheckpointError(
-            f"{gpath}: tensor {gscale} is a global scale, but the table is {fmt}, which has none"
-        )
-    if fmt == "nvfp4":
-        if gscale2 is None:
+        path, entry = names[name]
+        if entry.dtype != t.dtype:
             raise CheckpointError(
-                f"{first_path}: nvfp4 table {first.name} has no global scale "
-                f"{base}weight_scale_2 (F32 [])"
+                f"{path}: tensor {name} has dtype {entry.dtype_name}, expected "
+                f"{dtype_name(t.dtype)}: the rows' dtype makes this a {codec.name} table "
+                f"({spelling.describe()}), and every table tensor of a layer shares one format"
             )
-        gpath, gentry = names[gscale2]
-        info.weight_scale_2 = _read_scalar(gpath, gentry, "nvfp4 global weight_scale_2")
-        info.scalar_tensors[gscale2] = str(gpath)
-    elif gscale2 is not None:
-        gpath, _ = names[gscale2]
-        raise CheckpointError(
-            f"{gpath}: tensor {gscale2} is an nvfp4 scale, but the table is {fmt}"
+        if entry.shape != expected:
+            raise _bad_shape(path, name, entry.shape, expected, _where(piece, geo, t))
+        cols = t.cols(geo.width)
+        out.append(
+            TablePart(
+                name=name,
+                file=str(path),
+                kind=t.name,
+                dtype=entry.dtype_name,
+                offset=entry.offset,
+                cols=1 if cols is None else cols,
+                row_start=piece.row_start,
+                rows=piece.rows,
+                shard=piece.shard,
+            )
         )
-    return info
+    return out
+
+
+def _where(piece: _Piece, geo: PLEGeometry, spec: CheckpointTensor) -> str:
+    """Where a piece's expected shape comes from, for shape errors."""
+    n = geo.split_ngram_parts
+    rows = (
+        f"shard {piece.shard} of {n}: rows per shard = ceil({geo.num_rows} / "
+        f"split_ngram_parts={n}) = {geo.shard_rows()}"
+        if piece.shard is not None
+        else f"the whole table: {geo.num_rows} rows"
+    )
+    cols = f", width = ple_embed_dim / heads = {geo.width}"
+    if spec.span is not None and spec.span > 1:
+        cols += f", {spec.span} columns per stored value"
+    return rows + cols
+
+
+def _table_scalars(
+    ln: _LayerNames,
+    codec: Codec,
+    spelling: CheckpointSpelling,
+    first: TablePart,
+    names: Mapping[str, tuple[Path, TensorEntry]],
+) -> tuple[dict[str, float], dict[str, str]]:
+    """The spelling's one-per-table scalars: name -> value, and tensor -> file."""
+    values: dict[str, float] = {}
+    files: dict[str, str] = {}
+    for t in spelling.table_scalars:
+        name = ln.whole.get(t.name)
+        if name is None:
+            raise CheckpointError(
+                f"{first.file}: {codec.name} table {first.name} has no global scale "
+                f"{ln.base}{t.name} ({dtype_name(t.dtype)} []); without it the rows cannot "
+                "be dequantized"
+            )
+        path, entry = names[name]
+        values[t.name] = _read_scalar(path, entry, t, f"{codec.name} global {t.name}")
+        files[name] = str(path)
+    return values, files
 
 
 def find_ple_tables(
@@ -601,7 +686,7 @@ def find_ple_tables(
         if found is None:
             raise CheckpointError(
                 f"{root}: no PLE table for decoder layer {layer_id} (ple_layer_ids {ids}); "
-                f"expected tensors like {PREFIXES['long']}{layer_id - 1}.{_TABLE_HEAD}shard_0.weight"
+                f"expected tensors like {PREFIXES['long']}{layer_id - 1}.{_TABLE_HEAD}shard_0.{CHECKPOINT_ROWS}"
             )
         out.append(_describe_table(found, names, config, layer_id, d))
     return out
@@ -633,35 +718,17 @@ class CheckpointTableSource:
                 header says (changed since it was opened).
         """
         out = np.empty((end - start, self.width), dtype=np.float32)
-        weights: dict[int, tuple[TablePart, np.ndarray]] = {}
-        scales: dict[int, tuple[TablePart, np.ndarray]] = {}
+        # Each piece's rows and per-row scales land at the same destination row.
+        blocks: dict[int, dict[str, np.ndarray]] = {}
         for copy in self.info.row_map(start, end):
             part = self._parts[copy.tensor]
             arr = self._read(part, copy.src_offset, copy.rows)
-            (weights if part.kind == "weight" else scales)[copy.dst_offset] = (part, arr)
-        for dst, (_part, raw) in weights.items():
-            n = raw.shape[0]
-            if self.format == "bf16":
-                # bf16 -> float32 is the 16 bits shifted up; done in place in ``out`` because
-                # the codec's temporaries cost more (fresh pages) than the shift itself.
-                bits = out.view(np.uint32)[dst : dst + n]
-                bits[...] = raw.view(np.uint16)
-                bits <<= 16
-                continue
-            if self.format == "fp8":
-                # The checkpoint's one global scale is the sidecar codec's per-row scale,
-                # repeated: the same float32 product.
-                scale = np.full(n, self.info.weight_scale, dtype=np.float32)
-                rows = get_codec("fp8").dequantize({"weight_fp8": raw, "weight_scale": scale})
-            else:  # nvfp4
-                rows = get_codec("nvfp4").dequantize(
-                    {
-                        "weight_e2m1": raw,
-                        "weight_scale": scales[dst][1],
-                        "weight_scale_2": np.array(self.info.weight_scale_2, dtype=np.float32),
-                    }
-                )
-            out[dst : dst + n] = rows
+            blocks.setdefault(copy.dst_offset, {})[part.kind] = arr
+        codec = self.info.codec
+        for dst, per_row in blocks.items():
+            n = per_row[CHECKPOINT_ROWS].shape[0]
+            tensors = codec.from_checkpoint(per_row, self.info.scalars)
+            codec.dequantize_into(tensors, out[dst : dst + n])
         return out
 
     @property

@@ -18,13 +18,25 @@ from flashnext.errors import FlashnextError
 
 # name -> (module, attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
+    "check": (
+        "flashnext.cli.check",
+        "check",
+        "Pre-boot check of planned `vllm serve` arguments against model, GPU and host.",
+    ),
     "checkpoint": (
         "flashnext.cli.checkpoint",
         "checkpoint",
         "Verify a downloaded checkpoint, find its PLE tables, override config entries.",
     ),
     "demo": ("flashnext.cli.demo", "demo", "Run the PLE pipeline end to end on synthetic data."),
+    "explain": ("flashnext.cli.explain", "explain", "Explain the memory events of a vLLM log."),
+    "plan": ("flashnext.cli.plan", "plan", "Plan GPU and host memory for a vLLM deployment."),
     "ple": ("flashnext.cli.ple", "ple", "Inspect, quantize and query PLE sidecar tables."),
+    "record": (
+        "flashnext.cli.record",
+        "record",
+        "Capture what a server runs, diff two captures, restore one.",
+    ),
     "validate": ("flashnext.cli.validate", "validate", "Validate a live server stage by stage."),
 }
 

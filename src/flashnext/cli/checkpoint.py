@@ -138,8 +138,7 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
             f"layout {t.layout}, {t.prefix} prefix {t.name_prefix}, {t.num_rows:,} rows x "
             f"{t.width}, {len(t.weights)} tensor(s) in {len({p.file for p in t.parts})} file(s), "
             f"{human_bytes(t.nbytes)}"
-            + (f", weight_scale {t.weight_scale:g}" if t.weight_scale is not None else "")
-            + (f", weight_scale_2 {t.weight_scale_2:g}" if t.weight_scale_2 is not None else "")
+            + "".join(f", {name} {value:g}" for name, value in t.scalars.items())
             + (f", buffers {sorted(t.buffers)}" if t.buffers else ""),
             highlight=False,
         )
@@ -216,3 +215,12 @@ def override(
             f"wrote {out / 'config.json'} (+ FLASHNEXT_OVERRIDES.json; other files symlinked)"
         )
     err.print(f"{len(changes)} entries changed. {CAVEAT}", highlight=False)
+
+
+def _attach_plan() -> None:
+    from flashnext.cli.checkpoint_plan import plan
+
+    checkpoint.add_command(plan)
+
+
+_attach_plan()

@@ -318,7 +318,7 @@ def quantize_table(
     sq_err = sum(float(r.get("sq_err", 0.0)) for r in records)
     sq_ref = sum(float(r.get("sq_ref", 0.0)) for r in records)
     rel = float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
-    sidecar = writer.finish(quantization={"rel_rmse": rel, "method": _method(fmt)})
+    sidecar = writer.finish(quantization={"rel_rmse": rel, "method": get_codec(fmt).method})
     (dst / STATE_NAME).unlink(missing_ok=True)
     written = sum(r.record["rows"] for r in results)
     return QuantizeResult(
@@ -331,11 +331,3 @@ def quantize_table(
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
     )
 
-
-def _method(fmt: str) -> str:
-    return {
-        "bf16": "round to nearest even",
-        "fp8": "per-row absmax scale, e4m3fn",
-        "int4": "group-16 fp16 scale, clip ratio searched per group by squared error",
-        "nvfp4": "group-16 e4m3 scale x per-shard fp32 scale_2, clip ratio searched per group",
-    }[fmt]

@@ -7,10 +7,9 @@ A sidecar is a directory holding one PLE layer's table, split by rows:
 - ``shard_0.safetensors`` .. ``shard_{K-1}.safetensors``: shard ``k`` holds table rows
   ``[k * S, min((k + 1) * S, num_rows))``; every shard holds ``S`` rows except the last, which
   may hold fewer. Concatenating the shards in index order gives the table.
-- Each shard holds exactly the tensors of one format (:mod:`flashnext.ple.formats`):
-  bf16 ``weight``; fp8 ``weight_fp8`` + ``weight_scale``; int4 ``weight_i4`` + ``weight_scale``;
-  nvfp4 ``weight_e2m1`` + ``weight_scale`` + ``weight_scale_2`` (a scalar per shard).
-  The format is detected from these names; META.json is not needed to read a sidecar.
+- Each shard holds exactly the tensors of one format, with the names, dtypes and shapes of
+  the table in :mod:`flashnext.ple.formats` (``Codec.specs``; a per-shard scalar has shape
+  ``[]``). The format is detected from these names; META.json is not needed to read a sidecar.
 - ``META.json`` (written last, atomically; optional for readers)::
 
       {"format_version": 1, "format": "int4", "width": 160, "rows_per_shard": S,
@@ -76,7 +75,7 @@ class Shard:
     row_start: int
     rows: int
     tensors: dict[str, TensorEntry]
-    scalars: dict[str, float]  # per-shard scalars (nvfp4 weight_scale_2)
+    scalars: dict[str, float]  # per-shard scalars: the format's Codec.scalar_specs
 
 
 @dataclass
@@ -252,8 +251,7 @@ def _rows_of(header: Header, codec: Codec) -> int:
 
 
 def _width_of(header: Header, codec: Codec) -> int:
-    spec = codec.specs[0]
-    return header.tensors[spec.name].shape[1] * (spec.cols or 1)
+    return codec.width_of(header.tensors[codec.rows_spec.name].shape)
 
 
 def _check_shard(

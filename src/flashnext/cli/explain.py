@@ -1,0 +1,55 @@
+"""``flashnext explain LOG|-``: what a vLLM log says about memory, and what to change.
+
+Thin: reads the log, calls :func:`flashnext.plan.logs.explain`; with ``--model`` re-plans each
+KV-capacity or Mamba-block failure with the pool the log reports and prints the plan that
+would have fit. Output to stdout (``--json``: a ``flashnext.explain`` record).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import click
+
+from flashnext import records
+from flashnext.cli.plan import build_request, deployment_options, read_lines
+from flashnext.plan.advice import replan_failure
+from flashnext.plan.logs import explain as explain_log
+from flashnext.plan.planner import load_model
+from flashnext.plan.render import events_text, plan_text
+
+
+@click.command("explain")
+@click.argument("log")
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(exists=True),
+    help="Checkpoint directory or config.json: also print the plan that would fit.",
+)
+@deployment_options
+@click.option("--json", "as_json", is_flag=True, help="Print a flashnext.explain record.")
+def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
+    """Explain the memory events of a vLLM log (a file, or - for stdin)."""
+    events = explain_log(read_lines(log))
+    plans = []
+    if model_path:
+        model = load_model(model_path)
+        req = build_request(kw)
+        for e in events:
+            if e.kind in ("kv_capacity_error", "mamba_blocks_error"):
+                plans.append((e, replan_failure(model, req, e)))
+    if as_json:
+        payload = {
+            "log": log,
+            "events": [dataclasses.asdict(e) for e in events],
+            "failures": sum(e.failure for e in events),
+            "plans": [{"line": e.line, **p.to_dict()} for e, p in plans],
+        }
+        click.echo(records.dumps(records.make_record("flashnext.explain", payload)), nl=False)
+        return
+    click.echo(events_text(events))
+    for e, p in plans:
+        click.echo(f"\nplan for the failure at line {e.line}:\n")
+        click.echo(plan_text(p))

@@ -1,0 +1,157 @@
+"""``flashnext plan``: what fits on one GPU and in host RAM, before boot.
+
+Thin: parses flags into a :class:`PlanRequest`, calls :mod:`flashnext.plan`, prints. The plan
+to stdout (``--json``: a ``flashnext.plan`` record), nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from flashnext import records
+from flashnext.plan.advice import plan_with_options
+from flashnext.plan.logs import logged_kv_pool, read_log
+from flashnext.plan.model import PlanError
+from flashnext.plan.planner import (
+    PLACEMENTS,
+    PlanRequest,
+    calibrate_headroom,
+    load_model,
+)
+from flashnext.plan.render import plan_text
+from flashnext.plan.sizes import parse_size
+
+GIB = 1 << 30
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+
+
+def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The flags that describe a deployment (shared by ``plan`` and ``explain``)."""
+    opts = [
+        click.option("--gpu-memory", callback=_size, help="GPU memory, e.g. 96GiB (per GPU)."),
+        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
+        click.option("--max-model-len", type=int, default=None, help="Default: the model's."),
+        click.option("--max-num-seqs", type=int, default=256, show_default=True),
+        click.option(
+            "--kv-cache-dtype", default="auto", show_default=True, help="auto, bfloat16, fp8."
+        ),
+        click.option("--kv-cache-memory", callback=_size, help="As --kv-cache-memory-bytes."),
+        click.option("--num-speculative-tokens", type=int, default=0, show_default=True),
+        click.option("--tp", type=int, default=1, show_default=True),
+        click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
+        click.option("--ple-format", type=click.Choice(["bf16", "fp8", "int4", "nvfp4"])),
+        click.option(
+            "--ple-placement", type=click.Choice(PLACEMENTS), default="host", show_default=True
+        ),
+        click.option("--ple-gpu-cache-rows", type=int, default=0, help="GPU hot-row cache rows."),
+        click.option("--headroom", callback=_size, help="Non-KV, non-weight device memory."),
+        click.option(
+            "--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True
+        ),
+        click.option("--block-size", type=int, default=None),
+        click.option("--no-prefix-caching", is_flag=True),
+        click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+        click.option(
+            "--mamba-ssm-cache-dtype",
+            default="auto",
+            show_default=True,
+            help="GDN temporal state dtype (vLLM's flag), e.g. float32.",
+        ),
+        click.option(
+            "--weights-format",
+            default="nvfp4",
+            show_default=True,
+            help="Experts' format when only a config is given: bf16, fp8, nvfp4, int4.",
+        ),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_request(kw: dict[str, Any]) -> PlanRequest:
+    """A :class:`PlanRequest` from the parsed deployment flags."""
+    gpu = kw["gpu_memory"]
+    if gpu is None:
+        if kw["kv_cache_memory"] is None:
+            raise click.UsageError("give --gpu-memory (e.g. 96GiB) or --kv-cache-memory")
+        gpu = kw["kv_cache_memory"]
+    return PlanRequest(
+        gpu_memory=gpu,
+        gpu_memory_utilization=kw["gpu_memory_utilization"],
+        max_model_len=kw["max_model_len"],
+        max_num_seqs=kw["max_num_seqs"],
+        kv_cache_dtype=kw["kv_cache_dtype"],
+        num_speculative_tokens=kw["num_speculative_tokens"],
+        tp=kw["tp"],
+        host_memory=kw["host_memory"],
+        ple_format=kw["ple_format"],
+        ple_placement=kw["ple_placement"],
+        ple_gpu_cache_rows=kw["ple_gpu_cache_rows"],
+        headroom=kw["headroom"],
+        kv_cache_memory=kw["kv_cache_memory"],
+        device=kw["device"],
+        block_size=kw["block_size"],
+        prefix_caching=not kw["no_prefix_caching"],
+        cuda_graphs=kw["device"] == "cuda" and not kw["enforce_eager"],
+        weights_format=kw["weights_format"],
+        mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"],
+    )
+
+
+def read_lines(path: str) -> list[str]:
+    """The lines of a log file, or of stdin for ``-``; a one-line error if unreadable."""
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        return Path(path).read_text(errors="replace").splitlines()
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read the log ({exc.strerror})") from None
+
+
+@click.command("plan")
+@click.option(
+    "--model",
+    "model_path",
+    required=True,
+    type=click.Path(exists=True),
+    help="Checkpoint directory or config.json.",
+)
+@deployment_options
+@click.option("--from-log", "from_log", type=click.Path(), help="Calibrate headroom from a log.")
+@click.option("--json", "as_json", is_flag=True, help="Print a flashnext.plan record.")
+def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> None:
+    """Plan device and host memory for serving MODEL with vLLM; say what to change.
+
+    Exit status: 0 when it fits, 3 when it does not (options printed), 1 on bad input.
+    """
+    model = load_model(model_path)
+    req = build_request(kw)
+    notes = []
+    if from_log:
+        available = logged_kv_pool(read_log(read_lines(from_log)))
+        if available is None:
+            raise PlanError(
+                f"--from-log {from_log}: no 'Available KV cache memory' or KV capacity error "
+                "line; give the startup log of the same deployment"
+            )
+        req = dataclasses.replace(req, headroom=calibrate_headroom(model, req, available))
+        notes.append(
+            f"headroom calibrated from {from_log}: KV pool {available / GIB:.2f} GiB in the log "
+            "(+/- 0.005 GiB rounding)"
+        )
+    result = plan_with_options(model, req, notes)
+    if as_json:
+        click.echo(records.dumps(records.make_record("flashnext.plan", result.to_dict())), nl=False)
+    else:
+        click.echo(plan_text(result))
+    sys.exit(0 if result.fits else 3)

@@ -1,0 +1,128 @@
+"""``flashnext record``: capture what is running, diff two captures, restore one."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from flashnext.cli._common import err_console, out_console
+
+
+@click.group("record")
+def record() -> None:
+    """Deployment records: capture, diff, restore."""
+
+
+@record.command("capture")
+@click.option("--url", required=True, help="The server's base URL, e.g. http://127.0.0.1:8000.")
+@click.option("--container", help="Read the launch from `docker inspect NAME`.")
+@click.option("--pid", type=click.IntRange(min=1), help="Read the launch from /proc/PID.")
+@click.option("--model", "model_dir", type=click.Path(path_type=Path), help="Checkpoint directory.")
+@click.option("--log", type=click.Path(path_type=Path), help="Server log (plugin lines).")
+@click.option("--api-key", envvar="FLASHNEXT_API_KEY", help="Bearer key (or FLASHNEXT_API_KEY).")
+@click.option("--out", type=click.Path(path_type=Path), help="Write the record here (else stdout).")
+def capture(
+    url: str, container: str | None, pid: int | None, model_dir: Path | None, log: Path | None,
+    api_key: str | None, out: Path | None,
+) -> None:  # fmt: skip
+    """Capture a record of the server at URL (launch found by port when no --pid/--container)."""
+    from flashnext.atomic import atomic_write
+    from flashnext.deploy.record import capture as do_capture
+    from flashnext.records import dumps
+
+    if container and pid:
+        raise click.UsageError("give at most one of --container and --pid")
+    rec = do_capture(
+        url, pid=pid, container=container, model_dir=model_dir, log=log, api_key=api_key
+    )
+    text = dumps(rec)
+    if out is None:
+        sys.stdout.write(text)
+        return
+    with atomic_write(out, "w") as f:
+        f.write(text)
+    launch = rec.get("launch") or {}
+    err_console.print(
+        f"wrote {out}: server {rec['server'].get('version')}, launch from "
+        f"{launch.get('source', 'nowhere (remote)')}", markup=False, highlight=False,
+    )  # fmt: skip
+
+
+def _load(path: Path) -> dict:
+    from flashnext.records import check_record
+
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:
+        raise click.BadParameter(f"{path}: not JSON ({exc})") from None
+    return check_record(data, kind="flashnext.deploy.record", source=str(path))
+
+
+@record.command("diff")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print a record on stdout.")
+def diff(a: Path, b: Path, as_json: bool) -> None:
+    """What changed from record A to B, grouped; exit 1 when anything did."""
+    from flashnext.deploy.record_diff import GROUPS, record_diff, variables_changed
+    from flashnext.records import dumps, make_record
+
+    changes = record_diff(_load(a), _load(b))
+    n = variables_changed(changes)
+    warning = (
+        f"{n} variables changed between the two records: change one at a time to know which "
+        "one a result belongs to"
+        if n > 1
+        else None
+    )
+    if as_json:
+        payload = {"a": str(a), "b": str(b), "changes": changes, "variables_changed": n,
+                   "warning": warning}  # fmt: skip
+        sys.stdout.write(dumps(make_record("flashnext.deploy.record_diff", payload)))
+    else:
+        for group in GROUPS:
+            rows = [c for c in changes if c.group == group]
+            if rows:
+                out_console.print(f"{group}:", markup=False)
+            for c in rows:
+                kind = "" if c.variable else " (observed)"
+                out_console.print(
+                    f"  {c.name}{kind}: {c.before!r} -> {c.after!r}", markup=False, highlight=False
+                )
+        if not changes:
+            out_console.print("no changes", markup=False)
+        if warning:
+            err_console.print(f"warning: {warning}", markup=False)
+    sys.exit(1 if changes else 0)
+
+
+@record.command("restore")
+@click.argument("a", type=click.Path(path_type=Path))
+@click.option("--write", "write_to", type=click.Path(path_type=Path), help="Write a script here.")
+@click.option("--exec", "do_exec", is_flag=True, help="Run it now (local launches only).")
+def restore(a: Path, write_to: Path | None, do_exec: bool) -> None:
+    """Print (or write) the command that relaunches what record A describes."""
+    from flashnext.atomic import atomic_write
+    from flashnext.deploy.record_diff import restore_command
+
+    rec = _load(a)
+    command = restore_command(rec)
+    if write_to is not None:
+        with atomic_write(write_to, "w") as f:
+            f.write(f"#!/usr/bin/env bash\nset -euo pipefail\n{command}\n")
+        os.chmod(write_to, 0o755)
+        err_console.print(f"wrote {write_to}", markup=False)
+    else:
+        out_console.print(command, markup=False, highlight=False, soft_wrap=True)
+    if do_exec:
+        if (rec.get("launch") or {}).get("source") == "container":
+            raise click.UsageError(
+                "--exec runs local launches only; run the docker command yourself"
+            )
+        os.execvp("bash", ["bash", "-c", command])

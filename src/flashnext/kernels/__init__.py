@@ -1,0 +1,26 @@
+"""GPU PLE lookups (extra ``flashnext[gpu]``: torch, triton): fused gather + dequantize.
+
+:class:`GpuTable` serves one table (or one tensor-parallel rank's rows) from GPU memory or
+pinned host memory (UVA), with an optional device cache of hot rows; :class:`StagedTable`
+serves a memory-mapped table through pinned staging buffers. :mod:`flashnext.kernels.records`
+(the per-row record packing) is pure numpy. torch and triton are imported on first use of
+the GPU classes, with a one-line install hint when missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["GpuTable", "StagedTable"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GpuTable":
+        from flashnext.kernels.table import GpuTable
+
+        return GpuTable
+    if name == "StagedTable":
+        from flashnext.kernels.staged import StagedTable
+
+        return StagedTable
+    raise AttributeError(f"module 'flashnext.kernels' has no attribute {name!r}")

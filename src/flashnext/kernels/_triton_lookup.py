@@ -1,0 +1,170 @@
+"""The fused gather + dequantize Triton kernel and its launcher (no allocation, no host sync).
+
+One program handles ``BLOCK_R`` ids (flattened ``[T * heads]``) and all ``width`` columns of
+their rows. Per id: ``valid = row_start <= id < row_end`` (so -1 and other ranks' ids give
++0.0 rows), the record is read from the hot-row cache when the slot map has the row, else from
+the table (device memory or pinned host memory through UVA), and dequantized in float32 in the
+order of :mod:`flashnext.ple.formats` (``E2M1[code] * scale`` is exact, then ``* scale_2``),
+then rounded once to bf16. Lookup tables for e2m1 and e4m3 codes come from ``formats`` too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+
+#: Kernel format codes (the kernel is specialised per format).
+FMT_CODES = {"bf16": 0, "fp8": 1, "int4": 2, "nvfp4": 3}
+#: nvfp4 ``weight_scale_2``: 0 = none, 1 = per shard (binary search of shard starts),
+#: 2 = per table row (the staged path stores one per staged row).
+S2_NONE, S2_PER_SHARD, S2_PER_ROW = 0, 1, 2
+BLOCK_R = 64
+MIN_BLOCK_R = 1
+SPREAD = 1024  # programs to aim for before blocks grow past MIN_BLOCK_R
+NUM_WARPS = 8
+
+
+@triton.jit
+def _shard_of(gid, starts_ptr, n_shards, STEPS: tl.constexpr):
+    """Index of the last shard start <= gid (branch-free binary search, 2**STEPS > n_shards)."""
+    lo = tl.zeros(gid.shape, dtype=tl.int32)
+    for i in tl.static_range(STEPS):
+        cand = lo + (1 << (STEPS - 1 - i))
+        inside = cand < n_shards
+        start = tl.load(starts_ptr + tl.where(inside, cand, 0))
+        lo = tl.where(inside & (start <= gid), cand, lo)
+    return lo
+
+
+@triton.jit
+def _bf16_bits(val):
+    """float32 -> bf16 bits, round to nearest even (spelled out: the interpreter truncates)."""
+    bits = val.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(val != val, 0x7FC0, rounded).to(tl.uint16)
+
+
+@triton.jit
+def _lookup_kernel(
+    ids_ptr,
+    out_ptr,
+    n_ids,
+    rec_ptr,
+    slot_ptr,
+    cache_ptr,
+    e2m1_ptr,
+    e4m3_ptr,
+    s2_ptr,
+    starts_ptr,
+    n_shards,
+    row_start,
+    row_end,
+    FMT: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    REC: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
+    S2_MODE: tl.constexpr,
+    SHARD_STEPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    rmask = r < n_ids
+    gid = tl.load(ids_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    valid = (gid >= row_start) & (gid < row_end)
+    local = tl.where(valid, gid - row_start, 0)
+    base = rec_ptr + local * REC
+    if HAS_CACHE:
+        slot = tl.load(slot_ptr + local, mask=valid, other=-1)
+        base = tl.where(slot >= 0, cache_ptr + slot.to(tl.int64) * REC, base)
+    c = tl.arange(0, BLOCK_W)
+    cmask = c < WIDTH
+    m2 = valid[:, None] & cmask[None, :]
+    cols = base[:, None] + c[None, :]
+    if FMT == 0:
+        w = tl.load((base[:, None] + 2 * c[None, :]).to(tl.pointer_type(tl.uint16)), mask=m2)
+        val = (w.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    elif FMT == 1:
+        code = tl.load(cols, mask=m2, other=0)
+        scale = tl.load((base + SCALE_OFF).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        val = tl.load(e4m3_ptr + code.to(tl.int32)) * scale[:, None]
+    else:
+        byte = tl.load(base[:, None] + (c // 2)[None, :], mask=m2, other=0)
+        nib = (byte.to(tl.int32) >> ((c % 2) * 4)[None, :]) & 0xF
+        if FMT == 2:
+            sptr = base[:, None] + SCALE_OFF + (c // 16)[None, :] * 2
+            scale = tl.load(sptr.to(tl.pointer_type(tl.float16)), mask=m2, other=0.0)
+            val = (nib - 8).to(tl.float32) * scale.to(tl.float32)
+        else:
+            scode = tl.load(base[:, None] + SCALE_OFF + (c // 16)[None, :], mask=m2, other=0)
+            val = tl.load(e2m1_ptr + nib) * tl.load(e4m3_ptr + scode.to(tl.int32))
+            if S2_MODE == 1:
+                s2 = tl.load(s2_ptr + _shard_of(gid, starts_ptr, n_shards, SHARD_STEPS))
+            else:
+                s2 = tl.load(s2_ptr + local, mask=valid, other=0.0)
+            val = val * s2[:, None]
+    val = tl.where(m2, val, 0.0)
+    optr = (out_ptr + r[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
+    tl.store(optr, _bf16_bits(val), mask=rmask[:, None] & cmask[None, :])
+
+
+def launch_lookup(
+    ids: Any,
+    out: Any,
+    records: Any,
+    *,
+    fmt: str,
+    width: int,
+    record_bytes: int,
+    scale_offset: int,
+    row_start: int,
+    row_end: int,
+    e2m1: Any,
+    e4m3: Any,
+    s2: Any,
+    s2_mode: int,
+    shard_starts: Any,
+    slot_map: Any = None,
+    cache: Any = None,
+) -> None:
+    """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n].
+
+    All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
+    the launcher reads only shapes, so it is safe inside CUDA graph capture.
+    """
+    n = ids.numel()
+    if n == 0:
+        return
+    n_shards = int(shard_starts.numel())
+    has_cache = slot_map is not None
+    # Few ids (decode): fewer rows per program, so more SMs issue loads (UVA reads are
+    # latency-bound); many ids: BLOCK_R rows per program (measured fastest).
+    block = min(BLOCK_R, max(MIN_BLOCK_R, triton.next_power_of_2(triton.cdiv(n, SPREAD))))
+    _lookup_kernel[(triton.cdiv(n, block),)](
+        ids,
+        out,
+        n,
+        records,
+        slot_map if has_cache else ids,
+        cache if has_cache else records,
+        e2m1,
+        e4m3,
+        s2,
+        shard_starts,
+        n_shards,
+        row_start,
+        row_end,
+        FMT=FMT_CODES[fmt],
+        WIDTH=width,
+        BLOCK_W=triton.next_power_of_2(width),
+        REC=record_bytes,
+        SCALE_OFF=scale_offset,
+        HAS_CACHE=has_cache,
+        S2_MODE=s2_mode,
+        SHARD_STEPS=max(1, n_shards.bit_length()),
+        BLOCK=block,
+        num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,395 @@
+"""Read a vLLM log: find the memory-relevant events, pull their numbers, say what to do.
+
+Each :data:`PATTERNS` entry is one event kind with a regex over one log line; the numbers are
+the regex's named groups converted to int/float (thousands separators dropped, MiB/GiB kept
+in the field name). :func:`read_log` returns the events in log order; :func:`explain` adds,
+per failure, the options in order of cost.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashnext.records import REDACTED, SECRET_NAME
+
+_NUM = r"[\d,]+(?:\.\d+)?"
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One event kind: a regex and whether it is a failure."""
+
+    kind: str
+    regex: re.Pattern[str]
+    failure: bool
+    summary: str
+
+
+def _p(kind: str, regex: str, failure: bool, summary: str) -> Pattern:
+    return Pattern(kind, re.compile(regex), failure, summary)
+
+
+PATTERNS: tuple[Pattern, ...] = (
+    _p(
+        "kv_capacity_error",
+        r"To serve at least one request with the model's max seq len \((?P<max_model_len>\d+)\), "
+        r"\((?P<needed_gib>" + _NUM + r") GiB KV cache is needed, which is larger than the "
+        r"available KV cache memory \((?P<available_gib>" + _NUM + r") GiB\)\."
+        r"(?: Based on the available memory, the estimated maximum model length is "
+        r"(?P<estimated_max_model_len>\d+)\.)?",
+        True,
+        "the KV cache cannot hold one request at max_model_len",
+    ),
+    _p(
+        "mamba_blocks_error",
+        r"max_num_seqs \((?P<max_num_seqs>\d+)\) exceeds available Mamba cache blocks "
+        r"\((?P<num_blocks>\d+)\)",
+        True,
+        "more sequences than state blocks: FULL CUDA graph capture cannot proceed",
+    ),
+    _p(
+        "no_kv_memory",
+        r"No available memory for the cache blocks",
+        True,
+        "weights and profiled activations left nothing for the KV cache",
+    ),
+    _p(
+        "cuda_oom",
+        r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate (?P<requested>"
+        + _NUM
+        + r") (?P<requested_unit>[KMG]iB)(?:.*?total capacity of (?P<total>"
+        + _NUM
+        + r") (?P<total_unit>[KMG]iB) of which (?P<free>"
+        + _NUM
+        + r") (?P<free_unit>[KMG]iB) "
+        r"is free)?",
+        True,
+        "a GPU allocation failed",
+    ),
+    _p(
+        "host_oom",
+        r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (?P<bytes>\d+) bytes",
+        True,
+        "host RAM allocation refused (the kernel's overcommit heuristic or a commit limit)",
+    ),
+    _p(
+        "pidfd_getfd",
+        r"pidfd_getfd(?:\(2\))?: Operation not permitted",
+        True,
+        "the PLE offload worker could not take the GPU worker's CUDA IPC file descriptor",
+    ),
+    _p(
+        "ple_empty_shard_name",
+        r"There is no module or parameter named '?(?P<name>[\w.]*ngram_embedding\.shard_\.weight)",
+        True,
+        "the checkpoint names its PLE table with an empty shard index",
+    ),
+    _p(
+        "ple_weight_scale_rejected",
+        r"(?P<name>[\w.]*ngram_embedding\.weight_scale)\b.*(?:no module or parameter|unexpected)",
+        True,
+        "this vLLM cannot load a quantized PLE table (global weight_scale)",
+    ),
+    _p(
+        "free_memory_below_request",
+        r"Free memory on device \S* ?\((?P<free_gib>"
+        + _NUM
+        + r")/(?P<total_gib>"
+        + _NUM
+        + r") GiB\) on startup is less than desired GPU memory utilization "
+        r"\((?P<utilization>[\d.]+), (?P<requested_gib>" + _NUM + r") GiB\)",
+        True,
+        "other processes hold memory vLLM's utilization asks for",
+    ),
+    _p(
+        "kv_cache_size",
+        r"(?P<device>GPU|CPU|XPU)(?: \+ host)? KV cache size: (?P<tokens>[\d,]+) tokens, "
+        r"Maximum concurrency for (?P<max_model_len>[\d,]+) tokens per request: "
+        r"(?P<concurrency>" + _NUM + r")x",
+        False,
+        "KV cache capacity at startup",
+    ),
+    _p(
+        "available_kv_memory",
+        r"Available KV cache memory: (?P<available_gib>" + _NUM + r") GiB",
+        False,
+        "KV pool after profiling",
+    ),
+    _p(
+        "explicit_kv_memory",
+        r"(?:reserved (?P<reserved_gib>" + _NUM + r") GiB memory for KV Cache|Explicitly set "
+        r"\((?P<set_gib>" + _NUM + r")/(?P<node_gib>" + _NUM + r")\) GiB for KV cache)",
+        False,
+        "KV pool given by --kv-cache-memory-bytes",
+    ),
+    _p(
+        "model_loading",
+        r"Model loading took (?P<weights_gib>" + _NUM + r") GiB memory and "
+        r"(?P<seconds>" + _NUM + r") seconds",
+        False,
+        "weights on the device",
+    ),
+    _p(
+        "graph_capture",
+        r"Graph capturing finished in (?P<seconds>\d+) secs, took (?P<graph_gib>" + _NUM + r") GiB",
+        False,
+        "CUDA graphs captured",
+    ),
+    _p(
+        "graph_estimate",
+        r"Estimated CUDA graph memory: (?P<graph_gib>" + _NUM + r") GiB total",
+        False,
+        "CUDA graph memory profiled before the KV pool was sized",
+    ),
+    _p(
+        "block_size",
+        r"Setting attention block size to (?P<block_size>\d+) tokens",
+        False,
+        "attention block raised so its page holds the largest state page",
+    ),
+    _p(
+        "mamba_padding",
+        r"Padding mamba page size by (?P<padding_pct>" + _NUM + r")%",
+        False,
+        "state pages padded to the attention page",
+    ),
+    _p(
+        "mamba_cache_mode",
+        r"Mamba cache mode is set to '(?P<mode>\w+)'",
+        False,
+        "state blocks per request: 2 + speculative tokens under 'align'",
+    ),
+    _p("cli_args", r"non-default args: (?P<args>\{.*\})\s*$", False, "flags vLLM was started with"),
+    _p("kv_layout", r"Using (?P<layout>[A-Z]{5}) KV cache layout", False, "KV cache layout"),
+    _p(
+        "engine_config",
+        r"Initializing a V1 LLM engine \(v(?P<version>[\w.+-]+)\) with config:.*?"
+        r"dtype=(?P<dtype>[\w.]+),.*?max_seq_len=(?P<max_seq_len>\d+)",
+        False,
+        "engine configuration",
+    ),
+)
+_BY_KIND = {p.kind: p for p in PATTERNS}
+_UNIT = {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
+
+
+@dataclass
+class Event:
+    """One recognised log line: kind, 1-based line number, numbers, the line itself."""
+
+    kind: str
+    line: int
+    values: dict[str, Any]
+    text: str
+    failure: bool
+    summary: str
+    options: list[dict[str, str]] = field(default_factory=list)
+
+
+def _value(key: str, raw: str) -> Any:
+    if key.endswith("unit") or key in (
+        "args",
+        "device",
+        "layout",
+        "mode",
+        "name",
+        "version",
+        "dtype",
+    ):
+        return raw
+    clean = raw.replace(",", "")
+    return float(clean) if "." in clean else int(clean)
+
+
+def _cli_args(text: str) -> dict[str, Any]:
+    """The scalar entries of vLLM's "non-default args: {...}" dict (others dropped), secrets
+    (``api_key``, ``hf_token``, ...) redacted."""
+    try:
+        args = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return {}
+    if not isinstance(args, dict):
+        return {}
+    return {
+        str(k): REDACTED if SECRET_NAME.search(str(k)) else v
+        for k, v in args.items()
+        if isinstance(v, (int, float, str, bool))
+    }
+
+
+def _normalise(kind: str, values: dict[str, Any]) -> dict[str, Any]:
+    """CUDA OOM sizes in MiB whatever unit torch printed them in; vLLM's flags as a dict."""
+    if kind == "cli_args":
+        return _cli_args(values["args"])
+    if kind != "cuda_oom":
+        return values
+    out = {k: v for k, v in values.items() if not k.endswith("unit")}
+    for key in ("requested", "total", "free"):
+        if out.get(key) is not None:
+            out[f"{key}_mib"] = round(out.pop(key) * _UNIT[values[f"{key}_unit"]], 2)
+        else:
+            out.pop(key, None)
+    return out
+
+
+def read_log(lines: Iterable[str]) -> list[Event]:
+    """Every recognised event in ``lines`` (first pattern that matches a line wins).
+
+    A failure that vLLM prints twice (the engine's traceback and the API server's) is kept once.
+    """
+    events: list[Event] = []
+    seen: set[tuple[str, str]] = set()
+    for n, line in enumerate(lines, 1):
+        for pat in PATTERNS:
+            m = pat.regex.search(line)
+            if not m:
+                continue
+            values = {k: _value(k, v) for k, v in m.groupdict().items() if v is not None}
+            values = _normalise(pat.kind, values)
+            key = (pat.kind, repr(sorted(values.items())))
+            if pat.failure and key in seen:
+                break
+            seen.add(key)
+            text = f"non-default args: {values}" if pat.kind == "cli_args" else line.strip()[-400:]
+            events.append(Event(pat.kind, n, values, text, pat.failure, pat.summary))
+            break
+    return events
+
+
+def static_options(event: Event) -> list[dict[str, str]]:
+    """Options for a failure from its own numbers, cheapest first (no model needed)."""
+    v = event.values
+    k = event.kind
+    if k == "kv_capacity_error":
+        est = v.get("estimated_max_model_len")
+        out = []
+        if est:
+            out.append(_opt(f"--max-model-len {est}", "shorter context", "vLLM's own estimate"))
+        short = v["needed_gib"] - v["available_gib"]
+        out.append(
+            _opt(
+                "raise --gpu-memory-utilization",
+                "less margin",
+                f"the pool is {short:.2f} GiB short (more than 0.95 risks graph capture)",
+            )
+        )
+        out.append(_opt("--kv-cache-dtype fp8", "KV precision", "halves attention KV bytes"))
+        out.append(
+            _opt("--num-speculative-tokens 0 (if MTP is on)", "no MTP", "frees draft weights, KV")
+        )
+        return out
+    if k == "mamba_blocks_error":
+        return [
+            _opt(f"--max-num-seqs {v['num_blocks']}", "fewer sequences", "one block per sequence"),
+            _opt(
+                "lower --max-model-len or raise --gpu-memory-utilization",
+                "context/margin",
+                "more blocks in the pool",
+            ),
+        ]
+    return [_opt(*o) for o in _FIXED.get(k, [])]
+
+
+def _opt(change: str, cost: str, why: str) -> dict[str, str]:
+    return {"change": change, "cost": cost, "why": why}
+
+
+_FIXED: dict[str, list[tuple[str, str, str]]] = {
+    "cuda_oom": [
+        (
+            "lower --max-num-seqs / --max-num-batched-tokens",
+            "throughput",
+            "smaller transient buffers (GDN state temporaries, MoE workspaces)",
+        ),
+        ("lower --gpu-memory-utilization", "KV capacity", "leaves room outside vLLM's pool"),
+        (
+            "unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments",
+            "none",
+            "the seeds saw it fail at startup with the PLE offload worker",
+        ),
+    ],
+    "no_kv_memory": [
+        ("raise --gpu-memory-utilization or quantize weights", "margin / precision", ""),
+    ],
+    "host_oom": [
+        (
+            "a quantized PLE table (flashnext ple quantize) served mmapped",
+            "an int4/nvfp4 sidecar",
+            "host RAM becomes reclaimable page cache",
+        ),
+        ("raise the commit limit (vm.overcommit_memory) or add swap", "host policy", ""),
+    ],
+    "pidfd_getfd": [
+        ("docker run --cap-add=SYS_PTRACE", "a capability", "seccomp denies pidfd_getfd"),
+        ("sysctl kernel.yama.ptrace_scope=0 (bare metal)", "host policy", "Yama blocks it"),
+        ("unset expandable_segments", "none", "the seeds hit it after an allocator OOM"),
+    ],
+    "ple_empty_shard_name": [
+        (
+            "load with flashnext's PLE loader (accepts shard_. after the shape check)",
+            "a plugin",
+            "",
+        ),
+    ],
+    "ple_weight_scale_rejected": [
+        (
+            "serve the table from a flashnext sidecar, or an offload worker that knows FP8",
+            "a plugin",
+            "",
+        ),
+    ],
+    "free_memory_below_request": [
+        (
+            "lower --gpu-memory-utilization to the free share",
+            "KV capacity",
+            "utilization is a share of the whole GPU, not of free memory",
+        ),
+    ],
+}
+
+
+def _stall_after_graphs(lines: list[str], events: list[Event]) -> Event | None:
+    """Seed 004: with pidfd_getfd denied, the PLE offload boot hangs after graph capture and
+    prints nothing; a log that captured graphs, never completed startup and shows no failure
+    gets this event."""
+    capture = [e for e in events if e.kind == "graph_capture"]
+    if not capture or any(e.failure for e in events):
+        return None
+    if any("Application startup complete" in line for line in lines):
+        return None
+    return Event(
+        "stalled_after_graph_capture",
+        capture[-1].line,
+        {},
+        capture[-1].text,
+        True,
+        "startup stopped after graph capture with no error (the PLE offload worker waiting for "
+        "a CUDA IPC descriptor it may not take: pidfd_getfd / ptrace)",
+        [_opt(*o) for o in _FIXED["pidfd_getfd"]],
+    )
+
+
+def explain(text: Iterable[str]) -> list[Event]:
+    """:func:`read_log` with :func:`static_options` filled in for every failure, plus a stall
+    after graph capture when the log ends there."""
+    lines = list(text)
+    events = read_log(lines)
+    stall = _stall_after_graphs(lines, events)
+    if stall is not None:
+        events.append(stall)
+    for e in events:
+        if e.failure and not e.options:
+            e.options = static_options(e)
+    return events
+
+
+def logged_kv_pool(events: list[Event]) -> int | None:
+    """The KV pool (bytes) of the last "Available KV cache memory" or KV capacity error line."""
+    for e in reversed(events):
+        if e.kind in ("available_kv_memory", "kv_capacity_error"):
+            return int(e.values["available_gib"] * (1 << 30))
+    return None

@@ -1,0 +1,354 @@
+"""The memory plan: what sits on the GPU and in host RAM, and what vLLM will make of the rest.
+
+Device budget (vLLM's ``gpu_worker.determine_available_memory``): ``requested =
+ceil(gpu_memory * gpu_memory_utilization)``; the KV pool is ``requested - weights - headroom``
+where headroom is what vLLM profiles at startup besides weights (activation peak at
+``max_num_batched_tokens``, CUDA context and other non-torch memory, the CUDA graph estimate,
+sampler buffers). An explicit ``kv_cache_memory`` replaces the pool size, as
+``--kv-cache-memory-bytes`` does. The pool is then cut into blocks by :mod:`vllm_kv`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashnext.checkpoint.config import read_config
+from flashnext.plan import vllm_kv
+from flashnext.plan.model import ModelShape, PlanError, kv_spec, model_shape
+from flashnext.plan.sizes import gib
+from flashnext.plan.weights import Weights, estimate, from_headers
+from flashnext.ple.formats import get_codec
+from flashnext.ple.geometry import PLEGeometry
+
+#: Default non-weight, non-KV device memory when no startup log calibrates it.
+DEFAULT_HEADROOM = 4 << 30
+#: Host memory the vLLM worker holds besides the PLE table (seed 004: "roughly 8 GiB").
+WORKER_HOST_BYTES = 8 << 30
+PLACEMENTS = ("host", "gpu", "mmap", "resident")
+#: Above this utilization the seeds saw autotuning and CUDA graph capture fail (0.96).
+RISKY_UTILIZATION = 0.95
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The deployment to plan (flags of ``flashnext plan``; sizes in bytes)."""
+
+    gpu_memory: int
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    kv_cache_dtype: str = "auto"
+    num_speculative_tokens: int = 0
+    tp: int = 1
+    host_memory: int | None = None
+    ple_format: str | None = None  # None: as stored (headers) or bf16 (estimate)
+    ple_placement: str = "host"
+    ple_gpu_cache_rows: int = 0
+    headroom: int | None = None
+    kv_cache_memory: int | None = None
+    dtype: str = "auto"
+    device: str = "cuda"
+    block_size: int | None = None
+    prefix_caching: bool = True
+    cuda_graphs: bool = True
+    weights_format: str = "nvfp4"
+    mamba_ssm_cache_dtype: str = "auto"
+
+    def check(self) -> None:
+        """Raise :class:`PlanError` naming the first flag out of range."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise PlanError(
+                f"--gpu-memory-utilization {self.gpu_memory_utilization}: expected 0 < u <= 1"
+            )
+        if self.ple_placement not in PLACEMENTS:
+            raise PlanError(f"--ple-placement {self.ple_placement!r}: expected one of {PLACEMENTS}")
+        for name in ("max_num_seqs", "tp", "gpu_memory"):
+            if getattr(self, name) <= 0:
+                raise PlanError(f"--{name.replace('_', '-')} must be positive")
+        if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0:
+            raise PlanError("--num-speculative-tokens and --ple-gpu-cache-rows must be >= 0")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of a memory breakdown."""
+
+    name: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The answer: breakdowns, vLLM's KV layout and fit, limits, and what to change."""
+
+    request: PlanRequest
+    model: str
+    shape: ModelShape
+    weights_source: str
+    device_items: list[Item]
+    host_items: list[Item]
+    layout: vllm_kv.KVLayout
+    kv_bytes_per_token: int  # attention K/V bytes per token over all attention layers
+    state_bytes_per_sequence: int  # unpadded linear-attention + PLE conv state per sequence
+    fit: vllm_kv.KVFit
+    max_model_len_one: int  # vLLM's check: one request at this length fits
+    max_model_len_all: int  # max_num_seqs requests at this length fit at once
+    max_num_seqs_graphs: int  # FULL CUDA graphs: max_num_seqs <= num_blocks
+    max_num_seqs_state: int  # sequences whose state (and first attention block) fit
+    host_fits: bool | None
+    assumptions: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready payload (for a ``flashnext.plan`` record)."""
+        return {
+            "model": self.model,
+            "request": dataclasses.asdict(self.request),
+            "architecture": self.shape.architecture,
+            "dtype": self.shape.dtype,
+            "layers": {"attention": self.shape.num_attention, "linear": self.shape.num_linear},
+            "weights_source": self.weights_source,
+            "device": [dataclasses.asdict(i) for i in self.device_items],
+            "host": [dataclasses.asdict(i) for i in self.host_items],
+            "host_fits": self.host_fits,
+            "kv": {
+                "block_size": self.layout.block_size,
+                "attention_page_bytes": self.layout.attention_page_bytes,
+                "state_page_bytes": self.layout.state_page_bytes,
+                "padded_state_page_bytes": self.layout.padded_state_page_bytes,
+                "groups": [dataclasses.asdict(g) for g in self.layout.groups],
+                "bytes_per_block": self.layout.bytes_per_block,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_bytes_per_sequence": self.state_bytes_per_sequence,
+                **dataclasses.asdict(self.fit),
+            },
+            "max_model_len_one": self.max_model_len_one,
+            "max_model_len_all": self.max_model_len_all,
+            "max_num_seqs_graphs": self.max_num_seqs_graphs,
+            "max_num_seqs_state": self.max_num_seqs_state,
+            "fits": self.fits,
+            "problems": self.problems,
+            "suggestions": self.suggestions,
+            "assumptions": self.assumptions,
+        }
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """A model read once: its path, parsed config.json and weights from headers (if any)."""
+
+    path: str
+    config: Mapping[str, Any]
+    weights: Weights | None  # None: estimate from the config per request
+
+
+def load_model(path: str | Path) -> ModelInput:
+    """Read config.json (a directory or the file) and, when present, the safetensors headers.
+
+    Raises:
+        CheckpointError: config.json missing or invalid; a weight file is truncated.
+    """
+    p = Path(path)
+    config = read_config(p)
+    root = p if p.is_dir() else p.parent
+    has_weights = any(root.glob("*.safetensors"))
+    return ModelInput(str(p), config, from_headers(root) if has_weights else None)
+
+
+def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[int, int, str]:
+    """(table bytes, bytes of one row in every PLE layer, format) for the PLE tables."""
+    if not shape.ple_layers:
+        return 0, 0, ""
+    fmt = req.ple_format
+    if fmt is None and model.weights is not None and model.weights.by_kind["ple_table"]:
+        stored = model.weights.by_kind["ple_table"]
+        rows = sum(
+            PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers))
+        )
+        return stored, max(1, stored // rows) * len(shape.ple_layers), "as stored"
+    fmt = fmt or "bf16"
+    total = row = 0
+    for d in range(len(shape.ple_layers)):
+        g = PLEGeometry.from_config(model.config, d)
+        per_row = get_codec(fmt).bytes_per_row(g.width)
+        total += g.num_rows * per_row
+        row += per_row
+    return total, row, fmt
+
+
+def _device_items(
+    model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights
+) -> list[Item]:
+    table, row_bytes, fmt = _ple_bytes(model, shape, req)
+    skip = ("ple_table", "mtp")
+    items = [
+        Item(f"weights: {k}", v // req.tp, weights.source)
+        for k, v in weights.by_kind.items()
+        if v and k not in skip
+    ]
+    if req.num_speculative_tokens and weights.by_kind.get("mtp"):
+        items.append(Item("weights: mtp draft", weights.by_kind["mtp"] // req.tp, weights.source))
+    if table and req.ple_placement == "gpu":
+        items.append(Item("PLE table on GPU", table // req.tp, fmt))
+    if table and req.ple_gpu_cache_rows:
+        cache = req.ple_gpu_cache_rows * row_bytes
+        items.append(Item("PLE hot-row cache", cache, f"{req.ple_gpu_cache_rows:,} rows/layer"))
+    headroom = DEFAULT_HEADROOM if req.headroom is None else req.headroom
+    src = "default" if req.headroom is None else "given/calibrated"
+    items.append(Item("headroom: activations, CUDA graphs, sampler", headroom, src))
+    return items
+
+
+def _host_items(
+    model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights
+) -> list[Item]:
+    table, _row, fmt = _ple_bytes(model, shape, req)
+    items = [Item("vLLM worker process", WORKER_HOST_BYTES, "assumed (seed 004)")]
+    if table and req.ple_placement in ("host", "resident"):
+        items.append(Item(f"PLE table ({fmt}, {req.ple_placement})", table, "committed RAM"))
+    if table and req.ple_placement == "mmap":
+        items.append(Item(f"PLE table ({fmt}, mmap)", table, "page cache, reclaimable"))
+    streamed = weights.total(exclude=("ple_table",))
+    items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
+    return items
+
+
+def _limits(
+    layout: vllm_kv.KVLayout, fit: vllm_kv.KVFit, req: PlanRequest, upper: int
+) -> tuple[int, int, int, int]:
+    """(max len for one request, max len for all seqs, seqs by graph check, seqs by state)."""
+    one = vllm_kv.largest_fitting_len(layout, fit.available_bytes, upper)
+    usable = fit.num_blocks - 1
+    lo, hi, all_len = 1, upper, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if layout.blocks_per_request(mid) * req.max_num_seqs <= usable:
+            all_len, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    state = usable // max(1, layout.blocks_per_request(1)) if layout.groups else 0
+    return one, all_len, fit.num_blocks, state
+
+
+def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None = None) -> Plan:
+    """Plan ``req`` for ``model``: see the module doc for the budget.
+
+    Raises:
+        PlanError: a flag out of range or a config the planner cannot read.
+    """
+    req.check()
+    shape = model_shape(model.config, req.dtype)
+    weights = model.weights or estimate(model.config, shape, req.weights_format)
+    max_len = req.max_model_len or shape.max_position_embeddings
+    spec = kv_spec(
+        shape,
+        kv_cache_dtype=req.kv_cache_dtype,
+        tp=req.tp,
+        num_speculative_tokens=req.num_speculative_tokens,
+        device=req.device,
+        block_size=req.block_size,
+        mamba_ssm_cache_dtype=req.mamba_ssm_cache_dtype,
+    )
+    if not req.prefix_caching:
+        spec = dataclasses.replace(spec, mamba_cache_mode="none")
+    layout = vllm_kv.kv_layout(spec)
+    device = _device_items(model, shape, req, weights)
+    requested = math.ceil(req.gpu_memory * req.gpu_memory_utilization)
+    if req.kv_cache_memory is not None:
+        available = req.kv_cache_memory
+    else:
+        available = requested - sum(i.bytes for i in device)
+    fit = vllm_kv.fit(layout, available, max_len)
+    one, all_len, seqs_graphs, seqs_state = _limits(layout, fit, req, shape.max_position_embeddings)
+    host = _host_items(model, shape, req, weights)
+    committed = sum(i.bytes for i in host if "reclaimable" not in i.note)
+    plan = Plan(
+        request=req,
+        model=model.path,
+        shape=shape,
+        weights_source=weights.source,
+        device_items=device,
+        host_items=host,
+        layout=layout,
+        kv_bytes_per_token=sum(a.bytes_per_token for a in spec.attention),
+        state_bytes_per_sequence=sum(s.state_bytes for s in spec.states),
+        fit=fit,
+        max_model_len_one=one,
+        max_model_len_all=all_len,
+        max_num_seqs_graphs=seqs_graphs,
+        max_num_seqs_state=seqs_state,
+        host_fits=None if req.host_memory is None else committed <= req.host_memory,
+        assumptions=[*(assumptions or []), *_assumptions(shape, weights, req)],
+    )
+    plan.problems = _problems(plan)
+    return plan
+
+
+def _assumptions(shape: ModelShape, weights: Weights, req: PlanRequest) -> list[str]:
+    out = [*shape.notes, *weights.notes]
+    out.append(f"serving dtype {shape.dtype}; KV cache dtype {req.kv_cache_dtype}")
+    if req.headroom is None and req.kv_cache_memory is None:
+        out.append(
+            f"headroom {gib(DEFAULT_HEADROOM)} for activations, CUDA graphs and sampler "
+            "(vLLM measures it at startup; calibrate with --from-log)"
+        )
+    if shape.num_linear or shape.ple_layers:
+        mode = "align (prefix caching on)" if req.prefix_caching else "none"
+        out.append(f"mamba_cache_mode {mode}; KV layout layer-outermost (LBHNC)")
+    if shape.ple_layers:
+        out.append(f"one PLE short-conv state per PLE layer ({len(shape.ple_layers)})")
+    out.append(
+        "vLLM checks that ONE request at max_model_len fits; max_model_len_all is the "
+        "length at which max_num_seqs requests fit at once"
+    )
+    return out
+
+
+def _problems(plan: Plan) -> list[str]:
+    req, fit = plan.request, plan.fit
+    out = []
+    if fit.available_bytes <= plan.layout.bytes_per_block:
+        out.append(f"no memory left for the KV cache ({gib(fit.available_bytes)} available)")
+    elif not fit.fits:
+        out.append(
+            f"KV capacity: {gib(fit.bytes_needed)} needed for one request of "
+            f"{fit.max_model_len:,} tokens, {gib(fit.available_bytes)} available; "
+            f"estimated maximum model length {fit.estimated_max_model_len:,}"
+        )
+    if plan.shape.num_linear and req.cuda_graphs and req.max_num_seqs > fit.num_blocks:
+        out.append(
+            f"max_num_seqs ({req.max_num_seqs}) exceeds available Mamba cache blocks "
+            f"({fit.num_blocks})"
+        )
+    if req.gpu_memory_utilization > RISKY_UTILIZATION:
+        out.append(
+            f"gpu_memory_utilization {req.gpu_memory_utilization} leaves under "
+            f"{gib(req.gpu_memory * (1 - req.gpu_memory_utilization))} outside vLLM's budget "
+            "(the seeds saw autotuning and graph capture fail at 0.96)"
+        )
+    if plan.host_fits is False:
+        committed = sum(i.bytes for i in plan.host_items if "reclaimable" not in i.note)
+        out.append(f"host RAM: {gib(committed)} committed, {gib(req.host_memory or 0)} available")
+    return out
+
+
+def calibrate_headroom(model: ModelInput, req: PlanRequest, available_kv: int) -> int:
+    """The headroom that makes this plan's KV pool equal ``available_kv`` (from a real log).
+
+    ``available_kv`` is vLLM's "Available KV cache memory" (or the "available KV cache memory"
+    of a capacity error) of the same deployment; the result replaces :data:`DEFAULT_HEADROOM`.
+    Its error is the log's rounding (0.005 GiB) plus any error in the weight bytes.
+    """
+    bare = make_plan(model, dataclasses.replace(req, headroom=0, kv_cache_memory=None))
+    return bare.fit.available_bytes - available_kv

@@ -1,0 +1,227 @@
+"""flashnext check: one case per rule, on real checkpoints written at test time."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashnext.deploy.check import (
+    B12X_UNQUANTIZED_MESSAGE,
+    blocking_failures,
+    load_context,
+    probe_pidfd_getfd,
+    run_checks,
+)
+from flashnext.deploy.gpu import GpuSpecError, parse_gpu
+from flashnext.deploy.serve_args import ServeArgsError, parse_serve_args
+from flashnext.records import check_record
+from tests.checkpoint.builder import build_checkpoint, make_rng
+
+SM120 = parse_gpu("sm120,96GiB,cuda13.0")
+PUBLISHED = Path(__file__).parents[1] / "plan" / "fixtures" / "qwen4exp-published.config.json"
+
+
+def moe_tensors(rng, moe_fmt="nvfp4", mtp_fmt="bf16", dense_w4a16=False):
+    """Expert weights as the quantizers store them (2 experts, tiny shapes)."""
+    t = {}
+    for e in range(2):
+        base = f"model.language_model.layers.0.mlp.experts.{e}.gate_proj"
+        if moe_fmt == "nvfp4":
+            t[f"{base}.weight"] = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+            t[f"{base}.weight_scale"] = rng.random((8, 1)).astype(ml_dtypes.float8_e4m3fn)
+        else:
+            t[f"{base}.weight"] = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)
+        mtp = f"mtp.layers.0.mlp.experts.{e}.up_proj"
+        if mtp_fmt == "bf16":
+            t[f"{mtp}.weight"] = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)
+        else:
+            t[f"{mtp}.weight"] = rng.integers(0, 256, (8, 8), dtype=np.uint8)
+            t[f"{mtp}.weight_scale"] = rng.random((8, 1)).astype(ml_dtypes.float8_e4m3fn)
+    if dense_w4a16:
+        t["model.language_model.layers.0.self_attn.q_proj.weight_packed"] = rng.integers(
+            0, 2**31, (8, 2), dtype=np.int32
+        )
+    return t
+
+
+def model(tmp_path, *, config_extra=None, **moe):
+    rng = make_rng()
+    built = build_checkpoint(
+        tmp_path / "m", parts=4, hf_metadata=False, extra_tensors=moe_tensors(rng, **moe)
+    )
+    # The published Qwen4Exp sizes (the planner's fixture), with the tiny PLE table's fields.
+    published = json.loads(PUBLISHED.read_text())
+    text = published.pop("text_config")
+    config = {**published, **text}
+    config.update(built.config)
+    config.update(
+        {
+            "max_position_embeddings": 262144,
+            "layer_types": ["linear_attention", "full_attention"] * 3,
+            "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+        }
+    )
+    config.update(config_extra or {})
+    (built.root / "config.json").write_text(json.dumps(config))
+    return built.root
+
+
+def checks_for(root, argv, gpu=SM120, host=None, env=None, version="0.33.0"):
+    ctx = load_context(root, parse_serve_args(argv, env or {}), gpu, host, version)
+    rows = run_checks(ctx, probe=lambda: ("ok", 0))
+    return {c.name: c for c in rows}, ctx
+
+
+def test_clean_b12x_plan_has_no_blocking_failure(tmp_path):
+    rows, _ = checks_for(model(tmp_path), ["--moe-backend", "flashinfer_b12x"], host=64 << 30)
+    assert not blocking_failures(list(rows.values())), rows
+    assert rows["b12x-gpu"].status == "ok" and rows["b12x-formats"].status == "ok"
+    assert "modelopt/NVFP4" in rows["b12x-formats"].why
+
+
+def test_b12x_on_hopper_and_old_cuda_fails(tmp_path):
+    rows, _ = checks_for(model(tmp_path), ["--moe-backend=b12x"], gpu=parse_gpu("sm90,cuda12.8"))
+    c = rows["b12x-gpu"]
+    assert c.status == "fail" and "sm90" in c.why and "CUDA 12.8" in c.why
+
+
+def test_b12x_with_expert_parallel_fails(tmp_path):
+    rows, _ = checks_for(model(tmp_path), ["--moe-backend", "b12x", "--enable-expert-parallel"])
+    assert rows["b12x-expert-parallel"].status == "fail"
+
+
+def test_b12x_with_unquantized_moe_fails(tmp_path):
+    rows, _ = checks_for(model(tmp_path, moe_fmt="bf16"), ["--moe-backend", "b12x"])
+    assert rows["b12x-formats"].status == "fail" and "bf16" in rows["b12x-formats"].why
+
+
+def test_dense_w4a16_layers_warn_and_force_a16_is_reported(tmp_path):
+    rows, _ = checks_for(
+        model(tmp_path, dense_w4a16=True), ["--moe-backend", "b12x"],
+        env={"VLLM_B12X_MOE_FP4_FORCE_A16": "1"},
+    )  # fmt: skip
+    c = rows["b12x-formats"]
+    assert c.status == "warn" and "W4A16" in c.why and "FORCE_A16=1" in c.why
+
+
+def test_b12x_with_unquantized_mtp_draft_fails_with_vllms_message(tmp_path):
+    argv = [
+        "--moe-backend",
+        "b12x",
+        "--speculative-config",
+        '{"method": "mtp", "num_speculative_tokens": 1}',
+    ]
+    rows, _ = checks_for(model(tmp_path), argv)
+    assert rows["b12x-mtp"].status == "fail"
+    assert B12X_UNQUANTIZED_MESSAGE in rows["b12x-mtp"].why
+    rows, _ = checks_for(model(tmp_path / "q", mtp_fmt="nvfp4"), argv)
+    assert rows["b12x-mtp"].status == "ok"
+
+
+def test_sparse_attention_layers_offer_the_override(tmp_path):
+    types = ["linear_attention", "qwen_sparse_attention"] * 3
+    root = model(tmp_path, config_extra={"layer_types": types})
+    rows, _ = checks_for(root, [])
+    assert (
+        rows["sparse-attention"].status == "warn"
+        and "3 layer_types" in rows["sparse-attention"].why
+    )
+    assert "flashnext checkpoint override" in rows["sparse-attention"].fix
+    fixed = json.dumps({"layer_types": ["linear_attention", "full_attention"] * 3})
+    rows, _ = checks_for(root, ["--hf-overrides", fixed])
+    assert rows["sparse-attention"].status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("argv", "rope", "status"),
+    [
+        (["--max-model-len", "131072"], None, "ok"),
+        (["--max-model-len", "300000"], None, "fail"),
+        (["--max-model-len", "500000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "ok"),
+        (["--max-model-len", "600000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "fail"),
+    ],
+)  # fmt: skip
+def test_context_length_against_native_and_yarn(tmp_path, argv, rope, status):
+    root = model(tmp_path, config_extra={"rope_scaling": rope} if rope else None)
+    rows, _ = checks_for(root, argv)
+    assert rows["max-model-len"].status == status
+
+
+def test_ple_table_against_host_memory_per_worker(tmp_path):
+    root = model(tmp_path)
+    rows, _ = checks_for(root, [], host=1 << 20)
+    assert (
+        rows["ple-host-memory"].status == "fail"
+        and "pinned host RAM" in rows["ple-host-memory"].why
+    )
+    rows, _ = checks_for(root, [], host=64 << 30)
+    assert rows["ple-host-memory"].status == "ok"
+    rows, _ = checks_for(root, ["--engram-config", '{"cpu_offload": false}'], host=1 << 20)
+    assert rows["ple-host-memory"].status == "ok" and "GPU memory" in rows["ple-host-memory"].why
+    rows, _ = checks_for(root, [], host=1 << 20, env={"FLASHNEXT_PLE_SIDECAR": "/sc"})
+    assert rows["ple-host-memory"].status == "ok" and "sidecar" in rows["ple-host-memory"].why
+
+
+def test_expandable_segments_with_ple_offload_uses_the_probe(tmp_path):
+    root = model(tmp_path)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    ctx = load_context(root, parse_serve_args([], env), SM120, None, "0.33.0")
+    from flashnext.deploy.check import check_expandable_segments
+
+    # Named fault injection: EPERM cannot be produced for root on this machine.
+    eperm = check_expandable_segments(ctx, lambda: ("EPERM", 1))
+    assert eperm.status == "fail" and eperm.blocking
+    allowed = check_expandable_segments(ctx, lambda: ("ok", 0))
+    assert allowed.status == "warn" and "pidfd_getfd" in allowed.why
+
+
+def test_pidfd_probe_runs_for_real():
+    answer, err = probe_pidfd_getfd()
+    print(f"pidfd_getfd on this machine: {answer} ({err})")
+    assert (answer == "ok") == (err == 0)
+    assert answer in ("ok", "EPERM", "ENOSYS", "EACCES", "EBADF", "ESRCH") or answer.isupper()
+
+
+def test_unknown_vllm_version_warns(tmp_path):
+    rows, _ = checks_for(model(tmp_path), [], version="0.40.1")
+    assert rows["vllm-version"].status == "warn" and "0.40.1" in rows["vllm-version"].why
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(GpuSpecError, match="'h200'"):
+        parse_gpu("sm90,h200")
+    with pytest.raises(ServeArgsError, match="--max-model-len: expects a value"):
+        parse_serve_args(["--max-model-len"])
+    with pytest.raises(ServeArgsError, match="--speculative-config: not valid JSON"):
+        _ = parse_serve_args(["--speculative-config", "{bad"]).speculative_config
+
+
+def test_cli_exit_code_table_and_json_record(tmp_path):
+    root = model(tmp_path)
+    base = [sys.executable, "-m", "flashnext", "check", "--model", str(root), "--gpu", "sm90,cuda13.0",
+            "--vllm-version", "0.33.0"]  # fmt: skip
+    blocked = subprocess.run([*base, "--", "--moe-backend", "b12x"], capture_output=True, text=True)
+    assert blocked.returncode == 1, blocked.stderr
+    assert "b12x-gpu" in blocked.stdout and "fail" in blocked.stdout
+    fine = subprocess.run(
+        [*base, "--json", "--", "--max-model-len", "8192"], capture_output=True, text=True
+    )
+    assert fine.returncode == 0, fine.stderr
+    record = check_record(json.loads(fine.stdout), kind="flashnext.deploy.check")
+    assert record["passed"] is True
+    assert {c["name"] for c in record["checks"]} >= {"b12x-gpu", "expandable-segments"}
+
+
+def test_memory_plan_comes_from_the_planner(tmp_path):
+    root = model(tmp_path)
+    rows, _ = checks_for(root, ["--max-model-len", "8192", "--max-num-seqs", "4"], gpu=SM120)
+    assert rows["memory-plan"].status == "ok", rows["memory-plan"]
+    small = parse_gpu("sm120,2GiB,cuda13.0")
+    rows, _ = checks_for(root, ["--max-model-len", "262144", "--max-num-seqs", "64"], gpu=small)
+    assert rows["memory-plan"].status == "fail" and "flashnext plan" in rows["memory-plan"].fix
+    rows, _ = checks_for(root, [], gpu=parse_gpu("sm120"))
+    assert rows["memory-plan"].status == "skip"

@@ -1,0 +1,172 @@
+"""The fused lookup kernel against the float64 reference of the card's formulas.
+
+Runs on a CUDA GPU, or on the CPU in Triton's interpreter (``TRITON_INTERPRET=1``, device and
+staged placements only). Both need torch and triton (``pip install 'flashnext[gpu]'``); without
+them, or with neither a GPU nor the interpreter, every test here skips and says why.
+"""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashnext.errors import KernelError
+from flashnext.ple import open_table, write_sidecar
+from flashnext.synthetic import embedding_rows
+
+from ..ple.reference import dequant64
+
+torch = pytest.importorskip("torch", reason="torch not installed: pip install 'flashnext[gpu]'")
+pytest.importorskip("triton", reason="triton not installed: pip install 'flashnext[gpu]'")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERPRET
+if not (CUDA or INTERPRET):
+    pytest.skip(
+        "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernel on the CPU)", allow_module_level=True
+    )
+
+from flashnext.kernels import GpuTable, StagedTable  # noqa: E402
+
+FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
+ROWS, WIDTH, HEADS = 1000, 160, 16
+DEVICE = "cuda" if CUDA else "cpu"
+PLACEMENTS = ["device", "pinned"] if CUDA else ["device"]
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (pinned memory, graphs)")
+
+
+@pytest.fixture(scope="module")
+def sidecars(tmp_path_factory):
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"kernel test tables: seed {seed}")
+    x = embedding_rows(ROWS, WIDTH, np.random.default_rng(seed))
+    root = tmp_path_factory.mktemp("kernel_tables")
+    for fmt in FORMATS:
+        write_sidecar(root / fmt, fmt, x, 128)  # 8 shards: nvfp4 has 8 scale_2 values
+    return root
+
+
+def expected(table, ids, row_range=None):
+    """bf16 bits [T, heads*width] from the float64 reference; zero outside ``row_range``."""
+    lo, hi = row_range or (0, table.num_rows)
+    flat = ids.reshape(-1)
+    inside = (flat >= lo) & (flat < hi)
+    raw = table.gather_raw(np.where(inside, flat, -1))
+    ref = dequant64(table.format, raw).astype(np.float32)  # f64 product rounded once
+    ref[~inside] = 0.0
+    return ref.astype(ml_dtypes.bfloat16).view(np.uint16).reshape(ids.shape[0], -1)
+
+
+def random_ids(rng, t, lo=-1, hi=ROWS + 40):
+    ids = rng.integers(lo, hi, size=(t, HEADS))
+    ids[0, :3] = [-1, ROWS, ROWS - 1]
+    return ids
+
+
+def bits(out):
+    return out.cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_lookup_is_bit_exact(sidecars, fmt, placement):
+    rng = np.random.default_rng()
+    table = open_table(sidecars / fmt)
+    gpu = GpuTable.from_table(table, placement, device=DEVICE)
+    # 1 row per program (decode), 8, and 64 with a partial last block (prefill)
+    for t in (37, 300, 4099) if CUDA else (37, 300):
+        ids = random_ids(rng, t)
+        out = gpu.lookup(torch.from_numpy(ids).to(DEVICE))
+        assert out.dtype == torch.bfloat16 and tuple(out.shape) == (t, HEADS * WIDTH)
+        np.testing.assert_array_equal(bits(out), expected(table, ids))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_rank_row_ranges_sum_to_the_whole(sidecars, fmt):
+    rng = np.random.default_rng()
+    table = open_table(sidecars / fmt, row_range=(250, 1000))
+    ids = random_ids(rng, 21)
+    ids_d = torch.from_numpy(ids).to(DEVICE)
+    total = torch.zeros(21, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
+    for lo, hi in [(250, 333), (333, 700), (700, 1000)]:  # ranks, not on shard bounds
+        part = GpuTable.from_table(table, PLACEMENTS[-1], row_range=(lo, hi), device=DEVICE)
+        got = part.lookup(ids_d)
+        np.testing.assert_array_equal(bits(got), expected(table, ids, (lo, hi)))
+        total += got
+    # a sum turns -0.0 into +0.0 (nvfp4 code 8 is -0.0): compare the sum with +0.0 there
+    whole = expected(table, ids, (250, 1000))
+    np.testing.assert_array_equal(bits(total), np.where(whole == 0x8000, 0, whole))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt):
+    rng = np.random.default_rng()
+    table = open_table(sidecars / fmt, "mmap")
+    # dedup_max_ids=100: the 40-token step gathers every id, the others deduplicate
+    staged = StagedTable(table, max_ids=40 * HEADS, buffers=2, device=DEVICE, dedup_max_ids=100)
+    batches = [random_ids(rng, t, hi=ROWS) for t in (40, 3, 17, 1)]
+    pending = [staged.stage(batches[0]), staged.stage(batches[1])]
+    for i, ids in enumerate(batches):
+        out = staged.lookup(pending[i])
+        if i + 2 < len(batches):
+            pending.append(staged.stage(batches[i + 2]))  # reuses this step's slot
+        np.testing.assert_array_equal(bits(out), expected(table, ids))
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
+def test_hot_row_cache_serves_the_same_rows(sidecars, fmt):
+    rng = np.random.default_rng()
+    table = open_table(sidecars / fmt)
+    gpu = GpuTable.from_table(table, "pinned", device=DEVICE)
+    ids = random_ids(rng, 50)
+    plain = bits(gpu.lookup(torch.from_numpy(ids).to(DEVICE)))
+    hot = rng.permutation(ROWS)[:400]
+    bytes_per_row = gpu.layout.record_bytes
+    info = gpu.set_hot_rows(np.concatenate([[-5, ROWS + 3], hot]), 300 * bytes_per_row)
+    assert info.rows == 300 and info.bytes == 300 * bytes_per_row + 4 * ROWS
+    cached = bits(gpu.lookup(torch.from_numpy(ids).to(DEVICE)))
+    np.testing.assert_array_equal(cached, plain)
+    np.testing.assert_array_equal(cached, expected(table, ids))
+
+
+@needs_cuda
+@pytest.mark.parametrize("placement", ["device", "pinned"])
+def test_cuda_graph_replays_with_new_ids(sidecars, placement):
+    rng = np.random.default_rng()
+    table = open_table(sidecars / "nvfp4")
+    gpu = GpuTable.from_table(table, placement, row_range=(100, 900), device=DEVICE)
+    if placement == "pinned":
+        gpu.set_hot_rows(rng.permutation(ROWS), 200 * gpu.layout.record_bytes)
+    ids = torch.from_numpy(random_ids(rng, 24)).to(DEVICE)
+    out = torch.empty(24, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
+    gpu.lookup(ids, out=out)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gpu.lookup(ids, out=out)
+    for _ in range(3):
+        new = random_ids(rng, 24)
+        ids.copy_(torch.from_numpy(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(bits(out), expected(table, new, (100, 900)))
+
+
+def test_bad_arguments_are_named(sidecars):
+    table = open_table(sidecars / "int4", row_range=(0, 500))
+    with pytest.raises(KernelError, match=r"row_range \(400, 600\) is not inside"):
+        GpuTable.from_table(table, "device", row_range=(400, 600), device=DEVICE)
+    with pytest.raises(KernelError, match="placement must be"):
+        GpuTable.from_table(table, "disk", device=DEVICE)
+    gpu = GpuTable.from_table(table, "device", device=DEVICE)
+    with pytest.raises(KernelError, match="ids must be int64"):
+        gpu.lookup(torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(KernelError, match="expected contiguous bfloat16"):
+        gpu.lookup(
+            torch.zeros(2, HEADS, dtype=torch.int64, device=DEVICE),
+            out=torch.empty(2, 7, dtype=torch.bfloat16, device=DEVICE),
+        )
+    with pytest.raises(KernelError, match="a hot-row cache serves pinned tables"):
+        gpu.set_hot_rows(np.arange(3), 1 << 20)

