@@ -44,3 +44,5 @@ def test_redact_argv_hides_secret_flags_env_and_url_credentials():
     text = " ".join(out)
     assert "sk-123" not in text and "hf_abc" not in text and "user:pw" not in text
     assert out[3] == REDACTED and "--port" in out and "8000" in out
+    counts = ["--max-tokens", "24", "--max-num-batched-tokens=8192", "--tokenizer", "t"]
+    assert redact_argv(counts) == counts

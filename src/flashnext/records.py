@@ -42,7 +42,8 @@ from flashnext.errors import FlashnextError
 ENVELOPE_KEYS = ("schema_version", "kind", "environment")
 REDACTED = "<redacted>"
 #: Flag and environment-variable names whose values are secrets.
-SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|credential)", re.IGNORECASE)
+#: "token" but not "tokens"/"tokenizer": --max-tokens and --tokenizer are not secrets.
+SECRET_NAME = re.compile(r"(key|token(?!s|iz)|secret|password|passwd|credential)", re.IGNORECASE)
 
 
 class RecordError(FlashnextError, ValueError):

@@ -344,10 +344,11 @@ def case_unwritable_destination(tmp, rng):
     locked = tmp / "locked"
     locked.mkdir()
     locked.chmod(0o555)
+    # The DST type checks writability before any work: a usage error (exit 2).
     return ["ple", "quantize", root, locked / "out", "--format", "fp8"], [
-        str(locked / "out"),
-        "Permission denied",
-    ]
+        str(locked),
+        "not writable",
+    ], 2
 
 
 def case_stray_shard_7(tmp, rng):

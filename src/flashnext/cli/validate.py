@@ -356,3 +356,109 @@ def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
         sys.stdout.write(dumps(compare_record(diff, sys.argv), indent=None))
     else:
         click.echo(render_compare(diff))
+
+
+# ---- flashnext validate ab: A/B equivalence of two deployments (flashnext.validate.ab) ----
+def _ab_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        return _parse_url(value)
+    except ValidationError:
+        raise click.BadParameter(
+            f"{value!r}: expected a server root like http://127.0.0.1:8000"
+        ) from None
+
+
+@validate.command("ab")
+@click.option("--baseline", required=True, callback=_ab_url, help="Baseline server root.")
+@click.option("--candidate", required=True, callback=_ab_url, help="Candidate server root.")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSONL prompt set (default: the shipped set; format in docs/ab.md).",
+)
+@click.option("--max-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--top-logprobs",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="K: log-probabilities per position (vLLM allows up to --max-logprobs, 20).",
+)
+@click.option("--baseline-model", default=None, help="Default: the first served model.")
+@click.option("--candidate-model", default=None, help="Default: the first served model.")
+@click.option("--api-key", default=None, envvar="FLASHNEXT_API_KEY", help="Bearer token.")
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--concurrency",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompts in flight per server (1 keeps batches, hence numerics, alike).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    default=180.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Client timeout per request (s).",
+)
+@click.option("--min-top1", default=0.97, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--max-mean-kl", default=0.01, show_default=True, type=click.FloatRange(min=0))
+@click.option("--min-token-agreement", default=0.5, show_default=True, type=click.FloatRange(0, 1))
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(path_type=Path),
+    default=Path("ab-report"),
+    show_default=True,
+    help="Directory for ab.json, ab.md, ab.png.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the ab.json record on stdout.")
+@click.option("--no-png", is_flag=True, help="Skip ab.png.")
+@click.pass_context
+def ab_cmd(ctx: click.Context, **o: Any) -> None:
+    """Do two servers give the same answers? Exit 0 pass, 1 fail or error, 2 bad usage.
+
+    \b
+    flashnext validate ab --baseline http://127.0.0.1:8000 --candidate http://127.0.0.1:8001
+    """
+    from flashnext.records import make_record
+    from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds, run_ab
+    from flashnext.validate.ab_prompts import load_prompts
+    from flashnext.validate.ab_report import render_markdown, write_ab
+
+    cfg = AbConfig(
+        baseline_url=o["baseline"],
+        candidate_url=o["candidate"],
+        prompts=load_prompts(o["prompts_file"]),
+        prompts_source=str(o["prompts_file"] or "default"),
+        baseline_model=o["baseline_model"],
+        candidate_model=o["candidate_model"],
+        api_key=o["api_key"],
+        max_tokens=o["max_tokens"],
+        top_logprobs=o["top_logprobs"],
+        seed=o["seed"],
+        concurrency=o["concurrency"],
+        timeout_s=o["timeout_s"],
+        thresholds=Thresholds(o["min_top1"], o["max_mean_kl"], o["min_token_agreement"]),
+    )
+    from rich.progress import Progress
+
+    with Progress(console=err_console) as bar:
+        task = bar.add_task("prompts", total=len(cfg.prompts))
+        payload = asyncio.run(
+            run_ab(cfg, lambda done, total, pid: bar.update(task, completed=done, description=pid))
+        )
+    record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
+    paths, note = write_ab(record, o["out_dir"], png=not o["no_png"])
+    if o["as_json"]:
+        sys.stdout.write(dumps(record, indent=None))
+    else:
+        click.echo(render_markdown(record))
+    click.echo(
+        "wrote " + ", ".join(str(p) for p in paths) + (f"; {note}" if note else ""), err=True
+    )
+    ctx.exit(0 if record["verdict"]["passed"] else 1)

@@ -1,0 +1,312 @@
+"""A/B equivalence of two deployments: did the change keep the answers?
+
+:func:`run_ab` sends every prompt of a set to a *baseline* and a *candidate* server with the
+same token ids (tokenized by each server, checked equal), lets both continue greedily
+(temperature 0, fixed seed, top-K logprobs) and then scores the baseline's continuation on both
+servers (teacher forcing), so that the distributions are compared position by position in the
+same context even after the free-running outputs went apart. Metrics are in
+:mod:`flashnext.validate.ab_metrics`; :func:`verdict` holds them against :class:`Thresholds`.
+
+The payload of the ``flashnext.validate.ab`` record (schema version 1):
+
+- ``baseline`` / ``candidate``: url, model, version (``/version``), max_model_len, models
+  (``/v1/models``), requests sent, teacher_forcing mode (prompt_logprobs | echo | unsupported)
+  and note, down (why the server was given up, or null);
+- ``config``: max_tokens, top_logprobs, seed, concurrency, prompts source, thresholds;
+- ``prompts``: per prompt id, category, prompt_tokens, both continuations (text, token ids,
+  finish reason), first_difference, token_agreement, ``tf`` (teacher-forced: positions,
+  top1_agreement, kl/tv/logprob_delta_abs {mean, max}, per-position kl and tv), error;
+- ``summary``: pooled numbers; ``verdict``: status (identical | pass | fail | error), checks,
+  reasons; ``cost``: requests per server and wall time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flashnext.validate import ab_metrics as M
+from flashnext.validate.ab_prompts import Prompt, fill_repeats
+from flashnext.validate.ab_server import RequestFailed, Side
+from flashnext.validate.client import Client
+
+KIND = "flashnext.validate.ab"
+SCHEMA_VERSION = 1
+#: Room left for the chat template's own tokens when filling long prompts.
+_TEMPLATE_SLACK = 16
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Pass limits. Defaults: a same-weights rerun passes, a perturbed model fails.
+
+    Teacher-forced checks apply when both servers score continuations; the token check always.
+    """
+
+    min_top1_agreement: float = 0.97
+    max_mean_kl: float = 0.01
+    min_token_agreement: float = 0.5
+
+
+@dataclass
+class AbConfig:
+    """What a run compares and how; the CLI builds it from flags."""
+
+    baseline_url: str
+    candidate_url: str
+    prompts: list[Prompt]
+    prompts_source: str = "default"
+    baseline_model: str | None = None
+    candidate_model: str | None = None
+    api_key: str | None = None
+    max_tokens: int = 64
+    top_logprobs: int = 20
+    seed: int = 0
+    concurrency: int = 1
+    timeout_s: float = 180.0
+    thresholds: Thresholds = field(default_factory=Thresholds)
+
+
+Progress = Callable[[int, int, str], None]
+
+
+async def run_ab(cfg: AbConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the comparison; return the record payload (see the module docstring). Never raises
+    for a server failure: that is recorded (``verdict.status == "error"``)."""
+    t0 = time.monotonic()
+    base = Side("baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s))
+    cand = Side("candidate", Client(cfg.candidate_url, cfg.api_key, cfg.timeout_s))
+    results: list[dict[str, Any]] = []
+    setup_error = None
+    try:
+        try:
+            await asyncio.gather(
+                base.load_info(cfg.baseline_model), cand.load_info(cfg.candidate_model)
+            )
+        except RequestFailed as exc:
+            setup_error = _error(exc)
+        if setup_error is None:
+            results = await _run_prompts(cfg, base, cand, progress)
+    finally:
+        await asyncio.gather(base.client.aclose(), cand.client.aclose())
+    summary = summarize(results)
+    return {
+        "baseline": base.info(),
+        "candidate": cand.info(),
+        "config": _config_dict(cfg),
+        "setup_error": setup_error,
+        "prompts": results,
+        "summary": summary,
+        "verdict": verdict(summary, cfg.thresholds, setup_error),
+        "cost": {
+            "requests": {"baseline": base.requests, "candidate": cand.requests},
+            "wall_s": round(time.monotonic() - t0, 3),
+        },
+    }
+
+
+def _config_dict(cfg: AbConfig) -> dict[str, Any]:
+    keep = ("max_tokens", "top_logprobs", "seed", "concurrency", "timeout_s", "prompts_source")
+    out = {k: getattr(cfg, k) for k in keep}
+    out["thresholds"] = asdict(cfg.thresholds)
+    out["prompt_ids"] = [p.id for p in cfg.prompts]
+    return out
+
+
+def _error(exc: RequestFailed) -> dict[str, str]:
+    return {"side": exc.side, "kind": exc.kind, "message": exc.message}
+
+
+async def _run_prompts(
+    cfg: AbConfig, base: Side, cand: Side, progress: Progress | None
+) -> list[dict[str, Any]]:
+    sem = asyncio.Semaphore(cfg.concurrency)
+    done = 0
+
+    async def one(p: Prompt) -> dict[str, Any]:
+        nonlocal done
+        async with sem:
+            try:
+                out = await compare_prompt(cfg, p, base, cand)
+            except RequestFailed as exc:
+                out = {"id": p.id, "category": p.category, "error": _error(exc)}
+        done += 1
+        if progress:
+            progress(done, len(cfg.prompts), p.id)
+        return out
+
+    return list(await asyncio.gather(*(one(p) for p in cfg.prompts)))
+
+
+async def prompt_tokens(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> list[int]:
+    """The prompt's token ids, long prompts filled first; both servers must agree.
+
+    Raises:
+        RequestFailed: a request failed, the tokenizers disagree, or a long prompt cannot be
+            filled (max_model_len unknown, or too small).
+    """
+    if p.fill_fraction is not None:
+        p = await _fill(cfg, p, base, cand)
+    ids_b, ids_c = await asyncio.gather(
+        base.tokenize(p.messages, p.text), cand.tokenize(p.messages, p.text)
+    )
+    if ids_b != ids_c:
+        at = M.first_difference(ids_b, ids_c)
+        raise RequestFailed(
+            "both",
+            "tokenizer_mismatch",
+            f"the servers tokenize the prompt differently (first at token {at}); "
+            "A/B needs the same tokenizer and chat template",
+        )
+    return ids_b
+
+
+async def _fill(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> Prompt:
+    lens = [n for n in (base.max_model_len, cand.max_model_len) if n]
+    if not lens:
+        raise RequestFailed("both", "no_max_model_len", "long prompt: /v1/models gave no length")
+    budget = min(lens) - cfg.max_tokens - _TEMPLATE_SLACK
+    target = min(int(min(lens) * (p.fill_fraction or 0)), budget)
+    empty = len(await base.tokenize(p.filled(0).messages, p.filled(0).text))
+    if target <= empty:
+        raise RequestFailed(
+            "both", "too_long", f"max_model_len {min(lens)} leaves no room for filling"
+        )
+    # Fillers merge with each other at their seams, so a filler costs fewer tokens inside the
+    # prompt than alone: measure the cost per filler from a rough fill, then fill to the target.
+    rough = max(1, fill_repeats(0, len(p.filler) // 3 or 1, target - empty))
+    probe = p.filled(rough)
+    per = (len(await base.tokenize(probe.messages, probe.text)) - empty) / rough
+    repeats = max(0, int((target - empty) / max(per, 1e-9)))
+    filled = p.filled(repeats)
+    n = len(await base.tokenize(filled.messages, filled.text))
+    if n > budget:  # trim once by the overshoot
+        filled = p.filled(max(0, repeats - int((n - budget) / max(per, 1e-9)) - 1))
+    return filled
+
+
+async def compare_prompt(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> dict[str, Any]:
+    """Tokenize, generate on both, score the baseline continuation on both; the prompt's row.
+
+    Raises:
+        RequestFailed: any request of this prompt failed.
+    """
+    ids = await prompt_tokens(cfg, p, base, cand)
+    gen_b, gen_c = await asyncio.gather(
+        base.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed),
+        cand.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed),
+    )
+    row: dict[str, Any] = {
+        "id": p.id,
+        "category": p.category,
+        "prompt_tokens": len(ids),
+        "baseline": asdict(gen_b),
+        "candidate": asdict(gen_c),
+        "first_difference": M.first_difference(gen_b.token_ids, gen_c.token_ids),
+        "token_agreement": M.token_agreement(gen_b.token_ids, gen_c.token_ids),
+        "tf": None,
+        "error": None,
+    }
+    if gen_b.token_ids:
+        forced = ids + gen_b.token_ids
+        tf_b, tf_c = await asyncio.gather(
+            base.score(forced, cfg.top_logprobs), cand.score(forced, cfg.top_logprobs)
+        )
+        if tf_b is not None and tf_c is not None:
+            n = len(ids)
+            row["tf"] = teacher_forced(tf_b[n:], tf_c[n:], gen_b.token_ids)
+    return row
+
+
+def teacher_forced(base: list[M.TopK], cand: list[M.TopK], tokens: list[int]) -> dict[str, Any]:
+    """Per-prompt teacher-forced numbers from both servers' distributions over ``tokens``."""
+    pos = M.position_divergence(base, cand, tokens)
+    same = pos["top1_same"]
+    deltas = [abs(float(d)) for d in pos["logprob_delta"]]
+    return {
+        "positions": len(tokens),
+        "top1_agreement": sum(bool(s) for s in same) / len(same),
+        "kl": M.summarize([float(v) for v in pos["kl"]]),
+        "tv": M.summarize([float(v) for v in pos["tv"]]),
+        "logprob_delta_abs": M.summarize(deltas),
+        "per_position": {"kl": pos["kl"], "tv": pos["tv"], "top1_same": same},
+    }
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled numbers over the prompts that completed (teacher-forced ones pooled by position)."""
+    ok = [r for r in rows if not r.get("error")]
+    tf = [r["tf"] for r in ok if r.get("tf")]
+    kl = [v for t in tf for v in t["per_position"]["kl"]]
+    tv = [v for t in tf for v in t["per_position"]["tv"]]
+    same = [s for t in tf for s in t["per_position"]["top1_same"]]
+    firsts = [r["first_difference"] for r in ok if r["first_difference"] is not None]
+    return {
+        "prompts": len(rows),
+        "compared": len(ok),
+        "errors": len(rows) - len(ok),
+        "identical": sum(1 for r in ok if r["first_difference"] is None),
+        "differing": len(firsts),
+        "first_difference": {
+            "min": min(firsts) if firsts else None,
+            "median": statistics.median(firsts) if firsts else None,
+        },
+        "token_agreement": statistics.fmean(r["token_agreement"] for r in ok) if ok else None,
+        "tf_prompts": len(tf),
+        "tf_positions": len(same),
+        "top1_agreement": sum(same) / len(same) if same else None,
+        "kl": M.summarize(kl),
+        "tv": M.summarize(tv),
+    }
+
+
+def verdict(
+    summary: dict[str, Any], th: Thresholds, setup_error: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``status``: ``error`` (a server failed), ``identical`` (same tokens, zero divergence),
+    ``pass`` (within every threshold) or ``fail``; ``checks`` lists each limit and value."""
+    checks = []
+
+    def check(name: str, value: float | None, limit: float, ok: bool) -> None:
+        checks.append({"name": name, "value": value, "limit": limit, "ok": ok})
+
+    if summary["token_agreement"] is not None:
+        ta = summary["token_agreement"]
+        check("token_agreement >=", ta, th.min_token_agreement, ta >= th.min_token_agreement)
+    if summary["top1_agreement"] is not None:
+        t1 = summary["top1_agreement"]
+        check("top1_agreement >=", t1, th.min_top1_agreement, t1 >= th.min_top1_agreement)
+        mk = summary["kl"]["mean"]
+        check("mean_kl <=", mk, th.max_mean_kl, mk <= th.max_mean_kl)
+    reasons = [
+        f"{c['name']} {c['limit']}: measured {c['value']:.4g}" for c in checks if not c["ok"]
+    ]
+    if setup_error or summary["errors"]:
+        status = "error"
+        reasons.insert(0, _error_reason(summary, setup_error))
+    elif not summary["compared"]:
+        status, reasons = "error", ["no prompt was compared"]
+    elif reasons:
+        status = "fail"
+    elif summary["differing"] == 0 and (summary["kl"]["max"] or 0.0) == 0.0:
+        status = "identical"
+    else:
+        status = "pass"
+    if summary["compared"] and summary["tf_prompts"] == 0:
+        reasons.append("no teacher-forced scores: verdict from token agreement only")
+    return {
+        "status": status,
+        "passed": status in ("identical", "pass"),
+        "checks": checks,
+        "reasons": reasons,
+    }
+
+
+def _error_reason(summary: dict[str, Any], setup_error: dict[str, str] | None) -> str:
+    if setup_error:
+        return f"{setup_error['side']} failed at start: {setup_error['kind']}: {setup_error['message']}"
+    return f"{summary['errors']} of {summary['prompts']} prompts failed (see prompts[].error)"

@@ -1,0 +1,227 @@
+"""``flashnext validate ab`` against real vLLM servers on 127.0.0.1.
+
+The tiny test model ties its output layer to its input embeddings, which makes it repeat its
+input token whatever its weights (a perturbation changes nothing visible). The A/B model used
+here is the same tiny model with an untied random output layer (``lm_head``, logit spread ~2.4),
+written as a real checkpoint; perturbed copies add Gaussian noise of a chosen size relative to
+each tensor's RMS. Servers: the A/B model twice (identical pair, then killed mid-run) and two
+perturbed copies, started in pairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from flashnext.records import check_record, make_record
+from flashnext.validate.ab import KIND, AbConfig, run_ab
+from flashnext.validate.ab_prompts import load_prompts
+from flashnext.validate.ab_report import write_ab
+
+from .conftest import VllmServer
+
+FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
+NOISE = (0.02, 0.3)  # relative to each tensor's RMS
+MAX_TOKENS = "24"
+PROMPTS = [
+    {"id": "code", "category": "code", "messages": [{"role": "user", "content": "def add(a, b):"}]},
+    {"id": "fr", "category": "multilingual", "prompt": "Explique pourquoi le ciel est bleu."},
+    {
+        "id": "long",
+        "category": "long",
+        "fill_fraction": 0.5,
+        "filler": "Grain, rain and river levels. ",
+        "messages": [{"role": "user", "content": "Notes:\n{fill}\nWhat did the clerks copy?"}],
+    },
+]
+
+
+def flashnext(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FLASHNEXT, *args], capture_output=True, text=True, timeout=600)
+
+
+def _write_model(src: Path, dst: Path, tensors: dict[str, np.ndarray], untie: bool) -> Path:
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copytree(src, tmp)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if untie:
+        config = json.loads((tmp / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(dst)
+    return dst
+
+
+def perturbed(tensors: dict[str, np.ndarray], rel: float, seed: int) -> dict[str, np.ndarray]:
+    """Each tensor plus Gaussian noise of ``rel`` times its RMS (so ||noise|| ~ rel ||w||)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, w in tensors.items():
+        rms = float(np.sqrt(np.mean(w.astype(np.float64) ** 2)))
+        out[name] = (w + rel * rms * rng.standard_normal(w.shape)).astype(w.dtype)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ab_models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The A/B model (untied random lm_head) and its perturbed copies, keyed base / noise."""
+    root = tmp_path_factory.mktemp("ab-models")
+    tensors = load_file(str(tiny_model / "model.safetensors"))
+    emb = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = (np.random.default_rng(7).standard_normal(emb.shape) * 0.3).astype(
+        emb.dtype
+    )
+    models = {"base": _write_model(tiny_model, root / "base", tensors, untie=True)}
+    for i, rel in enumerate(NOISE):
+        models[str(rel)] = _write_model(
+            models["base"], root / f"noise-{rel}", perturbed(tensors, rel, seed=100 + i), False
+        )
+    return models
+
+
+class AbServer(VllmServer):
+    """A test server given more time to come up: this file starts several on a shared machine."""
+
+    def wait_healthy(self, timeout_s: float = 600.0) -> None:
+        super().wait_healthy(timeout_s)
+
+
+def start_all(servers: list[VllmServer]) -> list[VllmServer]:
+    """Start servers side by side (each start is mostly waiting on its own process)."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        return list(pool.map(lambda s: s.start(), servers))
+
+
+@pytest.fixture(scope="module")
+def ab_pair(
+    vllm_python: Path, ab_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """Two servers of the same A/B model (the second is killed by the last test)."""
+    logs = tmp_path_factory.mktemp("ab-logs")
+    pair = [AbServer(vllm_python, ab_models["base"], logs) for _ in range(2)]
+    try:
+        start_all(pair)
+        yield pair[0], pair[1]
+    finally:
+        for s in pair:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ab-prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def run_cli(base: str, cand: str, prompts: Path, out: Path) -> tuple[int, dict]:
+    p = flashnext(
+        "validate", "ab", "--baseline", base, "--candidate", cand, "--prompts", str(prompts),
+        "--max-tokens", MAX_TOKENS, "--out", str(out), "--json",
+    )  # fmt: skip
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    record = json.loads(p.stdout)
+    assert record == json.loads((out / "ab.json").read_text())
+    return p.returncode, record
+
+
+def test_same_model_twice_is_identical(ab_pair, prompts_file, tmp_path):
+    base, same = ab_pair
+    rc, record = run_cli(base.url, same.url + "/v1", prompts_file, tmp_path)
+    assert rc == 0, record["verdict"]
+    check_record(record, kind=KIND, schema_version=1)
+    assert record["verdict"]["status"] == "identical"
+    for side in ("baseline", "candidate"):
+        info = record[side]
+        assert info["version"] == "0.32.0"
+        assert info["max_model_len"] == 512
+        assert info["models"]["data"][0]["id"] == str(ab_pair[0].model)
+        assert info["teacher_forcing"] == "prompt_logprobs"
+    rows = {r["id"]: r for r in record["prompts"]}
+    assert set(rows) == {"code", "fr", "long"}
+    assert 230 <= rows["long"]["prompt_tokens"] <= 256  # filled to ~0.5 of max_model_len
+    for r in rows.values():
+        assert r["error"] is None and r["first_difference"] is None
+        assert r["baseline"]["token_ids"] == r["candidate"]["token_ids"]
+        assert len(r["baseline"]["token_ids"]) == int(MAX_TOKENS)
+        assert r["tf"]["positions"] == int(MAX_TOKENS) and r["tf"]["kl"]["max"] == 0.0
+    # 3 prompts x (tokenize + generate + score) per server, + the long prompt's filling
+    # (3 on the baseline) + /version and /v1/models on each.
+    assert record["cost"]["requests"] == {"baseline": 14, "candidate": 11}
+    assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "IDENTICAL" in (tmp_path / "ab.md").read_text()
+
+
+def test_perturbed_weights_diverge_and_kl_grows_with_noise(
+    vllm_python, ab_models, ab_pair, prompts_file, tmp_path
+):
+    base = ab_pair[0]
+    noisy = [AbServer(vllm_python, ab_models[str(rel)], tmp_path) for rel in NOISE]
+    try:
+        start_all(noisy)
+        runs = [
+            run_cli(base.url, s.url, prompts_file, tmp_path / str(rel))
+            for s, rel in zip(noisy, NOISE)
+        ]
+    finally:
+        for s in noisy:
+            s.stop()
+    (_, small), (rc_large, large) = runs
+    kl_small, kl_large = small["summary"]["kl"]["mean"], large["summary"]["kl"]["mean"]
+    for rel, rec in ((NOISE[0], small), (NOISE[1], large)):
+        s = rec["summary"]
+        print(f"noise {rel}: {rec['verdict']['status']} KL mean {s['kl']['mean']:.3g} "
+              f"top-1 {s['top1_agreement']:.3f} tokens {s['token_agreement']:.3f}")  # fmt: skip
+    assert 0 < kl_small < kl_large / 4, (kl_small, kl_large)  # KL ~ noise^2: 225x expected
+    assert rc_large == 1 and large["verdict"]["status"] == "fail"
+    assert large["summary"]["top1_agreement"] < small["summary"]["top1_agreement"]
+    firsts = [r["first_difference"] for r in large["prompts"]]
+    assert all(isinstance(f, int) and 0 <= f < int(MAX_TOKENS) for f in firsts), firsts
+    for r in large["prompts"]:
+        f = r["first_difference"]
+        assert r["baseline"]["token_ids"][:f] == r["candidate"]["token_ids"][:f]
+        assert r["baseline"]["token_ids"][f] != r["candidate"]["token_ids"][f]
+    md = (tmp_path / str(NOISE[1]) / "ab.md").read_text()
+    assert "FAIL" in md and "## Worst prompts" in md
+
+
+def test_candidate_killed_mid_run_is_a_recorded_failure(ab_pair, prompts_file, tmp_path):
+    base, victim = ab_pair
+    cfg = AbConfig(base.url, victim.url, load_prompts(prompts_file), max_tokens=int(MAX_TOKENS))
+
+    def kill_after_first(done: int, total: int, prompt_id: str) -> None:
+        if done == 1:
+            victim.kill_engine()  # SIGKILL: the candidate vanishes between two prompts
+
+    payload = asyncio.run(run_ab(cfg, kill_after_first))
+    assert payload["verdict"]["status"] == "error" and not payload["verdict"]["passed"]
+    errors = [r["error"] for r in payload["prompts"] if r.get("error")]
+    assert len(errors) == 2 and {e["side"] for e in errors} == {"candidate"}
+    assert errors[0]["kind"] == "unreachable" and payload["candidate"]["down"]
+    assert sum(1 for r in payload["prompts"] if not r.get("error")) == 1
+    paths, _ = write_ab(make_record(KIND, payload), tmp_path / "mid")
+    assert "## Failures" in paths[1].read_text()
+
+    # The CLI on a dead candidate: a report with the failure, exit status 1.
+    rc, record = run_cli(base.url, victim.url, prompts_file, tmp_path / "cli")
+    assert rc == 1 and record["verdict"]["status"] == "error"
+    assert record["setup_error"]["side"] == "candidate"
+    assert "unreachable" in (tmp_path / "cli" / "ab.md").read_text()
+
+
+def test_bad_flags_exit_2(tmp_path):
+    p = flashnext("validate", "ab", "--baseline", "localhost:8000", "--candidate", "http://x")
+    assert p.returncode == 2 and "--baseline" in p.stderr and "server root" in p.stderr
+    p = flashnext("validate", "ab", "--baseline", "http://a", "--candidate", "http://b",
+                  "--max-tokens", "0")  # fmt: skip
+    assert p.returncode == 2 and "--max-tokens" in p.stderr

@@ -1,0 +1,170 @@
+"""Pure parts of ``validate ab``: metrics against float64 references, prompt files, verdicts."""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flashnext.errors import ValidationError
+from flashnext.validate import ab_metrics as M
+from flashnext.validate.ab import Thresholds, summarize, teacher_forced, verdict
+from flashnext.validate.ab_prompts import fill_repeats, load_prompts
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = secrets.randbits(32)
+    print(f"seed {seed}")  # shown on failure: rerun with this seed to reproduce
+    return np.random.default_rng(seed)
+
+
+def _logsoftmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _topk(lp: np.ndarray, k: int) -> dict[int, float]:
+    """What a server sends: the top k token ids with float32-rounded logprobs."""
+    idx = np.argsort(-lp, kind="stable")[:k]
+    return {int(i): float(np.float32(lp[i])) for i in idx}
+
+
+def _reference(lp_p: np.ndarray, lp_q: np.ndarray, k: int) -> tuple[float, float, float]:
+    """float64 KL and TV on {each token in both top-k sets} + {rest}, and the full KL."""
+    p, q = np.exp(lp_p), np.exp(lp_q)
+    common = sorted(
+        set(np.argsort(-lp_p, kind="stable")[:k]) & set(np.argsort(-lp_q, kind="stable")[:k])
+    )
+    pb = np.append(p[common], 1 - p[common].sum())
+    qb = np.append(q[common], 1 - q[common].sum())
+    kl = float(np.sum(pb * np.log(pb / qb)))
+    tv = 0.5 * float(np.abs(pb - qb).sum())
+    return kl, tv, float(np.sum(p * (lp_p - lp_q)))
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_kl_tv_match_float64_reference_and_bound_the_full_kl(rng, k):
+    vocab = 64
+    for _ in range(50):
+        base = rng.standard_normal(vocab) * rng.uniform(0.5, 4)
+        lp_p = _logsoftmax(base)
+        lp_q = _logsoftmax(base + rng.standard_normal(vocab) * rng.uniform(0.01, 1))
+        kl, tv = M.kl_tv(_topk(lp_p, k), _topk(lp_q, k))
+        ref_kl, ref_tv, full_kl = _reference(lp_p, lp_q, k)
+        assert kl == pytest.approx(ref_kl, rel=1e-4, abs=1e-6)
+        assert tv == pytest.approx(ref_tv, rel=1e-4, abs=1e-6)
+        assert kl <= full_kl + 1e-6  # a coarsening never overstates the divergence
+
+
+def test_full_support_gives_the_exact_kl(rng):
+    lp_p = _logsoftmax(rng.standard_normal(32) * 3)
+    lp_q = _logsoftmax(rng.standard_normal(32) * 3)
+    p = {i: float(v) for i, v in enumerate(lp_p)}
+    q = {i: float(v) for i, v in enumerate(lp_q)}
+    kl, tv = M.kl_tv(p, q)
+    assert kl == pytest.approx(float(np.sum(np.exp(lp_p) * (lp_p - lp_q))), rel=1e-9)
+    assert tv == pytest.approx(0.5 * float(np.abs(np.exp(lp_p) - np.exp(lp_q)).sum()), rel=1e-9)
+    assert M.kl_tv(p, p) == (0.0, 0.0)
+
+
+def test_disjoint_supports_compare_only_the_rest_bucket():
+    p = {1: math.log(0.6), 2: math.log(0.3)}
+    q = {3: math.log(0.9)}
+    kl, tv = M.kl_tv(p, q)  # both rest buckets hold all the mass: the bound is 0
+    assert (kl, tv) == (0.0, 0.0)
+    assert M.top1(p) != M.top1(q)  # which is why top-1 agreement is reported beside it
+
+
+def test_first_difference_and_agreement_on_random_sequences(rng):
+    for _ in range(100):
+        a = rng.integers(0, 50, size=int(rng.integers(0, 30))).tolist()
+        b = list(a)
+        if a and rng.random() < 0.7:
+            at = int(rng.integers(0, len(a)))
+            b[at] = a[at] + 1
+            ref = at
+        else:
+            ref = None
+        assert M.first_difference(a, b) == ref
+        same = sum(x == y for x, y in zip(a, b))
+        assert M.token_agreement(a, b) == (same / len(a) if a else 1.0)
+    assert M.first_difference([1, 2], [1, 2, 3]) == 2
+    assert M.token_agreement([1, 2], [1, 2, 3, 4]) == 0.5
+
+
+def test_top1_breaks_ties_by_token_id():
+    assert M.top1({9: -1.0, 4: -1.0, 7: -2.0}) == 4
+    with pytest.raises(ValueError):
+        M.top1({})
+
+
+def test_teacher_forced_pools_positions(rng):
+    lps = [_logsoftmax(rng.standard_normal(40) * 2) for _ in range(6)]
+    base = [_topk(lp, 5) for lp in lps]
+    tokens = [M.top1(d) for d in base]
+    tf = teacher_forced(base, [dict(d) for d in base], tokens)
+    assert tf["top1_agreement"] == 1.0 and tf["kl"] == {"mean": 0.0, "max": 0.0}
+    other = [_topk(_logsoftmax(rng.standard_normal(40) * 2), 5) for _ in range(6)]
+    tf = teacher_forced(base, other, tokens)
+    assert tf["kl"]["max"] == max(M.kl_tv(p, q)[0] for p, q in zip(base, other))
+    with pytest.raises(ValueError, match="lengths differ"):
+        M.position_divergence(base, other[:5], tokens)
+
+
+def _row(first, agreement, kls, same):
+    return {
+        "id": "x",
+        "first_difference": first,
+        "token_agreement": agreement,
+        "tf": {"per_position": {"kl": kls, "tv": kls, "top1_same": same}},
+        "error": None,
+    }
+
+
+def test_verdict_statuses():
+    th = Thresholds()
+    ident = summarize([_row(None, 1.0, [0.0, 0.0], [True, True])])
+    assert verdict(ident, th)["status"] == "identical"
+    close = summarize([_row(5, 0.9, [1e-4] * 40, [True] * 40)])
+    assert verdict(close, th)["status"] == "pass"
+    far = summarize([_row(0, 0.1, [0.5] * 10, [False, True] * 5)])
+    v = verdict(far, th)
+    assert v["status"] == "fail" and not v["passed"]
+    assert any("top1_agreement" in r for r in v["reasons"])
+    broken = summarize(
+        [_row(None, 1.0, [0.0], [True]), {"id": "y", "error": {"side": "candidate"}}]
+    )
+    assert verdict(broken, th)["status"] == "error"
+
+
+def test_default_prompt_set_is_varied():
+    prompts = load_prompts()
+    cats = {p.category for p in prompts}
+    assert {"code", "math", "multilingual", "long"} <= cats
+    longs = [p for p in prompts if p.fill_fraction]
+    assert longs and all("{fill}" not in json.dumps(p.filled(3).messages) for p in longs)
+    assert fill_repeats(100, 30, 400) == 10 and fill_repeats(500, 30, 400) == 0
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "line 2: not JSON"),
+        ('{"prompt": "x"}', 'string "id"'),
+        ('{"id": "b", "prompt": "x", "messages": []}', "exactly one of"),
+        ('{"id": "b", "prompt": "x", "fill_fraction": 0.5}', "has no {fill}"),
+        ('{"id": "b", "prompt": "{fill}", "fill_fraction": 1.5}', "in (0, 1)"),
+        ('{"id": "a", "prompt": "x"}', "duplicate id"),
+    ],
+)
+def test_bad_prompt_files_name_the_line(tmp_path: Path, line: str, message: str):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "prompt": "hello"}\n' + line + "\n")
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        load_prompts(path)
+    assert str(path) in str(e.value)
