@@ -24,6 +24,24 @@ from flashnext.ple import write_sidecar
 from .checkpoint.builder import build_checkpoint
 
 
+PLAN_FIXTURES = Path(__file__).parent / "plan" / "fixtures"
+
+
+def deployment_record(i: Inputs) -> Path:
+    """A deployment record file (what `flashnext record capture` writes) of a local launch."""
+    from flashnext.records import dumps, make_record
+
+    launch = {"source": "pid", "argv": ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+              "--model", "/m", "--port", "8000"], "env": {"VLLM_X": "1"}, "cwd": "/srv",
+              "container": {}}  # fmt: skip
+    payload = {"url": "http://127.0.0.1:8000", "server": {"version": "0.33.0", "models": [],
+               "cache_config": {}}, "launch": launch, "checkpoint": None, "packages": {},
+               "gpus": [], "host_memory_bytes": 1, "plugin_log": [], "captured": {"pid": 1}}  # fmt: skip
+    path = i.fresh("record").with_suffix(".json")
+    path.write_text(dumps(make_record("flashnext.deploy.record", payload)))
+    return path
+
+
 def leaf_commands() -> dict[str, click.Command]:
     """Every runnable command, by its path (``"ple info"``); a group that runs on its own
     (``validate``) is one too."""

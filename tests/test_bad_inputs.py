@@ -118,6 +118,78 @@ BAD_INPUTS: dict[str, dict[str, Args | str]] = {
     },
 }
 
+PLAN_ARGS = ["--gpu-memory", "8GiB"]
+AB = ["--baseline", "http://127.0.0.1:1", "--candidate", "http://127.0.0.1:1", "--no-png"]
+
+
+def _unreadable_index(i: Inputs) -> Path:
+    dst = i.fresh("index-unreadable")
+    dst.mkdir()
+    shutil.copy(i.checkpoint / "model.safetensors.index.json", dst)
+    os.chmod(dst / "model.safetensors.index.json", 0)
+    return dst
+
+
+BAD_INPUTS.update(
+    {
+        "check": {
+            "missing": lambda i: ["--model", i.fresh("nothing")],
+            "wrong-kind": lambda i: ["--model", i.a_file],
+            "unreadable": lambda i: ["--model", _unreadable_config(i)],
+            "out-of-range": lambda i: ["--model", i.checkpoint, "--host-memory", "lots"],
+        },
+        "checkpoint plan": {
+            "missing": lambda i: [i.fresh("nothing")],
+            "wrong-kind": lambda i: [i.a_file],
+            "unreadable": lambda i: [_unreadable_index(i)],
+            "out-of-range": "checkpoint plan has no flag with a range",
+        },
+        "explain": {
+            "missing": lambda i: [i.fresh("nothing.log")],
+            "wrong-kind": lambda i: [i.root],
+            "unreadable": lambda i: [_unreadable_file(i)],
+            "out-of-range": lambda i: [i.report, "--tp", "0"],
+        },
+        "plan": {
+            "missing": lambda i: ["--model", i.fresh("nothing"), *PLAN_ARGS],
+            "wrong-kind": lambda i: ["--model", i.a_file, *PLAN_ARGS],
+            "unreadable": lambda i: ["--model", _unreadable_config(i), *PLAN_ARGS],
+            "out-of-range": lambda i: ["--model", i.checkpoint, *PLAN_ARGS, "--tp", "0"],
+        },
+        "record capture": {
+            "missing": lambda i: ["--url", "http://127.0.0.1:1"],
+            "wrong-kind": lambda i: ["--url", "http://127.0.0.1:1", "--log", i.root],
+            "unreadable": "capture reads a live server; an unreadable /proc entry needs "
+            "another user's process (covered by the ProcessError tests)",
+            "out-of-range": lambda i: ["--url", "http://127.0.0.1:1", "--pid", "0"],
+        },
+        "record diff": {
+            "missing": lambda i: [i.fresh("nothing.json"), i.fresh("nothing.json")],
+            "wrong-kind": lambda i: [i.report, i.report],
+            "unreadable": lambda i: [_unreadable_file(i), _unreadable_file(i)],
+            "out-of-range": "record diff has no flag with a range",
+        },
+        "record restore": {
+            "missing": lambda i: [i.fresh("nothing.json")],
+            "wrong-kind": lambda i: [i.report],
+            "unreadable": lambda i: [_unreadable_file(i)],
+            "out-of-range": "record restore has no flag with a range",
+        },
+        "validate ab": {
+            "missing": lambda i: [
+                *AB,
+                "--prompts",
+                i.fresh("nothing.jsonl"),
+                "--out",
+                i.fresh("ab"),
+            ],
+            "wrong-kind": lambda i: [*AB, "--out", i.a_file],
+            "unreadable": lambda i: [*AB, "--prompts", _unreadable_file(i), "--out", i.fresh("ab")],
+            "out-of-range": lambda i: [*AB, "--max-tokens", "0", "--out", i.fresh("ab")],
+        },
+    }
+)
+
 COMMANDS = sorted(leaf_commands())
 ITEMS = [
     (command, case)

@@ -13,7 +13,15 @@ import pytest
 
 from flashnext.records import check_record
 
-from .cli_inputs import Inputs, closed_port, has_option, leaf_commands, run_in_process
+from .cli_inputs import (
+    PLAN_FIXTURES,
+    Inputs,
+    closed_port,
+    deployment_record,
+    has_option,
+    leaf_commands,
+    run_in_process,
+)
 
 # command -> the arguments of a real run with --json (built from the session's inputs)
 JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {
@@ -40,12 +48,28 @@ JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {
         "--no-png",
     ],
     "validate compare": lambda i: [i.report, i.report],
+    "validate ab": lambda i: [
+        *("--baseline", f"http://127.0.0.1:{closed_port()}"),
+        *("--candidate", f"http://127.0.0.1:{closed_port()}"),
+        *("--out", i.fresh("ab"), "--no-png", "--timeout", "2"),
+    ],
+    "check": lambda i: [
+        "--model",
+        i.checkpoint,
+        "--gpu",
+        "sm120,96GiB,cuda13.0",
+        "--vllm-version",
+        "0.33.0",
+    ],  # fmt: skip
+    "checkpoint plan": lambda i: [i.checkpoint, "--repo", "org/model"],
+    "explain": lambda i: [PLAN_FIXTURES / "vllm-cpu-tiny-qwen2-kv-capacity-error.log"],
+    "plan": lambda i: ["--model", PLAN_FIXTURES / "tiny-qwen2.config.json", "--gpu-memory", "8GiB"],
+    "record diff": lambda i: [deployment_record(i), deployment_record(i)],
 }
 # Exit status 1 is the right answer for these inputs (a server that is not there).
-FAILS_ON_PURPOSE = {"validate"}
-# report.json (and so `validate --json` and `compare --json`) becomes a record in the
-# validate helper's branch (its payload has an "environment" key of its own today).
-NOT_YET_RECORDS = {"validate", "validate compare"}
+FAILS_ON_PURPOSE = {"validate", "validate ab"}
+#: Commands whose exit status says what they found, not whether they ran.
+VERDICT_EXITS = {"check", "explain", "plan"}
 
 JSON_COMMANDS = sorted(n for n, c in leaf_commands().items() if has_option(c, "--json"))
 
@@ -58,16 +82,13 @@ def test_every_json_command_has_an_input():
 
 @pytest.mark.parametrize("command", JSON_COMMANDS)
 def test_json_output_is_a_record(command, cli_inputs, demo_run, capsys, request):
-    if command in NOT_YET_RECORDS:
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="report.json is not a record yet")
-        )
     if command == "demo":
         code, out = 0, demo_run[1]
     else:
         argv = [*command.split(), *JSON_ARGS[command](cli_inputs), "--json"]
         code, out, err = run_in_process([str(a) for a in argv], capsys)
-        assert code == (1 if command in FAILS_ON_PURPOSE else 0), err
+        if command not in VERDICT_EXITS:
+            assert code == (1 if command in FAILS_ON_PURPOSE else 0), err
     record = check_record(json.loads(out), source=f"flashnext {command} --json")
     assert record["kind"].startswith("flashnext.")
     assert record["environment"]["flashnext"] and record["environment"]["command"]

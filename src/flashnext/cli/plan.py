@@ -38,26 +38,43 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The flags that describe a deployment (shared by ``plan`` and ``explain``)."""
     opts = [
         click.option("--gpu-memory", callback=_size, help="GPU memory, e.g. 96GiB (per GPU)."),
-        click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True),
-        click.option("--max-model-len", type=int, default=None, help="Default: the model's."),
-        click.option("--max-num-seqs", type=int, default=256, show_default=True),
+        click.option(
+            "--gpu-memory-utilization",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=0.9,
+            show_default=True,
+        ),
+        click.option(
+            "--max-model-len",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Default: the model's.",
+        ),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True),
         click.option(
             "--kv-cache-dtype", default="auto", show_default=True, help="auto, bfloat16, fp8."
         ),
         click.option("--kv-cache-memory", callback=_size, help="As --kv-cache-memory-bytes."),
-        click.option("--num-speculative-tokens", type=int, default=0, show_default=True),
-        click.option("--tp", type=int, default=1, show_default=True),
+        click.option(
+            "--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True
+        ),
+        click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
         click.option("--ple-format", type=click.Choice(["bf16", "fp8", "int4", "nvfp4"])),
         click.option(
             "--ple-placement", type=click.Choice(PLACEMENTS), default="host", show_default=True
         ),
-        click.option("--ple-gpu-cache-rows", type=int, default=0, help="GPU hot-row cache rows."),
+        click.option(
+            "--ple-gpu-cache-rows",
+            type=click.IntRange(min=0),
+            default=0,
+            help="GPU hot-row cache rows.",
+        ),
         click.option("--headroom", callback=_size, help="Non-KV, non-weight device memory."),
         click.option(
             "--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True
         ),
-        click.option("--block-size", type=int, default=None),
+        click.option("--block-size", type=click.IntRange(min=1), default=None),
         click.option("--no-prefix-caching", is_flag=True),
         click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
         click.option(

@@ -411,7 +411,7 @@ def _ab_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option(
     "--out",
     "out_dir",
-    type=click.Path(path_type=Path),
+    type=OutputDir(),
     default=Path("ab-report"),
     show_default=True,
     help="Directory for ab.json, ab.md, ab.png.",
