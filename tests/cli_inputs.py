@@ -23,7 +23,6 @@ from flashnext.ple import write_sidecar
 
 from .checkpoint.builder import build_checkpoint
 
-
 PLAN_FIXTURES = Path(__file__).parent / "plan" / "fixtures"
 
 

@@ -60,7 +60,7 @@ JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {
         "sm120,96GiB,cuda13.0",
         "--vllm-version",
         "0.33.0",
-    ],  # fmt: skip
+    ],
     "checkpoint plan": lambda i: [i.checkpoint, "--repo", "org/model"],
     "explain": lambda i: [PLAN_FIXTURES / "vllm-cpu-tiny-qwen2-kv-capacity-error.log"],
     "plan": lambda i: ["--model", PLAN_FIXTURES / "tiny-qwen2.config.json", "--gpu-memory", "8GiB"],
