@@ -68,6 +68,11 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
         "status"
     ].startswith("not available: ")
     assert report["probes"]["metrics"]["available"] is True
+    # The deployment record of exactly what passed (the local process found by its port).
+    deployment = check_record(report["deployment"], kind="flashnext.deploy.record")
+    assert deployment["launch"]["source"] == "port"
+    assert "--max-model-len" in deployment["launch"]["argv"]
+    assert "Deployment: server 0.32.0, launch from port" in (out / "report.md").read_text()
     # "slow" (a scrape past 10 s on a starved machine) is evidence; outages are not allowed
     assert [e for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"] == []
     assert len(report["probes"]["metrics"]["samples"]) >= 10
@@ -186,6 +191,7 @@ def test_never_healthy_server_hits_the_deadline(tmp_path: Path) -> None:
     )
     for s in report["stages"][1:]:
         assert (s["status"], s["reason"]) == ("skipped", "the server never became ready")
+    assert "unreachable" in report["deployment"]["error"]
     assert "did not answer HTTP 200" in p.stdout
     # stderr is not a terminal here: the wait is said as plain lines, not a silent spinner
     assert f"validate: ready: waiting up to 2 s for http://127.0.0.1:{port}/health" in p.stderr

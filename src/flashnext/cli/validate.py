@@ -243,6 +243,7 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     check_out_dir(out_dir, png=not opts["no_png"])
     result = asyncio.run(_run_with_progress(cfg))
     report = build_report(result, argv)
+    report["deployment"] = _deployment_record(cfg)
     paths = write_report(report, out_dir, png=not opts["no_png"])
     if opts["as_json"]:
         sys.stdout.write(dumps(report, indent=None))
@@ -259,6 +260,18 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
         )
         return 128 + signal.Signals[stop.signal].value
     return 0 if report["passed"] else 1
+
+
+def _deployment_record(cfg: Config) -> dict[str, Any]:
+    """What ran, as a flashnext.deploy.record (captured after the stages, so a pass is tied
+    to exactly this launch), or why it could not be captured."""
+    from flashnext.deploy.record import capture
+    from flashnext.errors import FlashnextError
+
+    try:
+        return capture(cfg.url, api_key=cfg.api_key, container=cfg.container)
+    except (FlashnextError, OSError) as exc:
+        return {"error": str(exc)}
 
 
 class _LineProgress:
