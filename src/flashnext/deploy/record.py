@@ -10,7 +10,6 @@ in URLs. Capture times and pids live under ``captured`` so that :func:`record_di
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
@@ -79,13 +78,10 @@ def server_info(url: str, api_key: str | None = None) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    """sha256 of ``path`` through the snapshot checker's hasher, or None when it is absent."""
+    from flashnext.checkpoint.snapshot import file_digest
+
+    return file_digest(path, "sha256") if path.is_file() else None
 
 
 def checkpoint_identity(model_dir: str | Path) -> dict[str, Any]:
