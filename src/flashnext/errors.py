@@ -46,3 +46,7 @@ class ValidationError(FlashnextError):
 
 class KernelError(FlashnextError):
     """A GPU lookup table cannot be built or used as asked (placement, ids, buffers)."""
+
+
+class PluginError(FlashnextError):
+    """The vLLM plugin cannot apply a patch it was asked for (version, layout, settings)."""

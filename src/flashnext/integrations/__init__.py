@@ -1,0 +1,1 @@
+"""Thin integrations of flashnext into serving runtimes (vLLM); the logic lives elsewhere."""
