@@ -99,7 +99,13 @@ def _nbytes(buf: Any) -> int:
     if buf is None:
         return 0
     nbytes = getattr(buf, "nbytes", None)
-    return int(nbytes) if nbytes is not None else int(buf.numel() * buf.element_size())
+    if nbytes is not None:
+        return int(nbytes)
+    if hasattr(buf, "numel"):
+        return int(buf.numel() * buf.element_size())
+    # A workspace object (FlashInfer's B12x workspaces hold tensors as attributes).
+    held = vars(buf).values() if hasattr(buf, "__dict__") else ()
+    return sum(_nbytes(v) for v in held if hasattr(v, "nbytes") or hasattr(v, "numel"))
 
 
 def current_stream(device: str) -> Any:
