@@ -54,8 +54,7 @@ def load_case(case: dict, config: dict, layer_index: int) -> tuple[object, set[s
     """Build a fresh layer and load the case's checkpoint through vLLM; return (rows, loaded)."""
     import torch
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-    from vllm.model_executor.models.utils import AutoWeightsLoader
-    from vllm.model_executor.models.utils import WeightsMapper
+    from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
     layer = build_layer(config, layer_index, case["layer_fp8"])
     table = f"layers.{layer_index}.ple.ple_embedding."

@@ -57,8 +57,14 @@ def _key(fmt: str, layout: str, prefix: str) -> str:
 
 def _build(root: Path, rng: np.random.Generator, **kw):
     return build_checkpoint(
-        root, ple_layer_ids=(LAYER_ID,), base=BASE, parts=PARTS, files=2, hf_metadata=False,
-        rng=rng, **kw,
+        root,
+        ple_layer_ids=(LAYER_ID,),
+        base=BASE,
+        parts=PARTS,
+        files=2,
+        hf_metadata=False,
+        rng=rng,
+        **kw,
     )
 
 
@@ -161,7 +167,7 @@ def test_vllm_without_the_fix_rejects_the_empty_shard_index(loaded):
 
 def test_install_is_idempotent_and_logs_versions(loaded):
     _, results, _ = loaded
-    for (world, rank), (report, _) in results.items():
+    for report, _ in results.values():
         first, second = report["install"]
         for line in (first, second):
             assert line.startswith("flashnext plugin: ")
@@ -173,7 +179,7 @@ def test_install_is_idempotent_and_logs_versions(loaded):
 
 def test_wrong_shape_and_wrong_dtype_are_clear_errors(loaded):
     _, results, bad_name = loaded
-    for (world, rank), (report, _) in results.items():
+    for report, _ in results.values():
         bad = report["cases"]["bad-shape"]["error"]
         rows = int(bad.split("expected [")[1].split(",")[0])
         assert bad.startswith(f"PluginError: {bad_name}: whole PLE table has shape"), bad

@@ -34,7 +34,13 @@ from typing import Any
 import flashnext
 from flashnext.errors import PluginError
 from flashnext.integrations.vllm.loader import CHECKED_VLLM, installed_vllm_version
-from flashnext.moe import InvalidRouteCounter, WorkspaceKey, WorkspacePool, WorkspaceSizes, sanitize_routes
+from flashnext.moe import (
+    InvalidRouteCounter,
+    WorkspaceKey,
+    WorkspacePool,
+    WorkspaceSizes,
+    sanitize_routes,
+)
 
 B12X_MODULE = "vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe"
 WRAPPER_MODULE = "flashinfer.fused_moe"
@@ -175,12 +181,14 @@ def _refuse(what: str) -> PluginError:
     )
 
 
-def _experts_class() -> type:
+def _experts_class() -> Any:
     """vLLM's ``FlashInferB12xExperts``, checked; nothing patched."""
     try:
         module = importlib.import_module(B12X_MODULE)
     except Exception as exc:  # vLLM raises more than ImportError on a broken install
-        raise _refuse(f"module {B12X_MODULE} does not import ({type(exc).__name__}: {exc})") from None
+        raise _refuse(
+            f"module {B12X_MODULE} does not import ({type(exc).__name__}: {exc})"
+        ) from None
     cls = getattr(module, "FlashInferB12xExperts", None)
     if cls is None:
         raise _refuse(f"{B12X_MODULE}.FlashInferB12xExperts is missing")

@@ -47,7 +47,9 @@ GLOBAL_SCALE = "ngram_embedding.weight_scale"
 _NUMBERED_SHARD = re.compile(r"^ngram_embedding\.shard_\d+\.weight$")
 # Any checkpoint prefix before the table: "<...>layers.{L}.ple.ple_embedding." (long, short
 # and VL spellings all end so), or the PLE layer's own "ple_embedding.".
-_PREFIX = re.compile(r"^(?:(?:[\w.]*\.)?layers\.\d+\.ple\.)?(?:ple_embedding\.)?(?=ngram_embedding\.)")
+_PREFIX = re.compile(
+    r"^(?:(?:[\w.]*\.)?layers\.\d+\.ple\.)?(?:ple_embedding\.)?(?=ngram_embedding\.)"
+)
 _LOAD_WEIGHTS_PARAMS = ["self", "weights"]
 _PATCHED = "__flashnext_loader_fix__"
 
@@ -76,7 +78,7 @@ def _import(name: str) -> Any:
         raise _refuse(f"module {name} does not import ({type(exc).__name__}: {exc})") from None
 
 
-def _seams() -> tuple[type, type]:
+def _seams() -> tuple[Any, Any]:
     """vLLM's n-gram embedding class and its table's base class, checked; nothing patched."""
     ngram = _import(NGRAM_MODULE)
     ple = _import(PLE_MODULE)
@@ -90,7 +92,9 @@ def _seams() -> tuple[type, type]:
     load = getattr(cls.load_weights, _PATCHED, cls.load_weights)
     params = list(inspect.signature(load).parameters)
     if params != _LOAD_WEIGHTS_PARAMS:
-        raise _refuse(f"Qwen4ExpNGramEmbedding.load_weights takes {params}, expected {_LOAD_WEIGHTS_PARAMS}")
+        raise _refuse(
+            f"Qwen4ExpNGramEmbedding.load_weights takes {params}, expected {_LOAD_WEIGHTS_PARAMS}"
+        )
     loader_params = inspect.signature(base.weight_loader).parameters
     if "checkpoint_start" not in loader_params:
         raise _refuse(
@@ -145,7 +149,7 @@ def full_name(module: Any, rel: str) -> str:
     the table layer's prefix (``model.layers.{L}.ple.ple_embedding.ngram_embedding``) and rest."""
     prefix = getattr(module.ngram_embedding, "prefix", "")
     head = "ngram_embedding."
-    return f"{prefix}.{rel[len(head):]}" if prefix and rel.startswith(head) else rel
+    return f"{prefix}.{rel[len(head) :]}" if prefix and rel.startswith(head) else rel
 
 
 def _wrap_load_weights(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
@@ -253,7 +257,7 @@ def load_global_scale(module: Any, name: str, tensor: Any) -> None:
     if param is None:
         raise PluginError(
             f"{name}: the checkpoint carries an FP8 table's global scale, but the layer stores "
-            f"a {embedding.weight.dtype} table without one; set \"ple_embedding_dtype\": "
+            f'a {embedding.weight.dtype} table without one; set "ple_embedding_dtype": '
             '"float8_e4m3fn" in config.json'
         )
     if tensor.numel() != 1:
