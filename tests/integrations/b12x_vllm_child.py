@@ -36,6 +36,13 @@ def fake_b12x_kernel(wrapper, **kwargs):
     return wrapper.output[:tokens].fill_(0.25)
 
 
+class Workspace:
+    """Like FlashInfer's workspace objects: tensors held as attributes (no nbytes of its own)."""
+
+    def __init__(self, nbytes: int):
+        self.rows = torch.empty(nbytes, dtype=torch.uint8)
+
+
 class FakeB12xMoEWrapper:
     """Stand-in for FlashInfer's B12xMoEWrapper before PR #4603 (no shared buffers)."""
 
@@ -45,8 +52,8 @@ class FakeB12xMoEWrapper:
         activation="silu", activation_precision="fp4", quant_mode=None, source_format="modelopt",
     ):  # fmt: skip
         self.kwargs = {"num_experts": num_experts, "top_k": top_k, "hidden_size": hidden_size}
-        self._static_workspace = torch.empty(num_experts * max_num_tokens, dtype=torch.uint8)
-        self._dynamic_workspace = torch.empty(max_num_tokens * top_k * 4, dtype=torch.uint8)
+        self._static_workspace = Workspace(num_experts * max_num_tokens)
+        self._dynamic_workspace = Workspace(max_num_tokens * top_k * 4)
         self._moe_output = torch.empty(max_num_tokens, hidden_size, dtype=output_dtype)
         ALLOCATIONS.append(id(self._static_workspace))
         self.output = self._moe_output

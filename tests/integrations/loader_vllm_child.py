@@ -7,8 +7,9 @@ model's hf->vLLM name mapper, so long names are mapped the way vLLM maps them) i
 layer's own ``load_weights``, and saves the rank's rows dequantized by the layer's own
 embedding method (float32) for the parent to compare with flashnext's checkpoint row map.
 
-Usage: python loader_vllm_child.py SPEC.json RANK. Writes ``{out}/rank{RANK}.npz`` and
-``{out}/rank{RANK}.json`` (messages, log lines).
+Usage: python loader_vllm_child.py SPEC.json RANK [SPEC.json RANK ...] (worlds joined one after
+another, so one process serves the world of one and rank 0 of the world of two). Writes
+``{out}/rank{RANK}.npz`` and ``{out}/rank{RANK}.json`` per world.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def load_case(case: dict, config: dict, layer_index: int) -> tuple[object, set[s
     return rows.float().numpy(), loaded  # unquantized: dequantize returns the bf16 rows
 
 
-def init_world(world_size: int, rank: int, port: int) -> None:
+def init_world(world_size: int, rank: int, port: int):
+    """Join a gloo world; returns the current-config context to close in :func:`leave_world`."""
     from vllm.config import EngramConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import (
         ensure_model_parallel_initialized,
@@ -86,7 +88,7 @@ def init_world(world_size: int, rank: int, port: int) -> None:
     vllm_config.engram_config = EngramConfig(cpu_offload=False)
     vllm_config.parallel_config.tensor_parallel_size = world_size  # the ETP group's size
     ctx = set_current_vllm_config(vllm_config)
-    ctx.__enter__()  # kept for the whole process: layers read the current config
+    ctx.__enter__()  # layers read the current config while they are built
     init_distributed_environment(
         world_size=world_size,
         rank=rank,
@@ -95,31 +97,38 @@ def init_world(world_size: int, rank: int, port: int) -> None:
         backend="gloo",
     )
     ensure_model_parallel_initialized(world_size, 1)
+    return ctx
 
 
-def main() -> None:
+def leave_world(ctx) -> None:
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    ctx.__exit__(None, None, None)
+
+
+def run_world(spec: dict, rank: int) -> None:
+    """All cases of ``spec`` as ``rank`` of its world; the fix is installed on first use."""
     import numpy as np
 
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    rank = int(sys.argv[2])
-    init_world(spec["world_size"], rank, spec["port"])
+    ctx = init_world(spec["world_size"], rank, spec["port"])
     report: dict = {"cases": {}, "install": []}
-    if spec.get("unfixed"):  # vLLM as shipped, before the fix: its own failure
-        try:
-            load_case(spec["unfixed"], spec["config"], spec["layer_index"])
-            report["unfixed_error"] = None
-        except Exception as exc:
-            report["unfixed_error"] = f"{type(exc).__name__}: {exc}"
     from flashnext.integrations.vllm import loader
 
+    if spec.get("unfixed"):  # vLLM as shipped, on the empty shard index: its own failure
+        report["unfixed_error"] = None
+        try:
+            load_case(spec["unfixed"], spec["config"], spec["layer_index"])
+        except Exception as exc:
+            report["unfixed_error"] = f"{type(exc).__name__}: {exc}"
     loader.check()
     report["install"] = [loader.install(), loader.install()]
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
-    report["patched_twice_same"] = getattr(
-        Qwen4ExpNGramEmbedding.load_weights, "__flashnext_loader_fix__", None
-    ) is not None and not hasattr(
-        Qwen4ExpNGramEmbedding.load_weights.__flashnext_loader_fix__, "__flashnext_loader_fix__"
+    wrapped = getattr(Qwen4ExpNGramEmbedding.load_weights, "__flashnext_loader_fix__", None)
+    report["patched_twice_same"] = wrapped is not None and not hasattr(
+        wrapped, "__flashnext_loader_fix__"
     )
     arrays = {}
     for key, case in spec["cases"].items():
@@ -132,6 +141,13 @@ def main() -> None:
     out = Path(spec["out"])
     np.savez(out / f"rank{rank}.npz", **arrays)
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    leave_world(ctx)
+
+
+def main() -> None:
+    # SPEC RANK [SPEC RANK ...]: the worlds this process joins, one after another.
+    for spec_path, rank in zip(sys.argv[1::2], sys.argv[2::2]):
+        run_world(json.loads(Path(spec_path).read_text()), int(rank))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ tests' builder and loaded by vLLM's own loader into vLLM's real ``Qwen4ExpNGramE
 checkpoint row map for that rank (``PLETableInfo.tp_row_map`` via ``CheckpointTableSource``):
 exactly, BF16 and FP8 alike (FP8 rows dequantized by vLLM's own embedding method and by
 flashnext's format contract, both fp8 x fp32 scale in float32). Without the fix, vLLM's own
-failure on the empty shard index is shown. One child per rank, all cases batched in it.
+failure on the empty shard index is shown. Two vLLM processes in all (see the fixture), every case batched in them.
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ def loaded(tmp_path_factory: pytest.TempPathFactory):
     cases["fp8-into-bf16-layer"] = {**cases[_key("fp8", "empty-shard", "long")], "layer_fp8": False}
     config = {k: built[_key("bf16", "whole", "long")].config[k] for k in TEXT_FIELDS}
     runs = {}
-    procs = []
     for world in (1, 2):
         out = base / f"world{world}"
         out.mkdir()
@@ -109,8 +108,10 @@ def loaded(tmp_path_factory: pytest.TempPathFactory):
             "unfixed": cases[_key("bf16", "empty-shard", "long")] if world == 1 else None,
         }
         (out / "spec.json").write_text(json.dumps(spec))
-        procs += [start_child(python, CHILD, str(out / "spec.json"), str(r)) for r in range(world)]
         runs[world] = out
+    one, two = (str(runs[w] / "spec.json") for w in (1, 2))
+    # Two vLLM processes: the world of one, then rank 0 of two; and rank 1 of two.
+    procs = [start_child(python, CHILD, one, "0", two, "0"), start_child(python, CHILD, two, "1")]
     for proc in procs:
         wait_child(proc)
     results = {}
@@ -172,9 +173,11 @@ def test_install_is_idempotent_and_logs_versions(loaded):
         for line in (first, second):
             assert line.startswith("flashnext plugin: ")
             assert "vLLM 0.32.0" in line and f"flashnext {flashnext_version}" in line
-        assert "PLE loader fix installed" in first
         assert "already installed" in second
         assert report["patched_twice_same"], "a second install() wrapped the wrapper again"
+    # The first install() of each process patches (world 1, and rank 1 of world 2).
+    assert "PLE loader fix installed" in results[1, 0][0]["install"][0]
+    assert "PLE loader fix installed" in results[2, 1][0]["install"][0]
 
 
 def test_wrong_shape_and_wrong_dtype_are_clear_errors(loaded):
