@@ -74,8 +74,8 @@ def _wrapper_buffers(key: WorkspaceKey, sizes: WorkspaceSizes) -> tuple[Any, Any
     if missing:
         raise PluginError(
             f"FlashInfer's B12xMoEWrapper accepts {', '.join(SHARED_PARAMS)} but keeps no "
-            f"{', '.join(missing)}: cannot take buffers to share; set FLASHNEXT_MOE_GUARD=1 "
-            "with a FlashInfer whose wrapper matches, or leave the B12x guard off"
+            f"{', '.join(missing)}: cannot take buffers to share; use a FlashInfer whose "
+            "wrapper keeps them, or leave the B12x guard off (unset FLASHNEXT_MOE_GUARD)"
         )
     return tuple(getattr(donor, name) for name in WRAPPER_BUFFERS)  # type: ignore[return-value]
 
