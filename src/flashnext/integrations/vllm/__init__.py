@@ -138,14 +138,26 @@ def _part_module(part: str) -> ModuleType:
         ) from exc
 
 
-def _use_vllm_log_handlers() -> None:
-    """Write our lines through vLLM's handlers and level (vLLM configures only ``vllm.*``)."""
-    import vllm.logger  # noqa: F401  (configures vLLM's handlers on import)
+class _ThroughVllm(logging.Handler):
+    """Hands our records to vLLM's logger (its handlers, format and level) once vLLM has
+    configured it; before that, INFO and above go to stderr as plain lines."""
 
-    vllm_logger = logging.getLogger("vllm")
-    logger.setLevel(vllm_logger.getEffectiveLevel())
-    if logger.handlers or not vllm_logger.handlers:
-        return
-    for handler in vllm_logger.handlers:
-        logger.addHandler(handler)
-    logger.propagate = False
+    def __init__(self) -> None:
+        super().__init__()
+        self._early = logging.StreamHandler()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.handlers:
+            if record.levelno >= vllm_logger.getEffectiveLevel():
+                vllm_logger.handle(record)
+        elif record.levelno >= logging.INFO:
+            self._early.handle(record)
+
+
+def _use_vllm_log_handlers() -> None:
+    """Route our logger through vLLM's (vLLM configures only ``vllm.*``, possibly later)."""
+    if not any(isinstance(h, _ThroughVllm) for h in logger.handlers):  # registering twice
+        logger.addHandler(_ThroughVllm())
+        logger.setLevel(logging.DEBUG)  # vLLM's level decides, at emit time
+        logger.propagate = False
