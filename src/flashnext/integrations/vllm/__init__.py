@@ -82,8 +82,17 @@ def register() -> None:
             )
         )
         return
-    # The PLE registration goes in even when off: it reads --additional-config at build time.
-    apply_parts(("ple_sidecar", *settings.parts), settings)
+    if settings.parts:
+        apply_parts(("ple_sidecar", *settings.parts), settings)
+        return
+    # Off: the PLE registration still goes in (it reads --additional-config at build time), but
+    # a vLLM it cannot patch must not stop vLLM from starting when nothing was asked for.
+    try:
+        apply_parts(("ple_sidecar",), settings)
+    except PluginError as exc:
+        logger.warning(
+            plugin_line("ple_sidecar", f"not registered ({exc}); --additional-config is not read")
+        )
 
 
 def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:

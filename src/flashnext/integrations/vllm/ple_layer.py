@@ -115,7 +115,8 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
         SidecarError: the sidecar directory is not a valid sidecar.
         PreflightError: a pinned or resident copy does not fit in host memory.
     """
-    assert settings.ple_sidecar is not None
+    if settings.ple_sidecar is None:
+        raise PluginError(f"{layer.prefix}: open_rows called with no sidecar switched on")
     path = sidecar_dir_for(settings.ple_sidecar, layer.prefix)
     sidecar = open_sidecar(path)
     geometry = model_geometry(vllm_config, layer.prefix)
