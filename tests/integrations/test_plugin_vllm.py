@@ -131,8 +131,14 @@ def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         subprocess.Popen([*cmd, "1:0", "2:0"], env=env, cwd=root),
         subprocess.Popen([*cmd, "2:1"], env=env, cwd=root),
     ]
-    for proc in procs:
-        proc.wait(timeout=300)
+    try:
+        for proc in procs:
+            proc.wait(timeout=600)  # ~1 min on an idle 2-core machine; vLLM imports dominate
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     results: dict = {"seed": SEED, "rows": rows, "sidecars": sidecars, "root": root}
     for world, rank in WORLD_RANKS:
         facts = json.loads((out / f"world{world}_rank{rank}.json").read_text())
