@@ -1,7 +1,172 @@
 """flashnext's vLLM general plugin (entry point group ``vllm.general_plugins``).
 
-Inert unless switched on (``FLASHNEXT_PLE_SIDECAR=DIR``, ``FLASHNEXT_MOE_GUARD=1`` or the
-equivalent ``--additional-config`` keys). Each patch module exposes ``install(...) -> str``
-(idempotent, returns its one log line); ``register`` checks the vLLM version and every
-precondition first, then applies, so a patch is never half-applied.
+Inert unless switched on (``FLASHNEXT_PLE_SIDECAR=DIR``, ``FLASHNEXT_MOE_GUARD=1``,
+``FLASHNEXT_PLE_LOADER_FIX=1`` or the equivalent ``--additional-config`` keys; see
+:mod:`.settings`). vLLM calls :func:`register` in every process it starts, so registering twice
+is harmless.
+
+Parts (each a module with ``check() -> None``, which verifies what it would patch without
+patching, and ``install() -> str``, idempotent, which patches and returns its one log line):
+
+- ``ple_sidecar`` (:mod:`.ple_layer`): replaces vLLM's PLE table layers by class name with a layer
+  that serves rows from a flashnext sidecar. Its registration is installed on every checked vLLM
+  version, because ``--additional-config`` can only be read when the model is built; while the
+  sidecar is not switched on, the layer it builds *is* vLLM's own class, built by vLLM's own code.
+- ``ple_loader_fix`` (``.loader``) and ``moe_guard`` (``.b12x``).
+
+:func:`register` checks the vLLM version and every enabled part's preconditions first, then
+installs, so a patch is never half-applied. Every line the plugin logs starts with
+``flashnext plugin: `` and names the part and the versions (logger ``flashnext.integrations.vllm``,
+written through vLLM's own log handlers).
 """
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from types import ModuleType
+from typing import Any
+
+from flashnext import __version__ as FLASHNEXT_VERSION
+from flashnext.errors import PluginError
+from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.versions import (
+    installed_vllm_version,
+    is_checked,
+    require_checked,
+)
+
+__all__ = ["LOG_PREFIX", "PluginSettings", "logger", "plugin_line", "register"]
+
+LOG_PREFIX = "flashnext plugin: "
+logger = logging.getLogger("flashnext.integrations.vllm")
+
+#: Part name -> module implementing check() and install().
+PART_MODULES = {
+    "ple_sidecar": "flashnext.integrations.vllm.ple_layer",
+    "ple_loader_fix": "flashnext.integrations.vllm.loader",
+    "moe_guard": "flashnext.integrations.vllm.b12x",
+}
+_installed: set[str] = set()
+_lock = threading.Lock()
+
+
+def plugin_line(part: str, what: str) -> str:
+    """One log line: ``flashnext plugin: <part>: <what> (vllm X, flashnext Y)``."""
+    return f"{LOG_PREFIX}{part}: {what} (vllm {installed_vllm_version()}, flashnext {FLASHNEXT_VERSION})"
+
+
+def register() -> None:
+    """The entry point vLLM calls in every process (``vllm.general_plugins``).
+
+    Reads the environment (:meth:`PluginSettings.from_env`). On a checked vLLM version it
+    installs the PLE layer registration and every part the environment switches on; on another
+    version it refuses when a part is switched on and does nothing otherwise.
+
+    Raises:
+        PluginError: a bad setting, an unchecked vLLM version with a part switched on, or a
+            part whose preconditions do not hold (then nothing at all was applied).
+    """
+    _use_vllm_log_handlers()
+    settings = PluginSettings.from_env()
+    version = installed_vllm_version()
+    if not is_checked(version) and not settings.allow_untested_vllm:
+        if settings.parts:
+            require_checked(version, allow_untested=False)
+        logger.info(
+            plugin_line(
+                "off",
+                f"vLLM {version} was not checked and no FLASHNEXT_* switch is set; "
+                "nothing applied (--additional-config 'flashnext' keys are not read on it)",
+            )
+        )
+        return
+    if settings.parts:
+        apply_parts(("ple_sidecar", *settings.parts), settings)
+        return
+    # Off: the PLE registration still goes in (it reads --additional-config at build time), but
+    # a vLLM it cannot patch must not stop vLLM from starting when nothing was asked for.
+    try:
+        apply_parts(("ple_sidecar",), settings)
+    except PluginError as exc:
+        logger.warning(
+            plugin_line("ple_sidecar", f"not registered ({exc}); --additional-config is not read")
+        )
+
+
+def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:
+    """Check every part not yet installed, then install them all; returns the new log lines.
+
+    Raises:
+        PluginError: a part's module cannot be imported or its check fails (nothing installed).
+    """
+    with _lock:
+        todo = [p for p in dict.fromkeys(parts) if p not in _installed]
+        modules = [(part, _part_module(part)) for part in todo]
+        for _, module in modules:
+            module.check()
+        lines = []
+        for part, module in modules:
+            line = module.install()
+            _installed.add(part)
+            if not line.startswith(LOG_PREFIX):
+                line = plugin_line(part, line)
+            quiet = part == "ple_sidecar" and settings.ple_sidecar is None
+            logger.log(logging.DEBUG if quiet else logging.INFO, line)
+            lines.append(line)
+        return lines
+
+
+def settings_for_model(vllm_config: Any) -> PluginSettings:
+    """Settings from the environment and ``vllm_config.additional_config``, read at model build.
+
+    Parts switched on only in ``--additional-config`` are checked and installed here.
+
+    Raises:
+        PluginError: as :meth:`PluginSettings.resolve` and :func:`apply_parts`.
+    """
+    settings = PluginSettings.resolve(
+        additional_config=getattr(vllm_config, "additional_config", None)
+    )
+    missing = [p for p in settings.parts if p not in _installed]
+    if missing:
+        require_checked(installed_vllm_version(), settings.allow_untested_vllm)
+        apply_parts(missing, settings)
+    return settings
+
+
+def _part_module(part: str) -> ModuleType:
+    name = PART_MODULES[part]
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise PluginError(
+            f"{part}: cannot import {name} on vLLM {installed_vllm_version()} ({exc}); "
+            "nothing was applied"
+        ) from exc
+
+
+class _ThroughVllm(logging.Handler):
+    """Hands our records to vLLM's logger (its handlers, format and level) once vLLM has
+    configured it; before that, INFO and above go to stderr as plain lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._early = logging.StreamHandler()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        vllm_logger = logging.getLogger("vllm")
+        if vllm_logger.handlers:
+            if record.levelno >= vllm_logger.getEffectiveLevel():
+                vllm_logger.handle(record)
+        elif record.levelno >= logging.INFO:
+            self._early.handle(record)
+
+
+def _use_vllm_log_handlers() -> None:
+    """Route our logger through vLLM's (vLLM configures only ``vllm.*``, possibly later)."""
+    if not any(isinstance(h, _ThroughVllm) for h in logger.handlers):  # registering twice
+        logger.addHandler(_ThroughVllm())
+        logger.setLevel(logging.DEBUG)  # vLLM's level decides, at emit time
+        logger.propagate = False

@@ -1,0 +1,181 @@
+"""What the user switched on: :class:`PluginSettings` from the environment and ``--additional-config``.
+
+Two sources, read at different times:
+
+- **Environment** (read by :func:`flashnext.integrations.vllm.register`, which vLLM calls in every
+  process before any config exists, and again when each PLE layer is built):
+
+  ===============================  =================================================================
+  ``FLASHNEXT_PLE_SIDECAR=DIR``    serve the PLE tables from sidecars: ``DIR/layer_{L}`` per PLE
+                                   layer (``L`` = the 0-based decoder index of the checkpoint's tensor
+                                   names), or ``DIR`` itself when it is one sidecar
+  ``FLASHNEXT_PLE_PLACEMENT=P``    ``auto`` (default), ``device``, ``pinned`` or ``staged``
+  ``FLASHNEXT_MOE_GUARD=1``        sanitize B12x top-k ids, share MoE workspaces
+  ``FLASHNEXT_PLE_LOADER_FIX=1``   load a table the checkpoint keeps (empty shard index, both
+                                   prefixes, FP8 ``weight_scale``)
+  ``FLASHNEXT_ALLOW_UNTESTED_VLLM=1``  apply on a vLLM version the patches were not checked against
+  ===============================  =================================================================
+
+- **``--additional-config``** (``vllm serve ... --additional-config '{"flashnext": {...}}'``, keys
+  ``ple_sidecar``, ``ple_placement``, ``moe_guard``, ``ple_loader_fix``, ``allow_untested_vllm``):
+  read when the model is built (the first PLE layer's construction, from vLLM's current config),
+  because a general plugin is called before vLLM has parsed its config. Parts switched on only
+  here are applied at that point, still checked before they are applied.
+
+A switch set in both sources must agree (:class:`~flashnext.errors.PluginError` otherwise). Bad
+values are refused with the variable or key named.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from flashnext.errors import PluginError
+
+Placement = Literal["auto", "device", "pinned", "staged"]
+PLACEMENTS: tuple[str, ...] = ("auto", "device", "pinned", "staged")
+#: The ``--additional-config`` section the plugin reads.
+CONFIG_SECTION = "flashnext"
+#: Setting name -> environment variable.
+ENV_NAMES = {
+    "ple_sidecar": "FLASHNEXT_PLE_SIDECAR",
+    "ple_placement": "FLASHNEXT_PLE_PLACEMENT",
+    "moe_guard": "FLASHNEXT_MOE_GUARD",
+    "ple_loader_fix": "FLASHNEXT_PLE_LOADER_FIX",
+    "allow_untested_vllm": "FLASHNEXT_ALLOW_UNTESTED_VLLM",
+}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """The plugin's switches; every part is off by default.
+
+    Attributes:
+        ple_sidecar: directory of the sidecar(s) serving the PLE tables, or None (off).
+        ple_placement: where a GPU serves the rows from (see :mod:`.ple_layer`).
+        moe_guard: the B12x guard (route sanitizer, shared workspaces).
+        ple_loader_fix: the loader fix for checkpoints that keep the table.
+        allow_untested_vllm: apply on a vLLM version not in :data:`.versions.CHECKED`.
+    """
+
+    ple_sidecar: Path | None = None
+    ple_placement: Placement = "auto"
+    moe_guard: bool = False
+    ple_loader_fix: bool = False
+    allow_untested_vllm: bool = False
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """Names of the parts switched on: ``ple_sidecar``, ``ple_loader_fix``, ``moe_guard``."""
+        on = {
+            "ple_sidecar": self.ple_sidecar is not None,
+            "ple_loader_fix": self.ple_loader_fix,
+            "moe_guard": self.moe_guard,
+        }
+        return tuple(name for name, enabled in on.items() if enabled)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PluginSettings:
+        """Settings from ``FLASHNEXT_*`` variables (``os.environ`` by default).
+
+        Raises:
+            PluginError: a value is not understood (the variable is named).
+        """
+        return cls.resolve(env=os.environ if env is None else env)
+
+    @classmethod
+    def resolve(
+        cls,
+        env: Mapping[str, str] | None = None,
+        additional_config: Any = None,
+    ) -> PluginSettings:
+        """Settings from both sources; a switch given in both must agree.
+
+        Args:
+            env: environment variables (``os.environ`` when None).
+            additional_config: vLLM's ``additional_config`` (a dict; its ``"flashnext"`` section
+                is read, anything else in it is vLLM's or another plugin's).
+
+        Raises:
+            PluginError: a bad value, an unknown key in the ``flashnext`` section, the two
+                sources disagreeing, or a sidecar together with the loader fix.
+        """
+        from_env = _parse_env(os.environ if env is None else env)
+        from_config = _parse_section(additional_config)
+        merged: dict[str, Any] = {}
+        for name in ENV_NAMES:
+            a, b = from_env.get(name), from_config.get(name)
+            if a is not None and b is not None and a != b:
+                raise PluginError(
+                    f"{ENV_NAMES[name]}={a} and --additional-config "
+                    f"{CONFIG_SECTION}.{name}={b} disagree; set it in one place"
+                )
+            value = a if a is not None else b
+            if value is not None:
+                merged[name] = value
+        settings = cls(**merged)
+        if settings.ple_sidecar is not None and settings.ple_loader_fix:
+            raise PluginError(
+                "ple_sidecar and ple_loader_fix are both on: a sidecar replaces the checkpoint's "
+                "table, the loader fix loads it; switch one off"
+            )
+        return settings
+
+
+def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, var in ENV_NAMES.items():
+        raw = env.get(var)
+        if raw is None or (raw.strip() == "" and name in ("ple_sidecar", "ple_placement")):
+            continue
+        out[name] = _value(name, raw, var)
+    return out
+
+
+def _parse_section(additional_config: Any) -> dict[str, Any]:
+    if not additional_config:
+        return {}
+    if not isinstance(additional_config, Mapping):
+        return {}  # a SupportsHash object of another plugin: nothing of ours in it
+    section = additional_config.get(CONFIG_SECTION)
+    if section is None:
+        return {}
+    where = f"--additional-config {CONFIG_SECTION}"
+    if not isinstance(section, Mapping):
+        raise PluginError(
+            f"{where} must be an object like {{'ple_sidecar': DIR}}, found {section!r}"
+        )
+    unknown = sorted(set(section) - set(ENV_NAMES))
+    if unknown:
+        raise PluginError(f"{where}: unknown key(s) {unknown}; known: {sorted(ENV_NAMES)}")
+    return {
+        name: _value(name, value, f"{where}.{name}")
+        for name, value in section.items()
+        if value is not None
+    }
+
+
+def _value(name: str, raw: Any, where: str) -> Any:
+    """One setting's value from text (environment) or JSON (additional config)."""
+    if name == "ple_sidecar":
+        if not isinstance(raw, str | os.PathLike) or not str(raw).strip():
+            raise PluginError(f"{where} must be a sidecar directory, found {raw!r}")
+        return Path(raw).expanduser()
+    if name == "ple_placement":
+        if raw not in PLACEMENTS:
+            raise PluginError(f"{where}={raw!r}: expected one of {', '.join(PLACEMENTS)}")
+        return raw
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise PluginError(f"{where}={raw!r}: expected 1 or 0 (true/false)")

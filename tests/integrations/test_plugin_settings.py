@@ -1,0 +1,86 @@
+"""The plugin's switches, version gate, sidecar lookup and placement (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashnext.errors import PluginError
+from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.versions import CHECKED, is_checked, release, require_checked
+
+
+def test_nothing_set_means_every_part_off():
+    settings = PluginSettings.from_env({"PATH": "/usr/bin"})
+    assert settings == PluginSettings() and settings.parts == ()
+
+
+def test_env_switches_each_part(tmp_path):
+    env = {
+        "FLASHNEXT_PLE_SIDECAR": str(tmp_path),
+        "FLASHNEXT_PLE_PLACEMENT": "staged",
+        "FLASHNEXT_MOE_GUARD": "1",
+    }
+    settings = PluginSettings.from_env(env)
+    assert settings.ple_sidecar == tmp_path and settings.ple_placement == "staged"
+    assert settings.parts == ("ple_sidecar", "moe_guard")
+    fix = PluginSettings.from_env({"FLASHNEXT_PLE_LOADER_FIX": "true", "FLASHNEXT_MOE_GUARD": "0"})
+    assert fix.parts == ("ple_loader_fix",)
+
+
+def test_additional_config_section_is_read(tmp_path):
+    config = {
+        "other_plugin": {"x": 1},
+        "flashnext": {"ple_sidecar": str(tmp_path), "moe_guard": True},
+    }
+    settings = PluginSettings.resolve(env={}, additional_config=config)
+    assert settings.ple_sidecar == tmp_path and settings.moe_guard
+    assert PluginSettings.resolve(env={}, additional_config={"other": 1}) == PluginSettings()
+
+
+@pytest.mark.parametrize(
+    ("env", "config", "named"),
+    [
+        ({"FLASHNEXT_MOE_GUARD": "maybe"}, None, "FLASHNEXT_MOE_GUARD='maybe': expected 1 or 0"),
+        (
+            {"FLASHNEXT_PLE_PLACEMENT": "gpu"},
+            None,
+            "FLASHNEXT_PLE_PLACEMENT='gpu': expected one of",
+        ),
+        ({}, {"flashnext": {"ple_sidecars": "/x"}}, "unknown key(s) ['ple_sidecars']"),
+        ({}, {"flashnext": ["ple_sidecar"]}, "--additional-config flashnext must be an object"),
+        (
+            {},
+            {"flashnext": {"ple_sidecar": 3}},
+            "flashnext.ple_sidecar must be a sidecar directory",
+        ),
+        (
+            {"FLASHNEXT_PLE_PLACEMENT": "pinned"},
+            {"flashnext": {"ple_placement": "staged"}},
+            "FLASHNEXT_PLE_PLACEMENT=pinned and --additional-config flashnext.ple_placement=staged",
+        ),
+        (
+            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_LOADER_FIX": "1"},
+            None,
+            "ple_sidecar and ple_loader_fix are both on",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_source(env, config, named):
+    with pytest.raises(PluginError) as exc:
+        PluginSettings.resolve(env=env, additional_config=config)
+    assert named in str(exc.value)
+
+
+def test_same_value_in_both_sources_is_fine(tmp_path):
+    env = {"FLASHNEXT_MOE_GUARD": "1"}
+    assert PluginSettings.resolve(env, {"flashnext": {"moe_guard": True}}).moe_guard
+
+
+def test_versions_checked_and_refused():
+    assert set(CHECKED) == {"0.32.0", "0.33.0"}
+    assert release("0.32.0+cpu") == "0.32.0" and is_checked("0.32.0+cpu")
+    assert not is_checked("0.34.0")
+    require_checked("0.33.0", allow_untested=False)
+    require_checked("0.34.0", allow_untested=True)
+    with pytest.raises(PluginError, match=r"vLLM 0\.34\.0 is not a version .* nothing was applied"):
+        require_checked("0.34.0", allow_untested=False)
