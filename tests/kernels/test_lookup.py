@@ -103,8 +103,7 @@ def test_rank_row_ranges_sum_to_the_whole(sidecars, fmt):
 def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt):
     rng = np.random.default_rng()
     table = open_table(sidecars / fmt, "mmap")
-    # dedup_max_ids=100: the 40-token step gathers every id, the others deduplicate
-    staged = StagedTable(table, max_ids=40 * HEADS, buffers=2, device=DEVICE, dedup_max_ids=100)
+    staged = StagedTable(table, max_ids=40 * HEADS, buffers=2, device=DEVICE)
     batches = [random_ids(rng, t, hi=ROWS) for t in (40, 3, 17, 1)]
     pending = [staged.stage(batches[0]), staged.stage(batches[1])]
     for i, ids in enumerate(batches):

@@ -1,0 +1,167 @@
+"""Host side of the staged path: dedup ids and gather stored rows into records (numba, nogil).
+
+One pass per step, no numpy temporaries: :func:`dedup_ids` hashes the ids (open addressing,
+first-appearance order) into ``uniq`` and writes each id's record index (``inverse``, -1 for
+ids outside ``[lo, hi)``, which the lookup kernel turns into zero rows); :func:`gather_records`
+copies each unique row's stored bytes, tensor by tensor, straight into its record in the
+pinned staging buffer (prefetching a few rows ahead), and its per-shard scalar into ``s2``.
+:func:`stage_rows` does both in one call (decode-sized steps); callers split the gather of big
+steps over threads (the GIL is released).
+
+Where rows live is given as addresses (the table's arrays must stay alive during a call):
+``seg_start`` int64 [S] global first row of each stored segment (sorted, contiguous),
+``bases`` int64 [F, S] address of field ``f``'s row ``seg_start[s]``, ``row_bytes`` and
+``field_off`` int64 [F] the field's bytes per row and offset in the record.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of id * golden ratio
+_AHEAD = 8  # rows prefetched ahead of the copy (page-cache reads are latency-bound)
+
+
+@intrinsic
+def _ptr(typingctx, address):  # type: ignore[no-untyped-def]
+    """An integer address as a ``void*`` for :func:`numba.carray`."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
+    """Ask the CPU to load the cache line at ``address`` (a hint: never faults)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.none(address), codegen
+
+
+def scratch_len(n_ids: int) -> int:
+    """Length of the int64 hash scratch :func:`dedup_ids` needs for ``n_ids`` ids."""
+    return 2 * int(_capacity(n_ids)[0])
+
+
+@numba.njit(nogil=True, cache=True)
+def _capacity(n):  # type: ignore[no-untyped-def]
+    """Hash slots for ``n`` ids, a power of two >= 2n (at most half full: short probes), and
+    its log2."""
+    cap, bits = 16, 4
+    while cap < 2 * n:
+        cap *= 2
+        bits += 1
+    return cap, bits
+
+
+@numba.njit(nogil=True, cache=True)
+def dedup_ids(ids, lo, hi, keys, inverse, uniq):  # type: ignore[no-untyped-def]
+    """Unique ids of ``ids`` inside ``[lo, hi)``, in first-appearance order.
+
+    ``keys`` int64 scratch of :func:`scratch_len` ``(len(ids))`` or more (overwritten);
+    ``inverse`` int32 [n] gets each id's index into ``uniq`` (-1 outside the range);
+    ``uniq`` int64 [>= n] gets the unique ids. Returns their count.
+    """
+    n = ids.size
+    cap, bits = _capacity(n)
+    shift = np.uint64(64 - bits)
+    mask = cap - 1
+    slots = keys[cap : 2 * cap]  # index into uniq of the key in the same slot
+    keys[:cap] = -1
+    n_unique = 0
+    for i in range(n):
+        row = ids[i]
+        if row < lo or row >= hi:
+            inverse[i] = -1
+            continue
+        h = np.int64((np.uint64(row) * _HASH) >> shift)
+        while True:
+            k = keys[h]
+            if k == row:
+                inverse[i] = slots[h]
+                break
+            if k == -1:
+                keys[h] = row
+                slots[h] = n_unique
+                uniq[n_unique] = row
+                inverse[i] = n_unique
+                n_unique += 1
+                break
+            h = (h + 1) & mask
+    return n_unique
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _segment(row, seg_start):  # type: ignore[no-untyped-def]
+    """Index of the last segment starting at or before ``row`` (binary search)."""
+    lo, hi = 0, seg_start.size
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if seg_start[mid] <= row:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_records(  # type: ignore[no-untyped-def]
+    uniq, a, b, seg_start, bases, row_bytes, field_off, records, shard_starts, scalars, s2
+):
+    """Copy rows ``uniq[a:b]`` into ``records[a:b]`` (uint8 ``[n, R]``); ``s2[a:b]`` gets each
+    row's per-shard scalar when ``s2`` is non-empty (``shard_starts``/``scalars`` [K])."""
+    n_f = row_bytes.size
+    for j in range(a, min(b, a + _AHEAD)):
+        s = _segment(uniq[j], seg_start)
+        for f in range(n_f):
+            _prefetch(bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f])
+    for j in range(a, b):
+        ahead = j + _AHEAD
+        if ahead < b:
+            s = _segment(uniq[ahead], seg_start)
+            for f in range(n_f):
+                addr = bases[f, s] + (uniq[ahead] - seg_start[s]) * row_bytes[f]
+                _prefetch(addr)
+                _prefetch(addr + row_bytes[f] - 1)
+        row = uniq[j]
+        s = _segment(row, seg_start)
+        dst = records[j]
+        for f in range(n_f):
+            nb = row_bytes[f]
+            src = numba.carray(_ptr(bases[f, s] + (row - seg_start[s]) * nb), nb, np.uint8)
+            off = field_off[f]
+            dst[off : off + nb] = src
+        if s2.size:
+            s2[j] = scalars[_segment(row, shard_starts)]
+
+
+@numba.njit(nogil=True, cache=True)
+def stage_rows(  # type: ignore[no-untyped-def]
+    ids, lo, hi, keys, inverse, uniq, seg_start, bases, row_bytes, field_off, records,
+    shard_starts, scalars, s2,
+):  # fmt: skip
+    """:func:`dedup_ids` then :func:`gather_records` of every unique row; returns the count."""
+    n_unique = dedup_ids(ids, lo, hi, keys, inverse, uniq)
+    gather_records(
+        uniq, 0, n_unique, seg_start, bases, row_bytes, field_off, records, shard_starts,
+        scalars, s2,
+    )  # fmt: skip
+    return n_unique
