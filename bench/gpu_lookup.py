@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +40,7 @@ from lookup import SHARD_ROWS, build
 
 from flashnext import __version__
 from flashnext.kernels import GpuTable, StagedTable
+from flashnext.kernels.records import pack_records
 from flashnext.ple import open_table
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
@@ -150,6 +152,10 @@ class TextIds:
                      "eval_lookups": int(self.eval_ids.size)}  # fmt: skip
 
     def sets(self, t: int, n: int, rng: np.random.Generator, modulo: int) -> list[Any]:
+        """``n`` id sets [t, 16] on the GPU (see :meth:`host_sets`)."""
+        return [torch.from_numpy(s).cuda() for s in self.host_sets(t, n, rng, modulo)]
+
+    def host_sets(self, t: int, n: int, rng: np.random.Generator, modulo: int) -> list[Any]:
         """``n`` id sets [t, 16]: random tokens (decode, t <= 512) or windows (prefill)."""
         out = []
         for _ in range(n):
@@ -159,7 +165,7 @@ class TextIds:
                 s = int(rng.integers(0, max(1, len(self.eval_ids) - t)))
                 sel = self.eval_ids[s : s + t]
                 sel = np.resize(sel, (t, HEADS))
-            out.append(torch.from_numpy(sel % modulo).cuda())
+            out.append(sel % modulo)
         return out
 
 
@@ -189,7 +195,7 @@ def copy_ceilings(host: Any) -> dict:
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.timer = Timer(args.repeats)
+        self.timer = Timer(args.repeats) if torch.cuda.is_available() else None
         self.rng = np.random.default_rng(args.seed)
         self.text = TextIds(args.tokens)
         self.results: list[dict] = []
@@ -304,6 +310,52 @@ class Bench:
               + f"; {batch.n_unique} unique rows; pipelined {pipelined:.0f} us/step")  # fmt: skip
 
 
+def numpy_stage(table: Any, layout: Any, flat: np.ndarray, out: np.ndarray) -> int:
+    """The previous StagedTable's host work, one thread: numpy dedup, gather_raw, pack."""
+    lo, hi = table.row_range
+    uniq, inverse = np.unique(np.where((flat >= lo) & (flat < hi), flat, -1), return_inverse=True)
+    out[: 4 * flat.size].view(np.int32)[:] = inverse
+    rec = 4 * flat.size + (-4 * flat.size) % 16
+    recs = out[rec : rec + uniq.size * layout.record_bytes].reshape(uniq.size, -1)
+    pack_records(layout, table.gather_raw(uniq), out=recs)
+    return int(uniq.size)
+
+
+def staged_host(bench: Bench, root: Path) -> None:
+    """CPU only: the staged path's host work per step (dedup + gather into the staging slot),
+    numba (StagedTable) against numpy (the previous version), same ids, same table."""
+    args, rng = bench.args, bench.rng
+    path = build(root, "int4", args.staged_rows, rng)
+    table = open_table(path, "mmap")
+    staged = StagedTable(table, max_ids=8192 * HEADS, buffers=1, device="cpu")
+    scratch = np.empty_like(staged._host_np[0])
+    for kind in ("uniform", "text"):
+        for t in (32, 512, 8192):
+            n = 64 if t < 8192 else 8
+            if kind == "uniform":
+                sets = [rng.integers(0, args.staged_rows, (t, HEADS)) for _ in range(n)]
+            else:
+                sets = bench.text.host_sets(t, n, rng, args.staged_rows)
+            ours, old, uniq = [], [], 0
+            for rep in range(args.repeats * n + 1):
+                ids = sets[rep % n]
+                batch = staged.stage(ids)
+                t0 = time.perf_counter()
+                numpy_stage(table, staged.layout, ids.reshape(-1), scratch)
+                if rep:  # the first call compiles
+                    old.append((time.perf_counter() - t0) * 1e6)
+                    ours.append(batch.host_us["dedup_gather_us"])
+                uniq = batch.n_unique
+            med, med_old = statistics.median(ours), statistics.median(old)
+            bench.results.append({"case": "staged-host", "ids": kind, "T": t, "us": med,
+                                  "us_min": min(ours), "us_max": max(ours), "numpy_us": med_old,
+                                  "unique_rows": uniq})  # fmt: skip
+            print(f"staged-host int4 {kind:>7} T={t:>5}: numba {med:8.1f} us "
+                  f"[{min(ours):.1f}..{max(ours):.1f}]  numpy {med_old:8.1f} us  "
+                  f"x{med_old / med:.1f}  ({uniq} unique rows)", flush=True)  # fmt: skip
+    staged.close()
+
+
 def uva_table(host: Any, fmt: str, rows: int) -> Any:
     """A GpuTable over the first bytes of the pinned buffer (contents: whatever is there)."""
     codec = get_codec(fmt)
@@ -331,6 +383,13 @@ def main() -> int:
         args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     )
     sections = set(args.sections.split(","))
+    if sections == {"staged-host"}:  # CPU only
+        bench = Bench(args)
+        print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"seed {args.seed}", flush=True)  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            staged_host(bench, Path(tmp))
+        return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"seed {args.seed}", flush=True)  # fmt: skip
     bench = Bench(args)

@@ -1,12 +1,14 @@
 """Host side of the staged path: dedup ids and gather stored rows into records (numba, nogil).
 
-One pass per step, no numpy temporaries: :func:`dedup_ids` hashes the ids (open addressing,
-first-appearance order) into ``uniq`` and writes each id's record index (``inverse``, -1 for
-ids outside ``[lo, hi)``, which the lookup kernel turns into zero rows); :func:`gather_records`
-copies each unique row's stored bytes, tensor by tensor, straight into its record in the
-pinned staging buffer (prefetching a few rows ahead), and its per-shard scalar into ``s2``.
-:func:`stage_rows` does both in one call (decode-sized steps); callers split the gather of big
-steps over threads (the GIL is released).
+Per step, no numpy temporaries: :func:`sort_keys` packs each in-range id with its position
+into one int64 key (``inverse = -1`` for ids outside ``[lo, hi)``, which the lookup kernel
+turns into zero rows); the caller sorts the keys (numpy's sort: measured 10x faster than a hash
+table for a prefill's 131K ids on a small host, and sorted rows gather up to 2x faster);
+:func:`unique_sorted` writes the ascending unique rows and each id's record index
+(``inverse``); :func:`gather_records` copies each unique row's stored bytes, tensor by tensor,
+straight into its record in the pinned staging buffer (prefetching a few rows ahead), and its
+per-shard scalar into ``s2``. :func:`stage_rows` does the last two in one call (decode-sized
+steps); callers split the gather of big steps over threads (the GIL is released).
 
 Where rows live is given as addresses (the table's arrays must stay alive during a call):
 ``seg_start`` int64 [S] global first row of each stored segment (sorted, contiguous),
@@ -23,7 +25,6 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the top bits of id * golden ratio
 _AHEAD = 8  # rows prefetched ahead of the copy (page-cache reads are latency-bound)
 
 
@@ -56,56 +57,38 @@ def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
     return types.none(address), codegen
 
 
-def scratch_len(n_ids: int) -> int:
-    """Length of the int64 hash scratch :func:`dedup_ids` needs for ``n_ids`` ids."""
-    return 2 * int(_capacity(n_ids)[0])
+POS_BITS = 21  # sort keys are (row << POS_BITS) | position: at most 2M ids per step
 
 
 @numba.njit(nogil=True, cache=True)
-def _capacity(n):  # type: ignore[no-untyped-def]
-    """Hash slots for ``n`` ids, a power of two >= 2n (at most half full: short probes), and
-    its log2."""
-    cap, bits = 16, 4
-    while cap < 2 * n:
-        cap *= 2
-        bits += 1
-    return cap, bits
-
-
-@numba.njit(nogil=True, cache=True)
-def dedup_ids(ids, lo, hi, keys, inverse, uniq):  # type: ignore[no-untyped-def]
-    """Unique ids of ``ids`` inside ``[lo, hi)``, in first-appearance order.
-
-    ``keys`` int64 scratch of :func:`scratch_len` ``(len(ids))`` or more (overwritten);
-    ``inverse`` int32 [n] gets each id's index into ``uniq`` (-1 outside the range);
-    ``uniq`` int64 [>= n] gets the unique ids. Returns their count.
-    """
-    n = ids.size
-    cap, bits = _capacity(n)
-    shift = np.uint64(64 - bits)
-    mask = cap - 1
-    slots = keys[cap : 2 * cap]  # index into uniq of the key in the same slot
-    keys[:cap] = -1
-    n_unique = 0
-    for i in range(n):
+def sort_keys(ids, lo, hi, keys, inverse):  # type: ignore[no-untyped-def]
+    """Sort keys ``(row << POS_BITS) | i`` of the ids inside ``[lo, hi)`` into ``keys`` (int64
+    [>= n]); ``inverse[i] = -1`` for the others. Returns the number of keys written."""
+    m = 0
+    for i in range(ids.size):
         row = ids[i]
         if row < lo or row >= hi:
             inverse[i] = -1
-            continue
-        h = np.int64((np.uint64(row) * _HASH) >> shift)
-        while True:
-            k = keys[h]
-            if k == row:
-                inverse[i] = slots[h]
-                break
-            if k == -1:
-                keys[h] = row
-                slots[h] = n_unique
-                uniq[n_unique] = row
-                inverse[i] = n_unique
-                n_unique += 1
-                break
-            h = (h + 1) & mask
+        else:
+            keys[m] = (row << POS_BITS) | i
+            m += 1
+    return m
+
+
+@numba.njit(nogil=True, cache=True)
+def unique_sorted(keys, inverse, uniq):  # type: ignore[no-untyped-def]
+    """From sorted ``keys`` (see :func:`sort_keys`): ascending unique rows into ``uniq`` and
+    each id's index into them into ``inverse``. Returns the unique count."""
+    mask = (1 << POS_BITS) - 1
+    n_unique = 0
+    prev = -1
+    for k in keys:
+        row = k >> POS_BITS
+        if row != prev:
+            uniq[n_unique] = row
+            n_unique += 1
+            prev = row
+        inverse[k & mask] = n_unique - 1
     return n_unique
 
 
@@ -155,11 +138,11 @@ def gather_records(  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True)
 def stage_rows(  # type: ignore[no-untyped-def]
-    ids, lo, hi, keys, inverse, uniq, seg_start, bases, row_bytes, field_off, records,
-    shard_starts, scalars, s2,
+    keys, inverse, uniq, seg_start, bases, row_bytes, field_off, records, shard_starts,
+    scalars, s2,
 ):  # fmt: skip
-    """:func:`dedup_ids` then :func:`gather_records` of every unique row; returns the count."""
-    n_unique = dedup_ids(ids, lo, hi, keys, inverse, uniq)
+    """:func:`unique_sorted` then :func:`gather_records` of every unique row; returns the count."""
+    n_unique = unique_sorted(keys, inverse, uniq)
     gather_records(
         uniq, 0, n_unique, seg_start, bases, row_bytes, field_off, records, shard_starts,
         scalars, s2,

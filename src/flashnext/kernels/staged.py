@@ -1,8 +1,8 @@
 """Staged lookups for a table that stays memory-mapped on the host (too little RAM to pin it).
 
-Per step the host deduplicates the ids and gathers the unique rows' stored bytes as records
-straight into a pinned staging slot, in one numba pass (:mod:`flashnext.kernels._staging`;
-big steps split the gather over threads), laid out as
+Per step the host deduplicates the ids (one sort) and gathers the unique rows' stored bytes as
+records straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`; big
+steps split the gather over threads), laid out as
 ``[inverse int32 [n_ids] | scale_2 float32 [n_ids] (nvfp4) | records [n_unique, R]]``; one async
 H2D copy of the used prefix goes on the current stream, and the lookup kernel dequantizes with
 the inverse index as row ids (-1 = a zero row). ``buffers`` slots (2 = double-buffered) let the
@@ -145,7 +145,9 @@ class StagedTable:
         cuda = self.device.type == "cuda"
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(buffers)]
         self._next = 0
-        self._keys = np.empty(_staging.scratch_len(self.max_ids), np.int64)
+        if self.max_ids > 1 << _staging.POS_BITS:
+            raise KernelError(f"max_ids is {self.max_ids}, at most {1 << _staging.POS_BITS}")
+        self._keys = np.empty(self.max_ids, np.int64)
         self._uniq = np.empty(self.max_ids, np.int64)
         self._e2m1, self._e4m3 = code_luts(self.device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -221,9 +223,12 @@ class StagedTable:
         records = host[rec_at : rec_at + n * rb].reshape(n, rb)
         args = (src.seg_start, src.bases, src.row_bytes, src.field_off, records,
                 src.shard_starts, src.scalars, s2)  # fmt: skip
-        if n <= PARALLEL_ROWS or self._workers == 1:  # one pass, on this thread
-            return int(_staging.stage_rows(flat, lo, hi, self._keys, inverse, self._uniq, *args))
-        n_unique = int(_staging.dedup_ids(flat, lo, hi, self._keys, inverse, self._uniq))
+        m = _staging.sort_keys(flat, lo, hi, self._keys, inverse)
+        keys = self._keys[:m]
+        keys.sort()
+        if m <= PARALLEL_ROWS or self._workers == 1:  # one pass, on this thread
+            return int(_staging.stage_rows(keys, inverse, self._uniq, *args))
+        n_unique = int(_staging.unique_sorted(keys, inverse, self._uniq))
         chunks = max(1, min(self._workers, n_unique // (PARALLEL_ROWS // 2)))
         bounds = np.linspace(0, n_unique, chunks + 1).astype(np.int64)
 
