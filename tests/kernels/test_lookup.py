@@ -6,6 +6,7 @@ them, or with neither a GPU nor the interpreter, every test here skips and says 
 """
 
 import os
+import time
 
 import ml_dtypes
 import numpy as np
@@ -27,7 +28,7 @@ if not (CUDA or INTERPRET):
         "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernel on the CPU)", allow_module_level=True
     )
 
-from flashnext.kernels import GpuTable, StagedTable  # noqa: E402
+from flashnext.kernels import GpuTable, GraphStagedTable, StagedTable  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 ROWS, WIDTH, HEADS = 1000, 160, 16
@@ -128,6 +129,8 @@ def test_hot_row_cache_serves_the_same_rows(sidecars, fmt):
     cached = bits(gpu.lookup(torch.from_numpy(ids).to(DEVICE)))
     np.testing.assert_array_equal(cached, plain)
     np.testing.assert_array_equal(cached, expected(table, ids))
+    gpu.sort_min_ids = 1  # sorted gather, rows written back to their ids' places
+    np.testing.assert_array_equal(bits(gpu.lookup(torch.from_numpy(ids).to(DEVICE))), plain)
 
 
 @needs_cuda
@@ -138,9 +141,10 @@ def test_cuda_graph_replays_with_new_ids(sidecars, placement):
     gpu = GpuTable.from_table(table, placement, row_range=(100, 900), device=DEVICE)
     if placement == "pinned":
         gpu.set_hot_rows(rng.permutation(ROWS), 200 * gpu.layout.record_bytes)
+    gpu.sort_min_ids = 1  # the sort (graph-safe) is captured too
     ids = torch.from_numpy(random_ids(rng, 24)).to(DEVICE)
     out = torch.empty(24, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
-    gpu.lookup(ids, out=out)  # compile before capture
+    gpu.lookup(ids, out=out)  # compile and allocate the sort buffers before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -169,3 +173,44 @@ def test_bad_arguments_are_named(sidecars):
         )
     with pytest.raises(KernelError, match="a hot-row cache serves pinned tables"):
         gpu.set_hot_rows(np.arange(3), 1 << 20)
+
+
+def _wait_or_release(graph_staged, timeout_s=20.0):
+    """Synchronize, but never hang on a GPU stuck at the flag: release it and fail."""
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            graph_staged.release()
+            torch.cuda.synchronize()
+            pytest.fail(f"the GPU still waited on the staging flag after {timeout_s} s")
+        time.sleep(1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
+def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt):
+    rng = np.random.default_rng()
+    table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
+    t = 24
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
+    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
+    ids = random_ids(rng, t)
+    staged.stage(ids)  # eager first: compiles the kernel outside capture
+    staged.lookup(out)
+    _wait_or_release(staged)
+    np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        staged.lookup(out)
+    for step in range(4):
+        ids = random_ids(rng, t)
+        if step % 2:  # the host fills after the launch (the GPU waits) or before it
+            graph.replay()
+            staged.stage(ids)
+        else:
+            staged.stage(ids)
+            graph.replay()
+        _wait_or_release(staged)
+        np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))

@@ -7,8 +7,8 @@ table for a prefill's 131K ids on a small host, and sorted rows gather up to 2x 
 :func:`unique_sorted` writes the ascending unique rows and each id's record index
 (``inverse``); :func:`gather_records` copies each unique row's stored bytes, tensor by tensor,
 straight into its record in the pinned staging buffer (prefetching a few rows ahead), and its
-per-shard scalar into ``s2``. :func:`stage_rows` does the last two in one call (decode-sized
-steps); callers split the gather of big steps over threads (the GIL is released).
+per-shard scalar into ``s2``. :func:`stage_rows` does the last two in one call, the gather
+split over numba's threads.
 
 Where rows live is given as addresses (the table's arrays must stay alive during a call):
 ``seg_start`` int64 [S] global first row of each stored segment (sorted, contiguous),
@@ -136,15 +136,22 @@ def gather_records(  # type: ignore[no-untyped-def]
             s2[j] = scalars[_segment(row, shard_starts)]
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, parallel=True)
 def stage_rows(  # type: ignore[no-untyped-def]
-    keys, inverse, uniq, seg_start, bases, row_bytes, field_off, records, shard_starts,
-    scalars, s2,
+    keys, inverse, uniq, chunk_rows, max_chunks, seg_start, bases, row_bytes, field_off,
+    records, shard_starts, scalars, s2,
 ):  # fmt: skip
-    """:func:`unique_sorted` then :func:`gather_records` of every unique row; returns the count."""
+    """:func:`unique_sorted`, then :func:`gather_records` of the unique rows split into chunks
+    of at least ``chunk_rows`` rows, at most ``max_chunks``, gathered in parallel (each core
+    walks its own page tables: random rows of a memory map are bound by page walks, not
+    bandwidth). Returns the unique count."""
     n_unique = unique_sorted(keys, inverse, uniq)
-    gather_records(
-        uniq, 0, n_unique, seg_start, bases, row_bytes, field_off, records, shard_starts,
-        scalars, s2,
-    )  # fmt: skip
+    chunks = max(1, min(max_chunks, n_unique // chunk_rows))
+    for c in numba.prange(chunks):
+        a = n_unique * c // chunks
+        b = n_unique * (c + 1) // chunks
+        gather_records(
+            uniq, a, b, seg_start, bases, row_bytes, field_off, records, shard_starts,
+            scalars, s2,
+        )  # fmt: skip
     return n_unique

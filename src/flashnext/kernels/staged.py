@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +28,8 @@ from flashnext.kernels.records import RecordLayout, record_layout
 from flashnext.kernels.table import _lookup, code_luts, torch
 from flashnext.ple.table import PLETable, StoredTable
 
-#: Steps with more unique rows than this gather on several threads (fewer: one thread is
-#: faster than handing work out).
-PARALLEL_ROWS = 8192
+#: Unique rows per gather thread at least (fewer: handing work out costs more than it saves).
+CHUNK_ROWS = 64
 
 
 def _align(n: int, k: int = 16) -> int:
@@ -80,7 +78,8 @@ def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
     for s, seg in enumerate(stored.segments):
         for f, fld in enumerate(layout.fields):
             arr = np.asarray(seg.tensors[fld.spec.name])
-            if arr.shape[0] > 1 and arr.strides[0] != fld.nbytes or not arr[:1].flags.c_contiguous:
+            strided = arr.shape[0] > 1 and arr.strides[0] != fld.nbytes
+            if strided or not arr[:1].flags.c_contiguous:
                 raise KernelError(
                     f"{stored.format}: stored tensor {fld.spec.name} of rows {seg.start}.. has "
                     f"row stride {arr.strides[0]}, expected {fld.nbytes} contiguous bytes"
@@ -115,7 +114,7 @@ class StagedTable:
         prefault: touch every page of a memory-mapped table once now, so that steps pay no
             page-table faults (a 32 GB int4 table: 8M pages, a few seconds; the pages must
             already be in the page cache or this reads the file).
-        workers: host threads gathering a big step's rows (default: up to 8).
+        workers: host threads gathering a step's rows (numba's threads; default: up to 8).
     """
 
     def __init__(
@@ -152,13 +151,8 @@ class StagedTable:
         self._e2m1, self._e4m3 = code_luts(self.device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._workers = workers or min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="flashnext-stage")
         if prefault:
             prefault_pages(table)
-
-    def close(self) -> None:
-        """Stop the gather threads (the buffers go with the object)."""
-        self._pool.shutdown(wait=True)
 
     def _offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
         """Byte offsets of scale_2 and the records in a slot, and the used length.
@@ -221,22 +215,14 @@ class StagedTable:
         inverse = host[: 4 * n].view(np.int32)
         s2 = host[s2_at : s2_at + (4 * n if src.scalars.size else 0)].view(np.float32)
         records = host[rec_at : rec_at + n * rb].reshape(n, rb)
-        args = (src.seg_start, src.bases, src.row_bytes, src.field_off, records,
-                src.shard_starts, src.scalars, s2)  # fmt: skip
         m = _staging.sort_keys(flat, lo, hi, self._keys, inverse)
         keys = self._keys[:m]
         keys.sort()
-        if m <= PARALLEL_ROWS or self._workers == 1:  # one pass, on this thread
-            return int(_staging.stage_rows(keys, inverse, self._uniq, *args))
-        n_unique = int(_staging.unique_sorted(keys, inverse, self._uniq))
-        chunks = max(1, min(self._workers, n_unique // (PARALLEL_ROWS // 2)))
-        bounds = np.linspace(0, n_unique, chunks + 1).astype(np.int64)
-
-        def gather(k: int) -> None:
-            _staging.gather_records(self._uniq, bounds[k], bounds[k + 1], *args)
-
-        list(self._pool.map(gather, range(chunks)))
-        return n_unique
+        n_unique = _staging.stage_rows(
+            keys, inverse, self._uniq, CHUNK_ROWS, self._workers, src.seg_start, src.bases,
+            src.row_bytes, src.field_off, records, src.shard_starts, src.scalars, s2,
+        )  # fmt: skip
+        return int(n_unique)
 
     def lookup(self, batch: StagedBatch, out: Any = None) -> Any:
         """bf16 ``[T, heads * width]`` for a staged batch, on the current stream (the one
