@@ -135,9 +135,9 @@ def summary(times: list[float], t: int, stored_bytes: int, base_us: float | None
 
 # -- ids -----------------------------------------------------------------------------------
 class TextIds:
-    """Real-text ids: the first half of the stream profiles hot rows, the second is timed."""
+    """Real-text ids: part of the stream profiles hot rows (``profile``), the rest is timed."""
 
-    def __init__(self, tokens_path: Path):
+    def __init__(self, tokens_path: Path, profile: str = "halves"):
         meta = json.loads(tokens_path.with_suffix(".json").read_text())
         tokens = np.load(tokens_path).astype(np.int64)
         cfg = flash_next_config(vocab_size=meta["vocab_size"], eos_token_id=meta["eos_token_id"])
@@ -148,12 +148,15 @@ class TextIds:
         eos = np.flatnonzero(tokens[:-1] == meta["eos_token_id"])
         starts[eos + 1] = 1
         self.doc = np.cumsum(starts)  # document number of each token
-        profile_ids = self.all_ids[:half].reshape(-1)
+        if profile == "docs":  # even documents profile, odd documents are timed
+            even = self.doc % 2 == 0
+            profile_ids, self.eval_ids = self.all_ids[even].reshape(-1), self.all_ids[~even]
+        else:  # the first half profiles, the second is timed
+            profile_ids, self.eval_ids = self.all_ids[:half].reshape(-1), self.all_ids[half:]
         rows, counts = np.unique(profile_ids, return_counts=True)
         order = np.lexsort((rows, -counts))  # count descending, ties by id
         self.hot_rows = rows[order]
-        self.eval_ids = self.all_ids[half:]
-        self.meta = {**meta, "profile_lookups": int(profile_ids.size),
+        self.meta = {**meta, "profile": profile, "profile_lookups": int(profile_ids.size),
                      "profile_distinct_rows": int(rows.size),
                      "eval_lookups": int(self.eval_ids.size)}  # fmt: skip
 
@@ -203,7 +206,7 @@ class Bench:
         self.args = args
         self.timer = Timer(args.repeats) if torch.cuda.is_available() else None
         self.rng = np.random.default_rng(args.seed)
-        self.text = TextIds(args.tokens)
+        self.text = TextIds(args.tokens, args.profile)
         self.results: list[dict] = []
         self.base_us: dict[tuple[str, int], float] = {}
 
@@ -480,6 +483,9 @@ def main() -> int:
         "staged-host (CPU only: the staged path's host work, numba vs numpy), "
         "hit-rates (CPU only: cache hit rates for three choices of profile text)",
     )
+    ap.add_argument("--profile", choices=("halves", "docs"), default="halves",
+                    help="hot rows from the text's first half, timed on the second (halves), "
+                    "or from its even documents, timed on the odd ones (docs)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if args.tokens is None:
