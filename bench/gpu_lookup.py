@@ -41,7 +41,7 @@ from lookup import SHARD_ROWS, build
 from flashnext import __version__
 from flashnext.kernels import GpuTable, StagedTable
 from flashnext.kernels.records import pack_records
-from flashnext.kernels.table import SORT_MIN_IDS
+from flashnext.kernels.table import CACHED_SORT_MIN_IDS
 from flashnext.ple import open_table
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
@@ -274,7 +274,7 @@ class Bench:
                 for kind in ("text", "uniform"):
                     for t in TOKENS[2:]:
                         self._cache_case(gpu, "cache 2GB unsorted", kind, t, info)
-                gpu.sort_min_ids = SORT_MIN_IDS
+                gpu.sort_min_ids = CACHED_SORT_MIN_IDS
             torch.cuda.empty_cache()
         gpu = uva_table(host, "int4", rows)  # no cache, big steps sorted
         for kind in ("text", "uniform"):
