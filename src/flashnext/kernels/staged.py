@@ -1,8 +1,8 @@
 """Staged lookups for a table that stays memory-mapped on the host (too little RAM to pin it).
 
 Per step the host deduplicates the ids (one sort) and gathers the unique rows' stored bytes as
-records straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`; big
-steps split the gather over threads), laid out as
+records straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`; the
+gather split over up to ``workers`` threads, 64+ rows each), laid out as
 ``[inverse int32 [n_ids] | scale_2 float32 [n_ids] (nvfp4) | records [n_unique, R]]``; one async
 H2D copy of the used prefix goes on the current stream, and the lookup kernel dequantizes with
 the inverse index as row ids (-1 = a zero row). ``buffers`` slots (2 = double-buffered) let the
