@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +40,8 @@ from lookup import SHARD_ROWS, build
 
 from flashnext import __version__
 from flashnext.kernels import GpuTable, StagedTable
+from flashnext.kernels.records import pack_records
+from flashnext.kernels.table import CACHED_SORT_MIN_IDS
 from flashnext.ple import open_table
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
@@ -132,24 +135,36 @@ def summary(times: list[float], t: int, stored_bytes: int, base_us: float | None
 
 # -- ids -----------------------------------------------------------------------------------
 class TextIds:
-    """Real-text ids: the first half of the stream profiles hot rows, the second is timed."""
+    """Real-text ids: part of the stream profiles hot rows (``profile``), the rest is timed."""
 
-    def __init__(self, tokens_path: Path):
+    def __init__(self, tokens_path: Path, profile: str = "halves"):
         meta = json.loads(tokens_path.with_suffix(".json").read_text())
         tokens = np.load(tokens_path).astype(np.int64)
         cfg = flash_next_config(vocab_size=meta["vocab_size"], eos_token_id=meta["eos_token_id"])
         self.geometry = PLEGeometry.from_config(cfg)
         half = tokens.size // 2
-        profile_ids = ngram_ids(self.geometry, tokens[:half]).reshape(-1)
+        self.all_ids = ngram_ids(self.geometry, tokens)
+        starts = np.zeros(tokens.size, np.int64)
+        eos = np.flatnonzero(tokens[:-1] == meta["eos_token_id"])
+        starts[eos + 1] = 1
+        self.doc = np.cumsum(starts)  # document number of each token
+        if profile == "docs":  # even documents profile, odd documents are timed
+            even = self.doc % 2 == 0
+            profile_ids, self.eval_ids = self.all_ids[even].reshape(-1), self.all_ids[~even]
+        else:  # the first half profiles, the second is timed
+            profile_ids, self.eval_ids = self.all_ids[:half].reshape(-1), self.all_ids[half:]
         rows, counts = np.unique(profile_ids, return_counts=True)
         order = np.lexsort((rows, -counts))  # count descending, ties by id
         self.hot_rows = rows[order]
-        self.eval_ids = ngram_ids(self.geometry, tokens[half:])
-        self.meta = {**meta, "profile_lookups": int(profile_ids.size),
+        self.meta = {**meta, "profile": profile, "profile_lookups": int(profile_ids.size),
                      "profile_distinct_rows": int(rows.size),
                      "eval_lookups": int(self.eval_ids.size)}  # fmt: skip
 
     def sets(self, t: int, n: int, rng: np.random.Generator, modulo: int) -> list[Any]:
+        """``n`` id sets [t, 16] on the GPU (see :meth:`host_sets`)."""
+        return [torch.from_numpy(s).cuda() for s in self.host_sets(t, n, rng, modulo)]
+
+    def host_sets(self, t: int, n: int, rng: np.random.Generator, modulo: int) -> list[Any]:
         """``n`` id sets [t, 16]: random tokens (decode, t <= 512) or windows (prefill)."""
         out = []
         for _ in range(n):
@@ -159,7 +174,7 @@ class TextIds:
                 s = int(rng.integers(0, max(1, len(self.eval_ids) - t)))
                 sel = self.eval_ids[s : s + t]
                 sel = np.resize(sel, (t, HEADS))
-            out.append(torch.from_numpy(sel % modulo).cuda())
+            out.append(sel % modulo)
         return out
 
 
@@ -189,9 +204,9 @@ def copy_ceilings(host: Any) -> dict:
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.timer = Timer(args.repeats)
+        self.timer = Timer(args.repeats) if torch.cuda.is_available() else None
         self.rng = np.random.default_rng(args.seed)
-        self.text = TextIds(args.tokens)
+        self.text = TextIds(args.tokens, args.profile)
         self.results: list[dict] = []
         self.base_us: dict[tuple[str, int], float] = {}
 
@@ -225,10 +240,13 @@ class Bench:
                     case, fmt, kind, t, self.timer.run(lookup, self.id_sets(kind, t, rows), t), rec
                 )
 
-    def uva(self, host: Any) -> None:
+    def baseline(self, host: Any) -> None:
         rows = self.args.baseline_rows
-        base = Baseline(host, rows)
-        self.table_cases("baseline", base, "bf16", rows, 2 * WIDTH)
+        self.table_cases("baseline", Baseline(host, rows), "bf16", rows, 2 * WIDTH)
+
+    def uva(self, host: Any) -> None:
+        if not self.base_us:
+            self.baseline(host)
         for fmt in FORMATS:
             gpu = uva_table(host, fmt, self.args.rows)
             self.table_cases("uva", gpu, fmt, self.args.rows, gpu.layout.record_bytes)
@@ -250,26 +268,48 @@ class Bench:
             info = gpu.set_hot_rows(self.text.hot_rows, gb << 30)
             for kind in ("text", "uniform") if gb == 2 else ("text",):
                 for t in TOKENS:
-                    sets = self.id_sets(kind, t, rows)
-                    hits = torch.stack([(gpu._slot_map[s] >= 0).float().mean() for s in sets])
-                    times = self.timer.run(lambda ids, out: gpu.lookup(ids, out=out), sets, t)
-                    self.record(f"cache {gb}GB", "int4", kind, t, times, 100,
-                                {"hit_rate": float(hits.mean()), "cached_rows": info.rows,
-                                 "cache_bytes": info.bytes})  # fmt: skip
+                    self._cache_case(gpu, f"cache {gb}GB", kind, t, info)
+            if gb == 2:  # the same without sorting big steps (GpuTable.sort_min_ids)
+                gpu.sort_min_ids = 0
+                for kind in ("text", "uniform"):
+                    for t in TOKENS[2:]:
+                        self._cache_case(gpu, "cache 2GB unsorted", kind, t, info)
+                gpu.sort_min_ids = CACHED_SORT_MIN_IDS
             torch.cuda.empty_cache()
+        gpu = uva_table(host, "int4", rows)  # no cache, big steps sorted
+        for kind in ("text", "uniform"):
+            for t in TOKENS[2:]:
+                self._cache_case(gpu, "uva sorted", kind, t, None)
+
+    def _cache_case(self, gpu: Any, case: str, kind: str, t: int, info: Any) -> None:
+        sets = self.id_sets(kind, t, self.args.rows)
+        extra = {}
+        if info is not None:
+            hits = torch.stack([(gpu._slot_map[s] >= 0).float().mean() for s in sets])
+            extra = {"hit_rate": float(hits.mean()), "cached_rows": info.rows,
+                     "cache_bytes": info.bytes}  # fmt: skip
+        times = self.timer.run(lambda ids, out: gpu.lookup(ids, out=out), sets, t)
+        self.record(case, "int4", kind, t, times, 100, extra)
+
+    def staged_sidecar(self, root: Path) -> Path:
+        """The memory-mapped int4 sidecar of ``--staged-rows`` rows (written once per run)."""
+        path = root / "int4"
+        if not path.exists():
+            t0 = time.perf_counter()
+            build(root, "int4", self.args.staged_rows, self.rng)
+            print(f"staged: wrote a {self.args.staged_rows:,}-row int4 sidecar in "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)  # fmt: skip
+        return path
 
     def staged(self, root: Path) -> None:
         rows = self.args.staged_rows
-        t0 = time.perf_counter()
-        path = build(root, "int4", rows, self.rng)
-        print(f"staged: wrote a {rows:,}-row int4 sidecar in {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr)  # fmt: skip
-        table = open_table(path, "mmap")
+        table = open_table(self.staged_sidecar(root), "mmap")
         staged = StagedTable(table, max_ids=max(TOKENS) * HEADS)
         for kind in ("uniform", "text"):
             for t in TOKENS:
                 sets = [s.cpu().numpy() for s in self.id_sets(kind, t, rows)][:8]
                 self._staged_case(staged, kind, t, sets)
+        graph_staged(self, table, rows)
 
     def _staged_case(self, staged: Any, kind: str, t: int, sets: list[np.ndarray]) -> None:
         out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
@@ -304,6 +344,120 @@ class Bench:
               + f"; {batch.n_unique} unique rows; pipelined {pipelined:.0f} us/step")  # fmt: skip
 
 
+def numpy_stage(table: Any, layout: Any, flat: np.ndarray, out: np.ndarray) -> int:
+    """The previous StagedTable's host work, one thread: numpy dedup, gather_raw, pack."""
+    lo, hi = table.row_range
+    uniq, inverse = np.unique(np.where((flat >= lo) & (flat < hi), flat, -1), return_inverse=True)
+    out[: 4 * flat.size].view(np.int32)[:] = inverse
+    rec = 4 * flat.size + (-4 * flat.size) % 16
+    recs = out[rec : rec + uniq.size * layout.record_bytes].reshape(uniq.size, -1)
+    pack_records(layout, table.gather_raw(uniq), out=recs)
+    return int(uniq.size)
+
+
+def hit_rates(bench: Bench) -> None:
+    """CPU only: the share of lookups a cache of the N hottest rows serves, for three ways of
+    choosing the profile text: the first half of the stream for the second (the cache section),
+    even documents for odd ones (same mix of sources), and the evaluated half itself (the
+    ceiling a live refresh approaches)."""
+    text = bench.text
+    ids, doc = text.all_ids, text.doc
+    half = ids.shape[0] // 2
+    even = doc % 2 == 0
+    splits = {"halves": (ids[:half], ids[half:]), "docs": (ids[even], ids[~even]),
+              "self": (ids[half:], ids[half:])}  # fmt: skip
+    for name, (prof, ev) in splits.items():
+        rows, counts = np.unique(prof.reshape(-1), return_counts=True)
+        order = rows[np.lexsort((rows, -counts))]
+        flat = ev.reshape(-1)
+        row = {"case": "hit-rates", "profile": name, "profile_rows": int(order.size)}
+        for label, k in (("1M", 1 << 20), ("4M", 4 << 20), ("1GB", (1 << 30) // 100),
+                         ("2GB", (2 << 30) // 100)):  # fmt: skip
+            hot = np.sort(order[:k])
+            pos = np.minimum(np.searchsorted(hot, flat), hot.size - 1)
+            row[label] = float((hot[pos] == flat).mean())
+        bench.results.append(row)
+        print(
+            f"hit rate, profile {name:>6} ({order.size / 1e6:.1f}M rows): "
+            + " ".join(f"{k} {row[k]:.1%}" for k in ("1M", "4M", "1GB", "2GB")),
+            flush=True,
+        )
+
+
+def staged_host(bench: Bench, root: Path) -> None:
+    """CPU only: the staged path's host work per step (dedup + gather into the staging slot),
+    numba (StagedTable) against numpy (the previous version), same ids, same table."""
+    args, rng = bench.args, bench.rng
+    table = open_table(bench.staged_sidecar(root), "mmap")
+    staged = StagedTable(table, max_ids=8192 * HEADS, buffers=1, device="cpu")
+    scratch = np.empty_like(staged._host_np[0])
+    for kind in ("uniform", "text"):
+        for t in (32, 512, 8192):
+            n = 64 if t < 8192 else 8
+            if kind == "uniform":
+                sets = [rng.integers(0, args.staged_rows, (t, HEADS)) for _ in range(n)]
+            else:
+                sets = bench.text.host_sets(t, n, rng, args.staged_rows)
+            ours, old, uniq = [], [], 0
+            for rep in range(args.repeats * n + 1):
+                ids = sets[rep % n]
+                batch = staged.stage(ids)
+                t0 = time.perf_counter()
+                numpy_stage(table, staged.layout, ids.reshape(-1), scratch)
+                if rep:  # the first call compiles
+                    old.append((time.perf_counter() - t0) * 1e6)
+                    ours.append(batch.host_us["dedup_gather_us"])
+                uniq = batch.n_unique
+            med, med_old = statistics.median(ours), statistics.median(old)
+            bench.results.append({"case": "staged-host", "ids": kind, "T": t, "us": med,
+                                  "us_min": min(ours), "us_max": max(ours), "numpy_us": med_old,
+                                  "unique_rows": uniq})  # fmt: skip
+            print(f"staged-host int4 {kind:>7} T={t:>5}: numba {med:8.1f} us "
+                  f"[{min(ours):.1f}..{max(ours):.1f}]  numpy {med_old:8.1f} us  "
+                  f"x{med_old / med:.1f}  ({uniq} unique rows)", flush=True)  # fmt: skip
+
+
+def graph_staged(bench: Bench, table: Any, rows: int) -> None:
+    """(d') the staged path inside a CUDA graph (GraphStagedTable): per step the graph is
+    launched first and waits on the flag while the host stages the step's ids."""
+    from flashnext.kernels import GraphStagedTable
+
+    for kind in ("uniform", "text"):
+        for t in TOKENS[:3]:
+            sets = [s.cpu().numpy() for s in bench.id_sets(kind, t, rows)][:8]
+            staged = GraphStagedTable(table, (t, HEADS), prefault=False)
+            out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
+            staged.stage(sets[0])
+            staged.lookup(out)  # compile outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                staged.lookup(out)
+            latency, host = [], []
+            for rep in range(max(bench.args.repeats, 20)):
+                t0 = time.perf_counter()
+                graph.replay()
+                batch = staged.stage(sets[rep % len(sets)])
+                torch.cuda.synchronize()
+                latency.append((time.perf_counter() - t0) * 1e6)
+                host.append(batch.host_us["dedup_gather_us"])
+            steps = 4 * len(sets)
+            t0 = time.perf_counter()
+            for i in range(steps):
+                graph.replay()
+                staged.stage(sets[i % len(sets)])
+            torch.cuda.synchronize()
+            pipelined = (time.perf_counter() - t0) * 1e6 / steps
+            bench.record("graph-staged", "int4", kind, t, latency, 100,
+                         {"dedup_gather_us": statistics.median(host), "pipelined_us": pipelined,
+                          "unique_rows": batch.n_unique})  # fmt: skip
+            print(
+                f"{'':>16} host dedup+gather {statistics.median(host):.0f} us; "
+                f"{batch.n_unique} unique rows; pipelined {pipelined:.0f} us/step",
+                flush=True,
+            )
+
+
 def uva_table(host: Any, fmt: str, rows: int) -> Any:
     """A GpuTable over the first bytes of the pinned buffer (contents: whatever is there)."""
     codec = get_codec(fmt)
@@ -322,7 +476,16 @@ def main() -> int:
     ap.add_argument("--staged-rows", type=int, default=40_000_000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--sections", default="ceilings,uva,cache,device,staged")
+    ap.add_argument(
+        "--sections",
+        default="ceilings,uva,cache,device,staged",
+        help="comma-separated: ceilings, baseline, uva, cache, device, staged, "
+        "staged-host (CPU only: the staged path's host work, numba vs numpy), "
+        "hit-rates (CPU only: cache hit rates for three choices of profile text)",
+    )
+    ap.add_argument("--profile", choices=("halves", "docs"), default="halves",
+                    help="hot rows from the text's first half, timed on the second (halves), "
+                    "or from its even documents, timed on the odd ones (docs)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     if args.tokens is None:
@@ -331,37 +494,54 @@ def main() -> int:
         args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     )
     sections = set(args.sections.split(","))
+    bench = Bench(args)
+    tmp = tempfile.TemporaryDirectory()
+    root = Path(tmp.name)
+    extra: dict[str, Any] = {}
+    if "hit-rates" in sections:  # CPU only
+        hit_rates(bench)
+    if "staged-host" in sections:  # CPU only
+        print(f"{platform.machine()}, {os.cpu_count()} cores, seed {args.seed}", flush=True)
+        staged_host(bench, root)
+    if sections - {"staged-host", "hit-rates"}:
+        extra = gpu_sections(bench, sections, root)
+    tmp.cleanup()
+    if args.json:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        record = {"device": device, "flashnext": __version__,
+                  "python": platform.python_version(), "torch": torch.__version__,
+                  "triton": triton.__version__, "args": {k: str(v) for k, v in vars(args).items()},
+                  "text": bench.text.meta, **extra, "results": bench.results}  # fmt: skip
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def gpu_sections(bench: Bench, sections: set[str], root: Path) -> dict[str, Any]:
+    """Run the GPU sections; returns the copy ceilings (empty unless asked for)."""
+    args = bench.args
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"seed {args.seed}", flush=True)  # fmt: skip
-    bench = Bench(args)
     print(f"text ids: {bench.text.meta}", flush=True)
     host_bytes = max(
         args.baseline_rows * 2 * WIDTH, args.rows * get_codec("fp8").bytes_per_row(WIDTH)
     )
     t0 = time.perf_counter()
-    host = torch.empty(host_bytes if sections & {"uva", "cache", "ceilings"} else 1 << 30,
-                       dtype=torch.uint8, pin_memory=True)  # fmt: skip
+    host = torch.empty(host_bytes if sections & {"uva", "cache", "ceilings", "baseline"}
+                       else 1 << 30, dtype=torch.uint8, pin_memory=True)  # fmt: skip
     print(f"pinned {host.numel() / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     extra: dict[str, Any] = {}
     if "ceilings" in sections:
         extra = copy_ceilings(host)
         print(f"copy ceilings: {extra}", flush=True)
-    for name in ("uva", "cache"):
+    for name in ("baseline", "uva", "cache"):
         if name in sections:
             getattr(bench, name)(host)
     del host
     if "device" in sections:
         bench.device()
     if "staged" in sections:
-        with tempfile.TemporaryDirectory() as tmp:
-            bench.staged(Path(tmp))
-    if args.json:
-        record = {"device": torch.cuda.get_device_name(), "flashnext": __version__,
-                  "python": platform.python_version(), "torch": torch.__version__,
-                  "triton": triton.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-                  "text": bench.text.meta, **extra, "results": bench.results}  # fmt: skip
-        args.json.write_text(json.dumps(record, indent=1))
-    return 0
+        bench.staged(root)
+    return extra
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ their rows. Per id: ``valid = row_start <= id < row_end`` (so -1 and other ranks
 +0.0 rows), the record is read from the hot-row cache when the slot map has the row, else from
 the table (device memory or pinned host memory through UVA), and dequantized in float32 in the
 order of :mod:`flashnext.ple.formats` (``E2M1[code] * scale`` is exact, then ``* scale_2``),
-then rounded once to bf16. Lookup tables for e2m1 and e4m3 codes come from ``formats`` too.
+then rounded once to bf16. With a permutation the ids come sorted (neighbouring programs read
+neighbouring rows: measured up to 3.6x faster over UVA at 1M ids) and each row is written to
+its id's original place. Lookup tables for e2m1 and e4m3 codes come from ``formats`` too.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def _lookup_kernel(
     n_shards,
     row_start,
     row_end,
+    perm_ptr,
     FMT: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -69,6 +72,7 @@ def _lookup_kernel(
     HAS_CACHE: tl.constexpr,
     S2_MODE: tl.constexpr,
     SHARD_STEPS: tl.constexpr,
+    HAS_PERM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -107,7 +111,11 @@ def _lookup_kernel(
                 s2 = tl.load(s2_ptr + local, mask=valid, other=0.0)
             val = val * s2[:, None]
     val = tl.where(m2, val, 0.0)
-    optr = (out_ptr + r[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
+    if HAS_PERM:  # noqa: SIM108 (constexpr branch)  ids were sorted: id r goes to row perm[r]
+        orow = tl.load(perm_ptr + r, mask=rmask, other=0).to(tl.int64)
+    else:
+        orow = r
+    optr = (out_ptr + orow[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
     tl.store(optr, _bf16_bits(val), mask=rmask[:, None] & cmask[None, :])
 
 
@@ -129,8 +137,10 @@ def launch_lookup(
     shard_starts: Any,
     slot_map: Any = None,
     cache: Any = None,
+    perm: Any = None,
 ) -> None:
-    """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n].
+    """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n]
+    (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``).
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
@@ -157,6 +167,7 @@ def launch_lookup(
         n_shards,
         row_start,
         row_end,
+        perm if perm is not None else ids,
         FMT=FMT_CODES[fmt],
         WIDTH=width,
         BLOCK_W=triton.next_power_of_2(width),
@@ -165,6 +176,7 @@ def launch_lookup(
         HAS_CACHE=has_cache,
         S2_MODE=s2_mode,
         SHARD_STEPS=max(1, n_shards.bit_length()),
+        HAS_PERM=perm is not None,
         BLOCK=block,
         num_warps=NUM_WARPS,
     )

@@ -1,34 +1,35 @@
 """Staged lookups for a table that stays memory-mapped on the host (too little RAM to pin it).
 
-Per step the host deduplicates the ids, gathers the stored rows (:meth:`PLETable.gather_raw`)
-and packs them as records into a pinned staging buffer laid out as
-``[inverse index int32 [n_ids] | scale_2 float32 [n_unique] | records [n_unique, R]]``; one
-async H2D copy on a copy stream moves the used prefix, and the lookup kernel dequantizes with
-the inverse index as row ids. ``buffers`` staging slots (2 = double-buffered) let the host gather
-step N+1 while the GPU still reads step N: :meth:`StagedTable.stage` waits only for the lookup
-that last used the slot it is about to overwrite.
+Per step the host deduplicates the ids (one sort) and gathers the unique rows' stored bytes as
+records straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`; the
+gather split over up to ``workers`` threads, 64+ rows each), laid out as
+``[inverse int32 [n_ids] | scale_2 float32 [n_ids] (nvfp4) | records [n_unique, R]]``; one async
+H2D copy of the used prefix goes on the current stream, and the lookup kernel dequantizes with
+the inverse index as row ids (-1 = a zero row). ``buffers`` slots (2 = double-buffered) let the
+host gather step N+1 while the GPU still runs step N: :meth:`StagedTable.stage` waits only for
+the copy that last read the slot it is about to overwrite.
 
-This version runs outside CUDA graphs (the host must gather before the copy is enqueued); the
-graph-resident variant (a stream wait on a host-written flag) is not built yet.
+:class:`StagedTable` runs outside CUDA graphs (the copy's size is known only after the gather);
+:mod:`flashnext.kernels.graph_staged` is the variant that lives inside one.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
 from flashnext.errors import KernelError
-from flashnext.kernels.records import pack_records, record_layout
+from flashnext.kernels import _staging
+from flashnext.kernels.records import RecordLayout, record_layout
 from flashnext.kernels.table import _lookup, code_luts, torch
-from flashnext.ple.table import PLETable
+from flashnext.ple.table import PLETable, StoredTable
 
-_ROWS_PER_WORKER = 2048  # rows per gather thread at least (fewer: threads fight over the GIL)
+#: Unique rows per gather thread at least (fewer: handing work out costs more than it saves).
+CHUNK_ROWS = 64
 
 
 def _align(n: int, k: int = 16) -> int:
@@ -39,8 +40,7 @@ def _align(n: int, k: int = 16) -> int:
 class StagedBatch:
     """One step's staged rows: slot ``slot``, ``n_ids`` ids of shape ``shape``, ``n_unique`` rows.
 
-    ``n_unique`` counts the rows gathered (every id when the step was not deduplicated).
-    ``host_us`` says where the host's time went (waiting for the slot + dedup, gather + pack,
+    ``host_us`` says where the host's time went (waiting for the slot, dedup + gather + pack,
     enqueueing the copy), for benchmarks.
     """
 
@@ -51,6 +51,58 @@ class StagedBatch:
     host_us: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RowSource:
+    """Where a table's stored rows live, as the numba gather reads them (see ``_staging``).
+
+    ``keep`` holds the arrays whose addresses ``bases`` records.
+    """
+
+    seg_start: np.ndarray  # int64 [S]
+    bases: np.ndarray  # int64 [F, S]
+    row_bytes: np.ndarray  # int64 [F]
+    field_off: np.ndarray  # int64 [F]
+    shard_starts: np.ndarray  # int64 [K]
+    scalars: np.ndarray  # float32 [K] (per-shard scale_2; empty when the format has none)
+    keep: tuple[Any, ...]
+
+
+def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
+    """The addresses of ``stored``'s per-row tensors, field by field of ``layout``.
+
+    Raises:
+        KernelError: a stored tensor's rows are not contiguous (a table always stores them so).
+    """
+    bases = np.empty((len(layout.fields), len(stored.segments)), np.int64)
+    keep = []
+    for s, seg in enumerate(stored.segments):
+        for f, fld in enumerate(layout.fields):
+            arr = np.asarray(seg.tensors[fld.spec.name])
+            strided = arr.shape[0] > 1 and arr.strides[0] != fld.nbytes
+            if strided or not arr[:1].flags.c_contiguous:
+                raise KernelError(
+                    f"{stored.format}: stored tensor {fld.spec.name} of rows {seg.start}.. has "
+                    f"row stride {arr.strides[0]}, expected {fld.nbytes} contiguous bytes"
+                )
+            bases[f, s] = arr.ctypes.data
+            keep.append(arr)
+    s2_names = [s.name for s in stored.codec.specs if not s.per_row]
+    scalars = (
+        np.asarray(stored.shard_scalars[s2_names[0]], np.float32)
+        if s2_names
+        else np.empty(0, np.float32)
+    )
+    return RowSource(
+        seg_start=np.array([seg.start for seg in stored.segments], np.int64),
+        bases=bases,
+        row_bytes=np.array([f.nbytes for f in layout.fields], np.int64),
+        field_off=np.array([f.offset for f in layout.fields], np.int64),
+        shard_starts=np.asarray(stored.shard_starts, np.int64),
+        scalars=scalars,
+        keep=tuple(keep),
+    )
+
+
 class StagedTable:
     """Lookups from a (memory-mapped) :class:`PLETable` through pinned staging buffers.
 
@@ -58,15 +110,11 @@ class StagedTable:
         table: an opened table (any residency, any row range: other ids give zero rows).
         max_ids: the most ids one step may stage (``T * heads``).
         buffers: staging slots (2 = double-buffered).
-        device: the CUDA device.
+        device: the CUDA device (``"cpu"`` runs the kernel in Triton's interpreter).
         prefault: touch every page of a memory-mapped table once now, so that steps pay no
             page-table faults (a 32 GB int4 table: 8M pages, a few seconds; the pages must
             already be in the page cache or this reads the file).
-        workers: host threads gathering one step's rows (default: up to 8).
-        dedup_max_ids: steps of at most this many ids (default: an 8K-token prefill) are
-            deduplicated and sorted before the gather (fewer rows, and sorted rows gather 2x
-            faster); larger steps gather every id in arrival order, because ``np.unique`` of
-            1M ids (85 ms on the H200 host) costs more than reading the repeats.
+        workers: host threads gathering a step's rows (numba's threads; default: up to 8).
     """
 
     def __init__(
@@ -77,126 +125,108 @@ class StagedTable:
         device: Any = "cuda",
         prefault: bool = True,
         workers: int | None = None,
-        dedup_max_ids: int = 131072,
     ):
         self.table = table
         self.layout = record_layout(table.codec, table.width)
         self.device = torch.device(device)
         self.max_ids = int(max_ids)
-        self.dedup_max_ids = int(dedup_max_ids)
+        self._src = row_source(table.stored(), self.layout)
         self._slot_bytes = self._offsets(self.max_ids, self.max_ids)[-1]
         pin = self.device.type != "cpu"
         self._host = [
             torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)
         ]
+        self._host_np = [h.numpy() for h in self._host]
         self._dev = [
             torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(buffers)
         ]
         cuda = self.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(buffers)]
-        self._used = [torch.cuda.Event() if cuda else None for _ in range(buffers)]
         self._next = 0
+        if self.max_ids > 1 << _staging.POS_BITS:
+            raise KernelError(f"max_ids is {self.max_ids}, at most {1 << _staging.POS_BITS}")
+        self._keys = np.empty(self.max_ids, np.int64)
+        self._uniq = np.empty(self.max_ids, np.int64)
         self._e2m1, self._e4m3 = code_luts(self.device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._s2_name = next((s.name for s in table.codec.specs if not s.per_row), None)
-        # numpy's gathers release the GIL: threads split a step's rows (sorted, so each
-        # thread reads its own stretch of shards).
         self._workers = workers or min(8, os.cpu_count() or 1)
-        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="flashnext-stage")
         if prefault:
             prefault_pages(table)
 
-    def close(self) -> None:
-        """Stop the gather threads (the buffers go with the object)."""
-        self._pool.shutdown(wait=True)
-
     def _offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
-        """Byte offsets of scale_2 and records in a slot, and the used length."""
+        """Byte offsets of scale_2 and the records in a slot, and the used length.
+
+        scale_2 gets room for ``n_ids`` rows (4 bytes each), so that the records' place is
+        known before the dedup says how many rows there are.
+        """
         s2_at = _align(4 * n_ids)
-        rec_at = _align(s2_at + 4 * n_unique)
+        rec_at = _align(s2_at + (4 * n_ids if self._src.scalars.size else 0))
         return s2_at, rec_at, rec_at + n_unique * self.layout.record_bytes
 
     def stage(self, ids: Any) -> StagedBatch:
-        """Gather the rows of int ids ``[T, heads]`` (numpy, on the host) and start their copy.
+        """Gather the rows of int ids ``[T, heads]`` (numpy, on the host) and enqueue their copy
+        on the current stream (run :meth:`lookup` on the same stream).
 
-        Blocks only while the slot it reuses is still read by an earlier lookup. Ids outside
-        the table's ``row_range`` (-1 included) give zero rows, as in :class:`GpuTable`.
+        Blocks only while the slot it reuses is still being copied. Ids outside the table's
+        ``row_range`` (-1 included) give zero rows, as in :class:`GpuTable`.
 
         Raises:
-            KernelError: more than ``max_ids`` ids, or not 2-D.
+            KernelError: more than ``max_ids`` ids, or not 2-D integers.
         """
         arr = np.asarray(ids)
-        if arr.ndim != 2 or arr.size > self.max_ids:
+        if arr.ndim != 2 or arr.size > self.max_ids or arr.dtype.kind not in "iu":
             raise KernelError(
-                f"staged ids must be [T, heads] with at most {self.max_ids} ids, found "
-                f"{list(arr.shape)}"
+                f"staged ids must be int [T, heads] with at most {self.max_ids} ids, found "
+                f"{arr.dtype} {list(arr.shape)}"
             )
         t_start = time.perf_counter()
         slot = self._next
         self._next = (slot + 1) % len(self._host)
-        used_event = self._used[slot]
-        if used_event is not None:
-            used_event.synchronize()
-        flat = arr.reshape(-1).astype(np.int64, copy=False)
-        # Like GpuTable: any id outside the table's rows is a zero row (gather_raw pads -1).
-        lo, hi = self.table.row_range
-        flat = np.where((flat >= lo) & (flat < hi), flat, -1)
-        if flat.size <= self.dedup_max_ids:
-            uniq, inverse = np.unique(flat, return_inverse=True)
-        else:  # sorting a prefill's ids costs more than gathering its repeats
-            uniq, inverse = flat, np.arange(flat.size)
-        s2_at, rec_at, used = self._offsets(arr.size, uniq.size)
-        host = self._host[slot].numpy()
-        host[: 4 * arr.size].view(np.int32)[:] = inverse
-        recs = host[rec_at : rec_at + uniq.size * self.layout.record_bytes]
-        recs = recs.reshape(uniq.size, self.layout.record_bytes)
-        s2 = host[s2_at : s2_at + 4 * uniq.size].view(np.float32)
-        bounds = np.linspace(0, uniq.size, self._chunks(uniq.size) + 1).astype(np.int64)
-        parts = [(int(a), int(b)) for a, b in pairwise(bounds) if b > a]
+        copied = self._copied[slot]
+        if copied is not None:
+            copied.synchronize()
         t_gather = time.perf_counter()
-        if len(parts) == 1:
-            self._gather(uniq, recs, s2, *parts[0])
-        else:
-            list(self._pool.map(lambda ab: self._gather(uniq, recs, s2, *ab), parts))
+        flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
+        n_unique = self._fill(self._host_np[slot], flat)
         t_copy = time.perf_counter()
-        self._copy(slot, used)
+        used = self._offsets(flat.size, n_unique)[-1]
+        self._dev[slot][:used].copy_(self._host[slot][:used], non_blocking=True)
+        if copied is not None:
+            copied.record()
         t_end = time.perf_counter()
         return StagedBatch(
             slot,
             (int(arr.shape[0]), int(arr.shape[1])),
-            int(arr.size),
-            int(uniq.size),
+            int(flat.size),
+            n_unique,
             {
-                "wait_dedup_us": (t_gather - t_start) * 1e6,
-                "gather_pack_us": (t_copy - t_gather) * 1e6,
+                "wait_us": (t_gather - t_start) * 1e6,
+                "dedup_gather_us": (t_copy - t_gather) * 1e6,
                 "copy_enqueue_us": (t_end - t_copy) * 1e6,
             },
         )
 
-    def _chunks(self, n: int) -> int:
-        return max(1, min(self._workers, n // _ROWS_PER_WORKER))
-
-    def _gather(self, uniq: np.ndarray, recs: np.ndarray, s2: np.ndarray, a: int, b: int) -> None:
-        """Gather rows ``uniq[a:b]`` into records ``recs[a:b]`` (one worker thread's share)."""
-        raw = self.table.gather_raw(uniq[a:b])
-        if self._s2_name is not None:
-            s2[a:b] = raw[self._s2_name]
-        pack_records(self.layout, raw, out=recs[a:b])
-
-    def _copy(self, slot: int, used: int) -> None:
-        if self._copy_stream is None:
-            self._dev[slot][:used].copy_(self._host[slot][:used])
-            return
-        copied = self._copied[slot]
-        with torch.cuda.stream(self._copy_stream):
-            self._dev[slot][:used].copy_(self._host[slot][:used], non_blocking=True)
-            if copied is not None:
-                copied.record(self._copy_stream)
+    def _fill(self, host: np.ndarray, flat: np.ndarray) -> int:
+        """Dedup ``flat`` and gather its rows into the slot ``host``; returns the unique count."""
+        n, src, rb = flat.size, self._src, self.layout.record_bytes
+        lo, hi = self.table.row_range
+        s2_at, rec_at, _ = self._offsets(n, 0)
+        inverse = host[: 4 * n].view(np.int32)
+        s2 = host[s2_at : s2_at + (4 * n if src.scalars.size else 0)].view(np.float32)
+        records = host[rec_at : rec_at + n * rb].reshape(n, rb)
+        m = _staging.sort_keys(flat, lo, hi, self._keys, inverse)
+        keys = self._keys[:m]
+        keys.sort()
+        n_unique = _staging.stage_rows(
+            keys, inverse, self._uniq, CHUNK_ROWS, self._workers, src.seg_start, src.bases,
+            src.row_bytes, src.field_off, records, src.shard_starts, src.scalars, s2,
+        )  # fmt: skip
+        return int(n_unique)
 
     def lookup(self, batch: StagedBatch, out: Any = None) -> Any:
-        """bf16 ``[T, heads * width]`` for a staged batch, on the current stream.
+        """bf16 ``[T, heads * width]`` for a staged batch, on the current stream (the one
+        :meth:`stage` enqueued the batch's copy on).
 
         Raises:
             KernelError: ``out`` has the wrong shape or dtype.
@@ -209,8 +239,6 @@ class StagedTable:
             raise KernelError(f"out is {out.dtype} {list(out.shape)}, expected bfloat16 {shape}")
         dev = self._dev[batch.slot]
         s2_at, rec_at, _ = self._offsets(batch.n_ids, batch.n_unique)
-        if self._copied[batch.slot] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._copied[batch.slot])
         n_rec = max(1, batch.n_unique)
         _lookup.launch_lookup(
             dev[: 4 * batch.n_ids].view(torch.int32),
@@ -225,12 +253,9 @@ class StagedTable:
             e2m1=self._e2m1,
             e4m3=self._e4m3,
             s2=dev[s2_at : s2_at + 4 * n_rec].view(torch.float32),
-            s2_mode=_lookup.S2_PER_ROW if self._s2_name is not None else _lookup.S2_NONE,
+            s2_mode=_lookup.S2_PER_ROW if self._src.scalars.size else _lookup.S2_NONE,
             shard_starts=self._zero,
         )
-        used_event = self._used[batch.slot]
-        if used_event is not None:
-            used_event.record(torch.cuda.current_stream(self.device))
         return out
 
 

@@ -32,6 +32,12 @@ require("triton", "gpu", "GPU PLE lookups")
 from flashnext.kernels import _triton_lookup as _lookup  # noqa: E402  (needs triton)
 
 Placement = Literal["device", "pinned"]
+#: Pinned tables sort steps of at least this many ids before the gather (graph-safe, on the
+#: GPU): over UVA sorted ids gathered 1.2x faster at 131K ids and 3.6x at 1M (H200, PCIe 5).
+SORT_MIN_IDS = 32768
+#: The same behind a hot-row cache: at 131K real-text ids (55-85% hits) the sort cost more
+#: than it saved (x0.8-0.95), at 1M ids it still gained 2-2.3x.
+CACHED_SORT_MIN_IDS = 262144
 _PACK_ROWS = 1 << 20  # rows packed per chunk when copying to the device
 
 
@@ -107,6 +113,8 @@ class GpuTable:
         self._s2_mode = _lookup.S2_PER_SHARD if shard_scale_2 is not None else _lookup.S2_NONE
         self._slot_map: Any = None
         self._cache: Any = None
+        self.sort_min_ids = SORT_MIN_IDS if self.placement == "pinned" else 0
+        self._sort_ws: dict[tuple[int, Any], tuple[Any, Any]] = {}
 
     # -- building ------------------------------------------------------------------------
     @classmethod
@@ -205,6 +213,7 @@ class GpuTable:
         )
         self._cache = self.records.index_select(0, local).to(self.device)
         self._slot_map = slot_map
+        self.sort_min_ids = CACHED_SORT_MIN_IDS
         return self.cache_info
 
     @property
@@ -225,8 +234,10 @@ class GpuTable:
         """bf16 ``[T, heads * width]`` rows for int ids ``[T, heads]`` (global row ids).
 
         ``-1`` and ids outside ``row_range`` give +0.0 rows. With ``out`` (bf16, contiguous,
-        ``[T, heads * width]`` on the device) nothing is allocated and nothing waits on the
-        host, so the call can be captured in a CUDA graph.
+        ``[T, heads * width]`` on the device) nothing waits on the host and, after the first
+        call of each size, nothing is allocated, so the call can be captured in a CUDA graph
+        (make one eager call first). Pinned tables sort steps of ``sort_min_ids`` ids or more
+        on the GPU first (0 turns that off); the first such call allocates the sort's buffers.
 
         Raises:
             KernelError: ``ids`` is not a 2-D integer tensor on this table's device, or ``out``
@@ -244,8 +255,11 @@ class GpuTable:
                 f"out is {out.dtype} {list(out.shape)}, expected contiguous bfloat16 {list(shape)}"
             )
         field = self.layout.fields[-1]
+        flat, perm = ids.contiguous().reshape(-1), None
+        if self.sort_min_ids and flat.numel() >= self.sort_min_ids:
+            flat, perm = self._sorted(flat)
         _lookup.launch_lookup(
-            ids.contiguous(),
+            flat,
             out,
             self._records_arg,
             fmt=self.layout.codec.name,
@@ -261,8 +275,19 @@ class GpuTable:
             shard_starts=self._starts,
             slot_map=self._slot_map,
             cache=self._cache,
+            perm=perm,
         )
         return out
+
+    def _sorted(self, flat: Any) -> tuple[Any, Any]:
+        """``flat`` sorted ascending and the permutation, in buffers kept per size and dtype."""
+        key = (flat.numel(), flat.dtype)
+        ws = self._sort_ws.get(key)
+        if ws is None:
+            perm = torch.empty(flat.numel(), dtype=torch.int64, device=flat.device)
+            ws = self._sort_ws[key] = (torch.empty_like(flat), perm)
+        torch.sort(flat, out=ws)
+        return ws
 
     def __repr__(self) -> str:
         return (
