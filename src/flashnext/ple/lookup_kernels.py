@@ -124,7 +124,7 @@ def _gather(builder: ir.IRBuilder, table: ir.Value, index: ir.Value, elem: ir.Ty
 
 def _store(builder: ir.IRBuilder, values: ir.Value, address: ir.Value, bf16: bool) -> None:
     """Store ``<16 x float>`` at ``address`` as float32, or as bfloat16 rounded to nearest-even
-    (NaN stays NaN), the rounding of ``astype(ml_dtypes.bfloat16)``."""
+    the way ``astype(ml_dtypes.bfloat16)`` does (a NaN becomes the quiet NaN of its sign)."""
     if not bf16:
         builder.store(values, builder.inttoptr(address, ir.PointerType(values.type)), align=4)
         return
@@ -135,7 +135,8 @@ def _store(builder: ir.IRBuilder, values: ir.Value, address: ir.Value, bf16: boo
     )
     magnitude = builder.and_(bits, _const(_I32, 0x7FFFFFFF))
     nan = builder.icmp_unsigned(">", magnitude, _const(_I32, 0x7F800000))
-    quiet = builder.or_(builder.lshr(bits, _const(_I32, 16)), _const(_I32, 0x40))
+    sign = builder.and_(builder.lshr(bits, _const(_I32, 16)), _const(_I32, 0x8000))
+    quiet = builder.or_(sign, _const(_I32, 0x7FC0))  # ml_dtypes' NaN: the sign kept, no payload
     half = builder.trunc(builder.select(nan, quiet, rounded), _vt(_I16))
     builder.store(half, builder.inttoptr(address, ir.PointerType(half.type)), align=2)
 
@@ -249,7 +250,8 @@ def _group_fp8(typingctx, codes, table, scale, dst, out):  # type: ignore[no-unt
 
 @intrinsic
 def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
-    """16 bf16 columns at ``src`` -> ``dst`` (float32: the bits shifted up; bfloat16: copied)."""
+    """16 bf16 columns at ``src`` -> ``dst`` as float32 (the bits shifted up) or bfloat16 (the
+    same value, through :func:`_store` so that NaNs come out as the reference's)."""
     bf16 = _out_is_bf16(out)
     if bf16 is None:
         return None
@@ -257,11 +259,8 @@ def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         src_v, dst_v, _ = args
         half = _load(builder, src_v, _vt(_I16))
-        if bf16:
-            builder.store(half, builder.inttoptr(dst_v, ir.PointerType(half.type)), align=2)
-        else:
-            wide = builder.shl(builder.zext(half, _vt(_I32)), _const(_I32, 16))
-            _store(builder, builder.bitcast(wide, _vt(_F32)), dst_v, False)
+        wide = builder.shl(builder.zext(half, _vt(_I32)), _const(_I32, 16))
+        _store(builder, builder.bitcast(wide, _vt(_F32)), dst_v, bf16)
         return context.get_dummy_value()
 
     return types.none(types.int64, types.int64, out), codegen

@@ -339,7 +339,7 @@ class PLETable:
         arr = _no_wrapping_ids(ids)
         if arr.dtype.kind not in "iu" and arr.size:
             raise RowIdError(f"row ids must be integers, found dtype {arr.dtype}")
-        return np.ascontiguousarray(arr, dtype=np.int64)
+        return np.asarray(arr, dtype=np.int64, order="C")  # a 0-d id stays 0-d
 
     def _raise_bad(self, arr: np.ndarray, index: int) -> None:
         pos = tuple(int(p) for p in np.unravel_index(index, arr.shape))

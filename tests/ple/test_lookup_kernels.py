@@ -1,0 +1,79 @@
+"""The fused kernels against the numpy reference on the edges the embedding fixture never hits:
+widths that are not a multiple of 16, NaN and infinite stored values, ``out=`` and id shapes."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashnext.ple import open_table
+from flashnext.ple.formats import BF16, E4M3, F16
+from flashnext.ple.sidecar import SidecarWriter
+
+
+def _stored(fmt: str, rows: int, width: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random stored tensors with some NaN / infinite values among them."""
+    if fmt == "fp8":
+        codes = rng.integers(0, 256, size=(rows, width), dtype=np.uint8)  # 0x7F, 0xFF: NaN
+        return {
+            "weight_fp8": codes.view(E4M3),
+            "weight_scale": rng.standard_normal(rows, dtype=np.float32),
+        }
+    if fmt == "bf16":
+        bits = rng.integers(0, 1 << 16, size=(rows, width), dtype=np.uint16)
+        nan = (bits & 0x7F80) == 0x7F80
+        bits[nan] |= 0x0040  # quiet NaNs (a signalling one would be quieted by the reference)
+        return {"weight": bits.view(BF16)}
+    if fmt == "int4":
+        scale = (rng.random((rows, width // 16), dtype=np.float32) * 0.02).astype(F16)
+        scale.view(np.uint16)[rng.random(scale.shape) < 0.05] = 0x7C00  # +inf
+        scale.view(np.uint16)[rng.random(scale.shape) < 0.05] = 0x7E01  # NaN
+        return {
+            "weight_i4": rng.integers(0, 256, size=(rows, width // 2), dtype=np.uint8),
+            "weight_scale": scale,
+        }
+    raise ValueError(fmt)
+
+
+@pytest.mark.parametrize(("fmt", "width"), [("fp8", 40), ("bf16", 40), ("bf16", 7), ("int4", 48)])
+def test_odd_widths_and_nonfinite_values_match_reference(fmt, width, tmp_path, rng):
+    rows, shard_rows = 150, 50
+    writer = SidecarWriter(tmp_path, fmt, width, rows, shard_rows)
+    for i in range(writer.num_shards):
+        start, end = writer.shard_rows(i)
+        writer.write_shard(i, _stored(fmt, end - start, width, rng))
+    writer.finish()
+    table = open_table(tmp_path, "mmap", hot_rows=rng.choice(rows, size=20, replace=False))
+    ids = rng.integers(-1, rows, size=(5, 60))
+    with np.errstate(invalid="ignore"):  # inf scale x 0 is NaN, on purpose
+        ref = table.reference_lookup(ids)
+    assert np.isnan(ref).any()  # the edge is really exercised
+    got = table.lookup(ids)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    bf = table.lookup(ids, dtype=ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(bf.view(np.uint16), ref.astype(BF16).view(np.uint16))
+
+
+def test_out_is_filled_in_place_and_checked(rng, tmp_path):
+    x = rng.standard_normal((300, 160), dtype=np.float32)
+    from flashnext.ple import write_sidecar
+
+    write_sidecar(tmp_path, "nvfp4", x, 100)
+    table = open_table(tmp_path)
+    ids = rng.integers(-1, 300, size=(2, 3, 4))
+    out = np.full((2, 3, 4, 160), np.nan, np.float32)
+    assert table.lookup(ids, out=out) is out
+    np.testing.assert_array_equal(out, table.reference_lookup(ids))
+    bf = np.empty((2, 3, 4, 160), ml_dtypes.bfloat16)
+    assert table.lookup(ids, out=bf, dtype=ml_dtypes.bfloat16) is bf
+    np.testing.assert_array_equal(bf.view(np.uint16), out.astype(BF16).view(np.uint16))
+    scalar = table.lookup(np.int64(5))
+    assert scalar.shape == (160,)
+    np.testing.assert_array_equal(scalar, table.lookup([5])[0])
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous float32 array of shape"):
+        table.lookup(ids, out=np.empty((2, 3, 4, 161), np.float32))
+    with pytest.raises(ValueError, match="lookup dtype must be float32 or bfloat16, found float64"):
+        table.lookup(ids, dtype=np.float64)
+    raw = table.gather_raw(ids)
+    assert table.gather_raw(ids, out=raw) is not None
+    with pytest.raises(ValueError, match=r"out\['weight_scale'\] must be a C-contiguous"):
+        table.gather_raw(ids, out={**raw, "weight_scale": raw["weight_scale"][:1]})
