@@ -270,13 +270,22 @@ def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def _locate(row, loc):  # type: ignore[no-untyped-def]
-    """(column of ``bases``, local row, open shard) of global ``row``; column -1/-2 = pad/bad."""
+def _locate(row, loc, inv):  # type: ignore[no-untyped-def]
+    """(column of ``bases``, local row, open shard) of global ``row``; column -1/-2 = pad/bad.
+    ``inv`` is ``1 / rows_per_shard`` (float64)."""
     if row < -1 or row >= loc[4]:
         return _BAD, 0, 0
     if row < loc[2] or row >= loc[3]:  # padding (-1) included: loc[2] >= 0
         return _OUT, 0, 0
-    shard = row // loc[0] - loc[1]
+    # row // rows_per_shard without an integer division (tens of cycles each): a float64
+    # product, exact after one correction either way for any row below 2**52.
+    per = loc[0]
+    q = np.int64(np.float64(row) * inv)
+    if q * per > row:
+        q -= 1
+    elif (q + 1) * per <= row:
+        q += 1
+    shard = q - loc[1]
     n_s, n_t, n_hot = loc[5], loc[6], loc[7]
     if n_hot:
         first = _HEAD + n_s + n_t * (n_s + 1) + n_t
@@ -300,8 +309,9 @@ def _resolve(ids, b0, b1, loc, where):  # type: ignore[no-untyped-def]
     n_s, n_t = loc[5], loc[6]
     bases = _HEAD + n_s
     sizes = bases + n_t * (n_s + 1)
+    inv = 1.0 / np.float64(loc[0])
     for i in range(b0, b1):
-        col, local, shard = _locate(ids[i], loc)
+        col, local, shard = _locate(ids[i], loc, inv)
         if col == _BAD:
             return i
         slot = where[i - b0]
