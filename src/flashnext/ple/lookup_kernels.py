@@ -335,9 +335,28 @@ def _zero(out, i):  # type: ignore[no-untyped-def]
         dst[j] = 0
 
 
-#: Ids resolved (and their rows prefetched) ahead of decoding: enough loads in flight to
-#: hide memory latency, few enough that the rows are still in L1/L2 when decoded.
+#: Ids resolved (and their rows prefetched) one block ahead of decoding: enough loads in
+#: flight to hide memory latency, few enough that the rows are still in L1/L2 when decoded.
 BLOCK = 32
+
+
+@numba.njit(nogil=True, cache=True)
+def _start(ids, lo, hi, loc):  # type: ignore[no-untyped-def]
+    """Slots for two blocks, the first resolved: ``(where [2, BLOCK, T + 1], bad index or -1)``."""
+    where = np.empty((2, BLOCK, loc[6] + 1), np.int64)
+    bad = _resolve(ids, lo, min(lo + BLOCK, hi), loc, where[0]) if lo < hi else -1
+    return where, bad
+
+
+@numba.njit(nogil=True, cache=True)
+def _advance(ids, b0, hi, loc, where, k):  # type: ignore[no-untyped-def]
+    """Before block ``k`` (ids from ``b0``) is decoded, resolve block ``k + 1`` so its rows are
+    on their way from memory meanwhile; return block ``k``'s slots and a bad index or -1."""
+    b1 = b0 + BLOCK
+    bad = -1
+    if b1 < hi:
+        bad = _resolve(ids, b1, min(b1 + BLOCK, hi), loc, where[(k + 1) & 1])
+    return where[k & 1], bad
 
 
 # -- one entry point per format ----------------------------------------------------------------
@@ -354,14 +373,15 @@ def lookup_bf16(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
     base = out.ctypes.data
     full = w - w % GROUP
     scratch = np.empty(GROUP, np.float32)
-    where = np.empty((BLOCK, loc[6] + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, loc, where)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            src = where[i - b0, 0]
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            src = cur[i - b0, 0]
             if src < 0:
                 _zero(out, i)
                 continue
@@ -388,18 +408,19 @@ def lookup_fp8(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
     lut = numba.carray(_ptr(table), 256, np.float32)
     full = w - w % GROUP
     scratch = np.empty(GROUP, np.float32)
-    where = np.empty((BLOCK, loc[6] + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, loc, where)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            codes = where[i - b0, 0]
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            codes = cur[i - b0, 0]
             if codes < 0:
                 _zero(out, i)
                 continue
-            scale = numba.carray(_ptr(where[i - b0, 1]), 1, np.float32)[0]
+            scale = numba.carray(_ptr(cur[i - b0, 1]), 1, np.float32)[0]
             dst = base + i * step
             for c in range(0, full, GROUP):
                 _group_fp8(codes + c, table, scale, dst + itemsize * c, out)
@@ -450,18 +471,19 @@ def lookup_int4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
     base = out.ctypes.data
     fp16 = numba.carray(_ptr(loc[8]), 1 << 16, np.float32)
     groups = w // GROUP
-    where = np.empty((BLOCK, loc[6] + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, loc, where)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            codes = where[i - b0, 0]
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            codes = cur[i - b0, 0]
             if codes < 0:
                 _zero(out, i)
                 continue
-            scales = numba.carray(_ptr(where[i - b0, 1]), groups, np.uint16)
+            scales = numba.carray(_ptr(cur[i - b0, 1]), groups, np.uint16)
             dst = base + i * step
             for g in range(groups):
                 s = fp16[scales[g]]
@@ -484,19 +506,20 @@ def lookup_nvfp4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def
     e4m3 = numba.carray(_ptr(loc[9]), 256, np.float32)
     groups = w // GROUP
     n_t = loc[6]
-    where = np.empty((BLOCK, n_t + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, loc, where)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            codes = where[i - b0, 0]
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            codes = cur[i - b0, 0]
             if codes < 0:
                 _zero(out, i)
                 continue
-            s2 = scalars[where[i - b0, n_t]]
-            scales = numba.carray(_ptr(where[i - b0, 1]), groups, np.uint8)
+            s2 = scalars[cur[i - b0, n_t]]
+            scales = numba.carray(_ptr(cur[i - b0, 1]), groups, np.uint8)
             dst = base + i * step
             for g in range(groups):
                 s = e4m3[scales[g]]
@@ -514,14 +537,15 @@ def gather_rows(ids, lo, hi, loc, scalars, dst0, dst1, pads, dst_scalars):  # ty
     padding)."""
     n_t = loc[6]
     fill = dst_scalars.size > 0
-    where = np.empty((BLOCK, n_t + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, loc, where)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            slot = where[i - b0]
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            slot = cur[i - b0]
             _copy_row(dst0, i, slot[0], pads[0])
             if n_t > 1:
                 _copy_row(dst1, i, slot[1], pads[1])
