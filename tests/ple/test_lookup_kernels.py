@@ -66,6 +66,7 @@ def test_out_is_filled_in_place_and_checked(rng, tmp_path):
     bf = np.empty((2, 3, 4, 160), ml_dtypes.bfloat16)
     assert table.lookup(ids, out=bf, dtype=ml_dtypes.bfloat16) is bf
     np.testing.assert_array_equal(bf.view(np.uint16), out.astype(BF16).view(np.uint16))
+    np.testing.assert_array_equal(table.lookup(ids, dtype="float32"), out)
     scalar = table.lookup(np.int64(5))
     assert scalar.shape == (160,)
     np.testing.assert_array_equal(scalar, table.lookup([5])[0])

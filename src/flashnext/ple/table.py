@@ -142,16 +142,7 @@ class PLETable:
                 f"{sidecar.num_rows} rows"
             )
         self.row_range = (start, end)
-        self._row_specs = [s for s in self.codec.specs if s.per_row]
-        self._kernel = _KERNELS[sidecar.format]
-        self._row_names = [s.name for s in self._row_specs]
-        # gather_raw's outputs: (name, dtype, shape after the ids' shape) per tensor
-        self._raw_layout = [
-            (s.name, s.dtype if s.per_row else np.dtype(np.float32), s.shape(1, self.width)[1:])
-            for s in self.codec.specs
-        ]
-        self._pads = np.array([s.pad for s in self._row_specs] + [0], dtype=np.uint8)
-        self._scalar_specs = [s for s in self.codec.specs if not s.per_row]
+        self._set_layout()
         self._shards = [
             sh for sh in sidecar.shards if sh.row_start < end and sh.row_start + sh.rows > start
         ]
@@ -233,6 +224,20 @@ class PLETable:
         )
 
     # -- opening -------------------------------------------------------------------------
+    def _set_layout(self) -> None:
+        """What every call reuses: the format's tensors, kernel and gather_raw layout."""
+        self._row_specs = [s for s in self.codec.specs if s.per_row]
+        self._scalar_specs = [s for s in self.codec.specs if not s.per_row]
+        self._kernel = _KERNELS[self.format]
+        self._row_names = [s.name for s in self._row_specs]
+        # gather_raw's outputs: (name, dtype, shape after the ids' shape) per tensor
+        self._raw_layout = [
+            (s.name, s.dtype if s.per_row else np.dtype(np.float32), s.shape(1, self.width)[1:])
+            for s in self.codec.specs
+        ]
+        # pad byte per row tensor, and one for the absent second tensor of a one-tensor format
+        self._pads = np.array([s.pad for s in self._row_specs] + [0], dtype=np.uint8)
+
     def _map_shard(self, shard: Shard, lo: int, hi: int) -> _Segment:
         arrays = {}
         for spec in self._row_specs:
@@ -371,7 +376,10 @@ class PLETable:
         arr = self._as_ids(ids)
         bits_dtype = _OUT_BITS.get(dtype)
         if bits_dtype is None:
-            raise ValueError(f"lookup dtype must be float32 or bfloat16, found {np.dtype(dtype)}")
+            dtype = np.dtype(dtype)  # a name such as "float32"
+            bits_dtype = _OUT_BITS.get(dtype)
+            if bits_dtype is None:
+                raise ValueError(f"lookup dtype must be float32 or bfloat16, found {dtype}")
         shape = (*arr.shape, self.width)
         if out is None:
             out = np.empty(shape, dtype=dtype)
