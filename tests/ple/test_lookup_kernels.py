@@ -20,6 +20,7 @@ def _stored(fmt: str, rows: int, width: int, rng: np.random.Generator) -> dict[s
         }
     if fmt == "bf16":
         bits = rng.integers(0, 1 << 16, size=(rows, width), dtype=np.uint16)
+        bits[rng.random(bits.shape) < 0.05] |= 0x7F80  # NaN or inf
         nan = (bits & 0x7F80) == 0x7F80
         bits[nan] |= 0x0040  # quiet NaNs (a signalling one would be quieted by the reference)
         return {"weight": bits.view(BF16)}
