@@ -79,3 +79,25 @@ def test_out_is_filled_in_place_and_checked(rng, tmp_path):
     assert table.gather_raw(ids, out=raw) is not None
     with pytest.raises(ValueError, match=r"out\['weight_scale'\] must be a C-contiguous"):
         table.gather_raw(ids, out={**raw, "weight_scale": raw["weight_scale"][:1]})
+
+
+def test_hot_rows_are_served_from_the_hot_copy(tmp_path, rng):
+    from flashnext.ple import write_sidecar
+
+    rows = 3000  # several 512-row blocks of the hot index, 30 shards
+    write_sidecar(tmp_path, "int4", rng.standard_normal((rows, 160), dtype=np.float32), 100)
+    hot = rng.choice(rows, size=300, replace=False)
+    start, end = 250, 2900
+    table = open_table(tmp_path, "mmap", row_range=(start, end), hot_rows=hot)
+    in_range = np.sort(hot[(hot >= start) & (hot < end)])
+    assert table.hot_rows == in_range.size
+    # Fault injected: each row of the hot copy is overwritten with its own row id, so a row
+    # served from the copy shows where the index placed it (the files keep their bytes).
+    codes = table._state.keep[1]["weight_i4"]
+    codes[:, :8] = in_range.astype("<i8").view(np.uint8).reshape(-1, 8)
+    ids = np.concatenate([in_range, rng.integers(-1, rows, size=4000)])
+    got = table.gather_raw(ids)["weight_i4"]
+    is_hot = np.isin(ids, in_range)
+    np.testing.assert_array_equal(got[is_hot, :8].copy().view("<i8").reshape(-1), ids[is_hot])
+    want = table.reference_gather_raw(ids)["weight_i4"]
+    np.testing.assert_array_equal(got[~is_hot], want[~is_hot])

@@ -15,9 +15,10 @@ Where a row lives (the *locator*, built once at open by the table) is one int64 
 - ``loc[0:8]``: rows per shard, first open shard, row_range start, row_range end, the table's
   row count, S (open shards), T (per-row tensors), H (hot rows).
 - ``loc[8:10]``: addresses of the format's decode tables (see :func:`decode_tables`).
+- ``loc[10:12]``: addresses of the hot tier's index (see :func:`hot_index`), 0 without one.
 - then ``seg_start`` [S] (global row held at ``bases[t, k]`` for open shard ``k``), ``bases``
   [T, S + 1] (address of tensor ``t``'s row ``seg_start[k]``; column ``S`` is the hot-tier copy,
-  whose row ``j`` holds global row ``hot_ids[j]``), ``row_bytes`` [T], ``hot_ids`` [H] (sorted).
+  whose row ``j`` holds the ``j``-th hot row in row order) and ``row_bytes`` [T].
 
 ``scalars`` float32 [S] is the per-shard scalar (nvfp4 ``weight_scale_2``; ones otherwise).
 
@@ -49,7 +50,8 @@ from flashnext.ple.formats import E2M1_CODES, E4M3, F16, GROUP, NIBBLE_BITS, NIB
 
 _OUT = -1  # padding or outside row_range: a zero row
 _BAD = -2  # not a row id of the table
-_HEAD = 10  # int64 slots of ``loc`` before seg_start
+_HEAD = 12  # int64 slots of ``loc`` before seg_start
+_RANK_SHIFT = 9  # one rank entry per 512 rows: 8 bitmap words, one cache line
 
 # -- decode tables (from the dtypes and codes formats.py names) ------------------------------
 _E4M3_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
@@ -177,6 +179,22 @@ def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def _popcount(typingctx, word):  # type: ignore[no-untyped-def]
+    """Set bits of a uint64."""
+    if not isinstance(word, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        value = builder.zext(args[0], _I64) if args[0].type.width < 64 else args[0]
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I64, [_I64]), "llvm.ctpop.i64"
+        )
+        return builder.call(fn, [value])
+
+    return types.int64(word), codegen
+
+
+@intrinsic
 def _copy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
     """``memcpy(dst, src, nbytes)`` between integer addresses."""
     if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
@@ -270,6 +288,29 @@ def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
+def hot_index(hot_rel, rows):  # type: ignore[no-untyped-def]
+    """The hot tier's index over ``rows`` rows: ``(bitmap, rank)``.
+
+    ``hot_rel`` int64 [H]: hot rows relative to the first open row, sorted, unique. ``bitmap``
+    uint64 [ceil(rows / 512) * 8]: bit ``r % 64`` of word ``r // 64`` set for a hot row ``r``;
+    ``rank`` int64 [ceil(rows / 512)]: hot rows before row ``512 * b``. Row ``r``'s place in
+    the hot copy is ``rank[r // 512]`` plus the set bits before it in its 512-row block.
+    """
+    blocks = (rows + (1 << _RANK_SHIFT) - 1) >> _RANK_SHIFT
+    bitmap = np.zeros(blocks << (_RANK_SHIFT - 6), np.uint64)
+    rank = np.zeros(blocks, np.int64)
+    for j in range(hot_rel.size):
+        r = hot_rel[j]
+        bitmap[r >> 6] |= np.uint64(1) << np.uint64(r & 63)
+    total = 0
+    for b in range(blocks):
+        rank[b] = total
+        for w in range(b << (_RANK_SHIFT - 6), (b + 1) << (_RANK_SHIFT - 6)):
+            total += _popcount(bitmap[w])
+    return bitmap, rank
+
+
+@numba.njit(nogil=True, cache=True)
 def _locate(row, loc, inv):  # type: ignore[no-untyped-def]
     """(column of ``bases``, local row, open shard) of global ``row``; column -1/-2 = pad/bad.
     ``inv`` is ``1 / rows_per_shard`` (float64)."""
@@ -286,18 +327,18 @@ def _locate(row, loc, inv):  # type: ignore[no-untyped-def]
     elif (q + 1) * per <= row:
         q += 1
     shard = q - loc[1]
-    n_s, n_t, n_hot = loc[5], loc[6], loc[7]
-    if n_hot:
-        first = _HEAD + n_s + n_t * (n_s + 1) + n_t
-        lo, hi = first, first + n_hot
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if loc[mid] < row:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < first + n_hot and loc[lo] == row:
-            return n_s, lo - first, shard
+    if loc[7]:  # a hot tier: is the row in it, and where (bitmap + rank, no search)
+        rel = row - loc[2]
+        word = rel >> 6
+        bitmap = numba.carray(_ptr(loc[10]), word + 1, np.uint64)
+        bits = bitmap[word]
+        bit = np.uint64(1) << np.uint64(rel & 63)
+        if bits & bit:
+            j = numba.carray(_ptr(loc[11]), (rel >> _RANK_SHIFT) + 1, np.int64)[rel >> _RANK_SHIFT]
+            for w in range((rel >> _RANK_SHIFT) << (_RANK_SHIFT - 6), word):
+                j += _popcount(bitmap[w])
+            j += _popcount(bits & (bit - np.uint64(1)))
+            return loc[5], j, shard
     return shard, row - loc[_HEAD + shard], shard
 
 
@@ -310,6 +351,12 @@ def _resolve(ids, b0, b1, loc, where):  # type: ignore[no-untyped-def]
     bases = _HEAD + n_s
     sizes = bases + n_t * (n_s + 1)
     inv = 1.0 / np.float64(loc[0])
+    if loc[7]:  # the hot index's lines for the whole block first, so their misses overlap
+        for i in range(b0, b1):
+            rel = ids[i] - loc[2]
+            if rel >= 0 and ids[i] < loc[3]:
+                _prefetch(loc[10] + (rel >> 6) * 8)
+                _prefetch(loc[11] + (rel >> _RANK_SHIFT) * 8)
     for i in range(b0, b1):
         col, local, shard = _locate(ids[i], loc, inv)
         if col == _BAD:

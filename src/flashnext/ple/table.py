@@ -164,8 +164,8 @@ class PLETable:
         hot_ids = self._hot_ids(hot_rows)
         if hot_ids.size:
             if preflight is not False:
-                check_fits(
-                    hot_ids.size * self.codec.bytes_per_row(self.width),
+                check_fits(  # the rows, and the index (at most 2 bits per open row)
+                    hot_ids.size * self.codec.bytes_per_row(self.width) + (end - start) // 4,
                     f"the hot tier of {sidecar.path} ({hot_ids.size:,} rows)",
                     memory=memory,
                 )
@@ -282,12 +282,16 @@ class PLETable:
                 row_bytes[t] = arr.strides[0]
             if hot:
                 bases[t, -1] = hot[spec.name].ctypes.data
+        index: tuple[np.ndarray, ...] = ()
+        if hot_ids.size:
+            index = kern.hot_index(hot_ids - start, end - start)
         head = [self.sidecar.rows_per_shard, self._shards[0].index, start, end, self.num_rows]
         head += [n_s, n_t, hot_ids.size, *kern.decode_tables(self.format)]
-        loc = np.concatenate([head, seg_start, bases.reshape(-1), row_bytes, hot_ids])
+        head += [a.ctypes.data for a in index] or [0, 0]
+        loc = np.concatenate([head, seg_start, bases.reshape(-1), row_bytes])
         scal = self._shard_scalars
         scalars = next(iter(scal.values())) if scal else np.ones(n_s, np.float32)
-        keep = (self._segments, dict(hot))
+        keep = (self._segments, dict(hot), index)
         return _Locator(loc.astype(np.int64), scalars, int(hot_ids.size), keep)
 
     def _hot_ids(self, hot_rows: HotRows) -> np.ndarray:
