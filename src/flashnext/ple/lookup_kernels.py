@@ -1,9 +1,10 @@
 """Fused gather + dequantize kernels for :class:`flashnext.ple.table.PLETable` (numba, nogil).
 
 One entry point per format takes the ids and does everything in one pass with no Python per
-shard: the range check, the shard of each id (one division), the hot-tier probe, a prefetch of
-the row's bytes, and the decode of the row straight into ``out`` as float32 or as bfloat16
-(float32 rounded to nearest-even), with no intermediate arrays. :func:`gather_rows` copies the
+shard: the range check, the shard of each id (a float64 multiply), the hot-tier probe (a
+bitmap + rank index), a prefetch of the row's bytes one block of ids ahead, and the decode
+of the row straight into ``out`` as float32 or as bfloat16 (float32 rounded to
+nearest-even), with no intermediate arrays. :func:`gather_rows` copies the
 stored bytes of every per-row tensor (``gather_raw``).
 
 The decode works on a group of 16 columns at a time through small LLVM intrinsics on
@@ -46,7 +47,15 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashnext.ple.formats import E2M1_CODES, E4M3, F16, GROUP, NIBBLE_BITS, NIBBLE_MASK
+from flashnext.ple.formats import (
+    E2M1_CODES,
+    E4M3,
+    F16,
+    GROUP,
+    INT4_BIAS,
+    NIBBLE_BITS,
+    NIBBLE_MASK,
+)
 
 _OUT = -1  # padding or outside row_range: a zero row
 _BAD = -2  # not a row id of the table
@@ -219,7 +228,7 @@ def _copy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
 
 @intrinsic
 def _group_int4(typingctx, codes, scale, dst, out):  # type: ignore[no-untyped-def]
-    """16 int4 columns: ``(nibble - 8) * scale`` from 8 bytes at ``codes`` -> ``dst``."""
+    """16 int4 columns: ``(nibble - INT4_BIAS) * scale`` from 8 bytes at ``codes`` -> ``dst``."""
     bf16 = _out_is_bf16(out)
     if bf16 is None:
         return None
@@ -228,7 +237,7 @@ def _group_int4(typingctx, codes, scale, dst, out):  # type: ignore[no-untyped-d
         codes_v, scale_v, dst_v, _ = args
         # nibble - 8 is exact in float32, and so is its product with an fp16 scale.
         q = builder.uitofp(_nibbles(builder, codes_v), _vt(_F32))
-        q = builder.fsub(q, _const(_F32, 8.0))  # INT4_BIAS: the int4 codec's nibble offset
+        q = builder.fsub(q, _const(_F32, float(INT4_BIAS)))
         _store(builder, builder.fmul(q, _splat(builder, scale_v)), dst_v, bf16)
         return context.get_dummy_value()
 
@@ -519,7 +528,7 @@ def _store_group(values, dst, out):  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True)
 def lookup_int4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
-    """int4 rows ((nibble - 8) x fp16 group scale) -> ``out``."""
+    """int4 rows ((nibble - INT4_BIAS) x fp16 group scale) -> ``out``."""
     w = out.shape[1]
     step = out.strides[0]
     itemsize = out.itemsize
