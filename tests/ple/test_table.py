@@ -143,14 +143,26 @@ def test_fused_kernels_match_numpy_reference(tables, fmt, residency, rng):
 def test_lookup_from_threads_matches_single_thread(tables, rng):
     from concurrent.futures import ThreadPoolExecutor
 
+    import ml_dtypes
+
     root, _ = tables
-    table = open_table(root / "int4")
-    batches = [rng.integers(-1, 1000, size=int(rng.integers(1, 20_000))) for _ in range(24)]
-    expect = [table.lookup(b) for b in batches]
-    with ThreadPoolExecutor(6) as pool:
-        got = list(pool.map(table.lookup, batches))
-    for e, g in zip(expect, got):
-        np.testing.assert_array_equal(e, g)
+    hot = rng.choice(1000, size=150, replace=False)
+    for table in (open_table(root / "int4"), open_table(root / "nvfp4", hot_rows=hot)):
+        calls = [
+            table.lookup,
+            lambda ids, t=table: t.lookup(ids, dtype=ml_dtypes.bfloat16),
+            lambda ids, t=table: t.gather_raw(ids)[t.codec.specs[0].name],
+        ]
+        # sizes on both sides of the split over the pool (kernels run on 6 threads at once)
+        work = [
+            (int(rng.integers(0, 3)), rng.integers(-1, 1000, size=int(rng.integers(1, 40_000))))
+            for _ in range(24)
+        ]
+        expect = [calls[c](ids) for c, ids in work]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda w, calls=calls: calls[w[0]](w[1]), work))
+        for e, g in zip(expect, got):
+            np.testing.assert_array_equal(e.view(np.uint8), g.view(np.uint8))
 
 
 def test_warm_reads_the_open_rows(tables):
