@@ -101,3 +101,20 @@ def test_hot_rows_are_served_from_the_hot_copy(tmp_path, rng):
     np.testing.assert_array_equal(got[is_hot, :8].copy().view("<i8").reshape(-1), ids[is_hot])
     want = table.reference_gather_raw(ids)["weight_i4"]
     np.testing.assert_array_equal(got[~is_hot], want[~is_hot])
+
+
+@pytest.mark.parametrize("residency", ["mmap", "resident"])
+def test_every_fp8_code_decodes_as_the_format_table(residency, tmp_path, rng):
+    codes = rng.permutation(256).astype(np.uint8).reshape(8, 32)  # every code once
+    scale = np.ones(8, np.float32)
+    scale[1::2] = rng.standard_normal(4, dtype=np.float32)
+    writer = SidecarWriter(tmp_path, "fp8", 32, 8, 8)
+    writer.write_shard(0, {"weight_fp8": codes.view(E4M3), "weight_scale": scale})
+    writer.finish()
+    table = open_table(tmp_path, residency)
+    got = table.lookup(np.arange(8))
+    want = codes.view(E4M3).astype(np.float32) * scale[:, None]  # ml_dtypes' decode
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(
+        got.view(np.uint32), table.reference_lookup(np.arange(8)).view(np.uint32)
+    )
