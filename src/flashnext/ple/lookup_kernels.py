@@ -413,8 +413,8 @@ def _resolve(ids, b0, b1, loc, where):  # type: ignore[no-untyped-def]
             size = loc[sizes + t]
             address = loc[bases + t * (n_s + 1) + col] + local * size
             slot[t] = address
-            _prefetch(address)
-            _prefetch(address + size - 1)
+            for line in range(address & ~63, address + size, 64):  # every cache line of it
+                _prefetch(line)
     return -1
 
 
