@@ -1,37 +1,54 @@
-"""Benchmark: PLETable.lookup against numpy take from an in-RAM BF16 array, same run.
+"""Benchmark: PLETable lookups against numpy take from an in-RAM BF16 array, same run.
 
-    python bench/lookup.py [--rows N] [--dir DIR] [--repeats K] [--json]
+    python bench/lookup.py [--shard-rows N] [--shards 128] [--repeats K] [--hot-fraction F]
+                           [--threads-sweep 1,2,4,...] [--formats fp8,int4,nvfp4] [--dir DIR]
+                           [--json]
 
-Writes int4, fp8 and nvfp4 sidecars of random (valid) stored tensors, ``--rows`` rows in shards
-of the released checkpoint's 2,500,012 rows, then times ``lookup`` of 512 ids (a 32-request
-decode step) and 131,072 ids (an 8K-token prefill) for each format, memory-mapped and
-resident, and the baseline: ``np.take`` of the same rows from a BF16 array in RAM (no
-dequantization). Prints medians and the ratio lookup / baseline.
+Writes fp8, int4 and nvfp4 sidecars in the released layout (``--shards`` shards, 128 like the
+released checkpoint, of ``--shard-rows`` rows: scaled down from its 2,500,012) holding random
+valid stored tensors, and a BF16 array of the same shape in RAM. Then, for each format x
+{mmap, resident, hot (mmap + a hot tier of ``--hot-fraction`` of the rows, random priority)}
+x {512 ids (a 32-request decode step), 131,072 ids (an 8K-token prefill)}, it times
+``lookup`` to float32, ``lookup`` to bfloat16 and ``gather_raw`` of uniform random ids, each
+repeat paired with ``np.take`` of the same rows from the BF16 array (the baseline: no
+dequantization) so that load on the machine hits both alike. Every call allocates its output,
+the baseline's too. Before timing, each table is read once end to end through the API, so the
+page cache and the process's page tables are warm (steady serving).
+
+Prints per row: median time, rows/s, the median of the paired ratios (op / take) and their
+spread (10th-90th percentile), then a thread-scaling table (int4, mmap, 131,072 ids) for
+``--threads-sweep``. ``--json`` prints a ``flashnext.bench.lookup`` record instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from flashnext import __version__
 from flashnext.ple import open_table
+from flashnext.ple.lookup_kernels import default_threads
 from flashnext.ple.sidecar import SidecarWriter
+from flashnext.ple.table import PLETable
+from flashnext.records import dumps, make_record
 
-SHARD_ROWS = 2_500_012
+RELEASED_SHARDS = 128
 WIDTH = 160
+SIZES = (512, 131_072)
+BF16 = ml_dtypes.bfloat16
 
 
 def random_shard(fmt: str, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random valid stored tensors of ``rows`` rows (no NaN codes, positive scales)."""
     if fmt == "fp8":
         q = rng.integers(0, 256, size=(rows, WIDTH), dtype=np.uint8)
         q[(q & 0x7F) == 0x7F] = 0x30
@@ -55,9 +72,9 @@ def random_shard(fmt: str, rows: int, rng: np.random.Generator) -> dict[str, np.
     raise ValueError(fmt)
 
 
-def build(root: Path, fmt: str, rows: int, rng: np.random.Generator) -> Path:
+def build(root: Path, fmt: str, shards: int, shard_rows: int, rng: np.random.Generator) -> Path:
     path = root / fmt
-    writer = SidecarWriter(path, fmt, WIDTH, rows, SHARD_ROWS)
+    writer = SidecarWriter(path, fmt, WIDTH, shards * shard_rows, shard_rows)
     for i in range(writer.num_shards):
         start, end = writer.shard_rows(i)
         writer.write_shard(i, random_shard(fmt, end - start, rng))
@@ -65,76 +82,162 @@ def build(root: Path, fmt: str, rows: int, rng: np.random.Generator) -> Path:
     return path
 
 
-def median_seconds(fn, arg, repeats: int) -> float:
-    fn(arg)  # warm: page cache, first touch
-    times = []
-    for _ in range(repeats):
+def touch_every_row(table: PLETable, chunk: int = 65_536) -> None:
+    """One pass over every row through the API: page cache and page tables warm."""
+    out = np.empty((chunk, WIDTH), np.float32)
+    for start in range(0, table.num_rows, chunk):
+        ids = np.arange(start, min(start + chunk, table.num_rows), dtype=np.int64)
+        table.lookup(ids, out=out[: ids.size])
+
+
+def paired(
+    op: Callable[[np.ndarray], object],
+    base: Callable[[np.ndarray], object],
+    ids: np.ndarray,
+    k: int,
+) -> dict[str, float]:
+    """Time ``op(ids)`` and ``base(ids)`` alternately ``k`` times (after one untimed call each)."""
+    op(ids)
+    base(ids)
+    t_op, t_base = np.empty(k), np.empty(k)
+    for r in range(k):
         t = time.perf_counter()
-        fn(arg)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        base(ids)
+        t_base[r] = time.perf_counter() - t
+        t = time.perf_counter()
+        op(ids)
+        t_op[r] = time.perf_counter() - t
+    ratio = t_op / t_base
+    return {
+        "ms": float(np.median(t_op)) * 1e3,
+        "take_ms": float(np.median(t_base)) * 1e3,
+        "rows_per_s": ids.size / float(np.median(t_op)),
+        "ratio": float(np.median(ratio)),
+        "ratio_p10": float(np.percentile(ratio, 10)),
+        "ratio_p90": float(np.percentile(ratio, 90)),
+        "repeats": k,
+    }
+
+
+def operations(table: PLETable) -> dict[str, Callable[[np.ndarray], object]]:
+    return {
+        "lookup_f32": table.lookup,
+        "lookup_bf16": lambda ids: table.lookup(ids, dtype=BF16),
+        "gather_raw": table.gather_raw,
+    }
+
+
+def open_variant(path: Path, variant: str, hot_ids: np.ndarray) -> PLETable:
+    if variant == "hot":
+        return open_table(path, "mmap", hot_rows=hot_ids)
+    return open_table(path, variant)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace, root: Path, rng: np.random.Generator) -> dict[str, Any]:
+    rows = args.shards * args.shard_rows
+    print(f"writing {args.shards} shards x {args.shard_rows:,} rows under {root}", file=sys.stderr)
+    paths = {fmt: build(root, fmt, args.shards, args.shard_rows, rng) for fmt in args.formats}
+    bf16 = rng.standard_normal((rows, WIDTH), dtype=np.float32).astype(BF16)
+    take = lambda ids: np.take(bf16, ids, axis=0)  # noqa: E731
+    hot_ids = rng.permutation(rows)[: int(rows * args.hot_fraction)]
+    ids = {n: rng.integers(0, rows, size=n, dtype=np.int64) for n in SIZES}
+    results = []
+    for fmt, path in paths.items():
+        for variant in ("mmap", "resident", "hot"):
+            table = open_variant(path, variant, hot_ids)
+            touch_every_row(table)
+            print(f"timing {fmt} {variant}", file=sys.stderr)
+            for n in SIZES:
+                k = args.repeats * (20 if n <= 4096 else 1)
+                for op, fn in operations(table).items():
+                    r = paired(fn, take, ids[n], k)
+                    results.append({"format": fmt, "residency": variant, "ids": n, "op": op, **r})
+            table.close()
+    scaling = []
+    if args.threads_sweep and "int4" in paths:
+        table = open_table(paths["int4"], "mmap")
+        touch_every_row(table)
+        n = SIZES[-1]
+        for threads in args.threads_sweep:
+            table.threads = threads
+            for op in ("lookup_bf16", "gather_raw"):
+                r = paired(operations(table)[op], take, ids[n], args.repeats)
+                scaling.append({"format": "int4", "residency": "mmap", "ids": n, "op": op,
+                                "threads": threads, **r})  # fmt: skip
+        table.close()
+    return {
+        "rows": rows,
+        "shards": args.shards,
+        "shard_rows": args.shard_rows,
+        "width": WIDTH,
+        "hot_rows": int(hot_ids.size),
+        "threads": default_threads(),
+        "cpus": os.cpu_count(),
+        "processor": _processor(),
+        "numpy": np.__version__,
+        "results": results,
+        "thread_scaling": scaling,
+    }
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def print_tables(payload: dict[str, Any]) -> None:
+    print(
+        f"{payload['rows']:,} rows x {WIDTH} in {payload['shards']} shards; "
+        f"{payload['processor']}, {payload['cpus']} CPUs, lookup threads {payload['threads']}; "
+        f"hot tier {payload['hot_rows']:,} rows; baseline = np.take of the same rows from an "
+        "in-RAM BF16 array, timed in pairs; ratio = median of op/take (p10-p90)"
+    )
+    head = f"{'format':7}{'residency':10}{'ids':>8} {'op':12}{'ms':>9}{'Mrows/s':>9}{'take ms':>9}"
+    print(head + f"{'ratio':>7}  spread")
+    for r in payload["results"] + payload["thread_scaling"]:
+        label = r["residency"] if "threads" not in r else f"mmap t={r['threads']}"
+        print(
+            f"{r['format']:7}{label:10}{r['ids']:>8,} {r['op']:12}{r['ms']:>9.3f}"
+            f"{r['rows_per_s'] / 1e6:>9.1f}{r['take_ms']:>9.3f}{r['ratio']:>7.2f}"
+            f"  {r['ratio_p10']:.2f}-{r['ratio_p90']:.2f}"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=2 * SHARD_ROWS)
+    parser.add_argument("--shards", type=int, default=RELEASED_SHARDS)
+    parser.add_argument("--shard-rows", type=int, default=20_000)
     parser.add_argument("--dir", type=Path, default=None, help="where to write the sidecars")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=15, help="x20 for 512 ids")
+    parser.add_argument("--hot-fraction", type=float, default=0.05)
+    parser.add_argument("--formats", type=lambda s: s.split(","), default=["fp8", "int4", "nvfp4"])
+    parser.add_argument(
+        "--threads-sweep", type=lambda s: [int(x) for x in s.split(",") if x], default=[]
+    )
+    parser.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    rng = np.random.default_rng()
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+    print(f"seed {seed}", file=sys.stderr)
+    rng = np.random.default_rng(seed)
     tmp = tempfile.TemporaryDirectory(prefix="flashnext-bench-") if args.dir is None else None
     root = Path(tmp.name if tmp else args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    print(f"writing {args.rows:,}-row sidecars under {root}", file=sys.stderr)
-    paths = {fmt: build(root, fmt, args.rows, rng) for fmt in ("int4", "fp8", "nvfp4")}
-    bf16 = rng.standard_normal((args.rows, WIDTH), dtype=np.float32).astype(ml_dtypes.bfloat16)
-
-    results = []
-    for n in (512, 131_072):
-        ids = rng.integers(0, args.rows, size=n)
-        base = median_seconds(lambda i: np.take(bf16, i, axis=0), ids, args.repeats)
-        for fmt, path in paths.items():
-            for residency in ("mmap", "resident"):
-                table = open_table(path, residency)
-                t = median_seconds(table.lookup, ids, args.repeats)
-                results.append(
-                    {
-                        "format": fmt,
-                        "residency": residency,
-                        "ids": n,
-                        "lookup_ms": t * 1e3,
-                        "numpy_take_bf16_ms": base * 1e3,
-                        "ratio": t / base,
-                    }
-                )
-                table.close()
-    env = {
-        "flashnext": __version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": __import__("os").cpu_count(),
-        "rows": args.rows,
-        "command": " ".join(sys.argv),
-    }
+    try:
+        payload = {"seed": seed, **run(args, root, rng)}
+    finally:
+        if tmp:
+            tmp.cleanup()
     if args.json:
-        print(json.dumps({"schema_version": 1, "environment": env, "results": results}, indent=2))
+        sys.stdout.write(dumps(make_record("flashnext.bench.lookup", payload)))
     else:
-        print(
-            f"rows {args.rows:,} x {WIDTH}; medians of {args.repeats}; baseline = np.take of "
-            "the same rows from an in-RAM BF16 array (no dequantization)"
-        )
-        print(f"{'format':8}{'residency':10}{'ids':>9}{'lookup ms':>12}{'take ms':>10}{'ratio':>8}")
-        for r in results:
-            print(
-                f"{r['format']:8}{r['residency']:10}{r['ids']:>9,}{r['lookup_ms']:>12.3f}"
-                f"{r['numpy_take_bf16_ms']:>10.3f}{r['ratio']:>8.1f}"
-            )
-    if tmp:
-        tmp.cleanup()
+        print_tables(payload)
     return 0
 
 

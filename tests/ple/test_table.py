@@ -5,6 +5,7 @@ from flashnext.errors import SidecarError
 from flashnext.ple import open_table, write_sidecar
 from flashnext.synthetic import embedding_rows
 
+from ..conftest import seeded_rng
 from .reference import dequant64
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
@@ -12,7 +13,7 @@ FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory):
-    rng = np.random.default_rng()
+    rng = seeded_rng("tests/ple/test_table.py::tables")
     x = embedding_rows(1000, 160, rng)
     root = tmp_path_factory.mktemp("tables")
     for fmt in FORMATS:
@@ -22,9 +23,8 @@ def tables(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("residency", ["mmap", "resident"])
-def test_lookup_equals_float64_dequant(tables, fmt, residency):
+def test_lookup_equals_float64_dequant(tables, fmt, residency, rng):
     root, x = tables
-    rng = np.random.default_rng()
     table = open_table(root / fmt, residency)
     assert (table.format, table.num_rows, table.width) == (fmt, 1000, 160)
     ids = rng.integers(-1, 1000, size=(4, 33, 16))
@@ -92,8 +92,7 @@ def _rss_kb():
     raise RuntimeError("no VmRSS")
 
 
-def test_mmap_is_zero_copy_and_resident_copies(tmp_path):
-    rng = np.random.default_rng()
+def test_mmap_is_zero_copy_and_resident_copies(tmp_path, rng):
     rows = 200_000  # 64 MB of bf16
     big = rng.integers(0, 2**16, size=(rows, 160), dtype=np.uint16)
     big[(big & 0x7F80) == 0x7F80] = 0x3F80  # no NaN/inf bit patterns
@@ -117,11 +116,10 @@ def test_mmap_is_zero_copy_and_resident_copies(tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("residency", ["mmap", "resident", "hot"])
-def test_fused_kernels_match_numpy_reference(tables, fmt, residency):
+def test_fused_kernels_match_numpy_reference(tables, fmt, residency, rng):
     import ml_dtypes
 
     root, _ = tables
-    rng = np.random.default_rng()
     hot = rng.choice(1000, size=100, replace=False) if residency == "hot" else None
     table = open_table(root / fmt, "mmap" if hot is not None else residency, hot_rows=hot)
     assert table.hot_rows == (100 if hot is not None else 0)
@@ -142,18 +140,29 @@ def test_fused_kernels_match_numpy_reference(tables, fmt, residency):
             np.testing.assert_array_equal(raw[name].view(np.uint8), want[name].view(np.uint8))
 
 
-def test_lookup_from_threads_matches_single_thread(tables):
+def test_lookup_from_threads_matches_single_thread(tables, rng):
     from concurrent.futures import ThreadPoolExecutor
 
+    import ml_dtypes
+
     root, _ = tables
-    table = open_table(root / "int4")
-    rng = np.random.default_rng()
-    batches = [rng.integers(-1, 1000, size=int(rng.integers(1, 20_000))) for _ in range(24)]
-    expect = [table.lookup(b) for b in batches]
-    with ThreadPoolExecutor(6) as pool:
-        got = list(pool.map(table.lookup, batches))
-    for e, g in zip(expect, got):
-        np.testing.assert_array_equal(e, g)
+    hot = rng.choice(1000, size=150, replace=False)
+    for table in (open_table(root / "int4"), open_table(root / "nvfp4", hot_rows=hot)):
+        calls = [
+            table.lookup,
+            lambda ids, t=table: t.lookup(ids, dtype=ml_dtypes.bfloat16),
+            lambda ids, t=table: t.gather_raw(ids)[t.codec.specs[0].name],
+        ]
+        # sizes on both sides of the split over the pool (kernels run on 6 threads at once)
+        work = [
+            (int(rng.integers(0, 3)), rng.integers(-1, 1000, size=int(rng.integers(1, 40_000))))
+            for _ in range(24)
+        ]
+        expect = [calls[c](ids) for c, ids in work]
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda w, calls=calls: calls[w[0]](w[1]), work))
+        for e, g in zip(expect, got):
+            np.testing.assert_array_equal(e.view(np.uint8), g.view(np.uint8))
 
 
 def test_warm_reads_the_open_rows(tables):

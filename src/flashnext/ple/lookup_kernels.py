@@ -1,25 +1,33 @@
 """Fused gather + dequantize kernels for :class:`flashnext.ple.table.PLETable` (numba, nogil).
 
-One kernel per format reads each id's stored bytes straight from wherever the row lives (a
-shard's memory map, a resident copy, or the hot-tier copy) and writes the dequantized row once,
-as float32 or as bfloat16 (float32 rounded to nearest-even), with no intermediate arrays. A
-generic kernel copies the stored bytes of one tensor (``gather_raw``).
+One entry point per format takes the ids and does everything in one pass with no Python per
+shard: the range check, the shard of each id (a float64 multiply), the hot-tier probe (a
+bitmap + rank index), a prefetch of the row's bytes one block of ids ahead, and the decode
+of the row straight into ``out`` as float32 or as bfloat16 (float32 rounded to
+nearest-even), with no intermediate arrays. :func:`gather_rows` copies the
+stored bytes of every per-row tensor (``gather_raw``).
 
-Where a row lives (the *locator*, built once at open by the table):
+The decode works on a group of 16 columns at a time through small LLVM intrinsics on
+``<16 x float>`` vectors (LLVM picks the instructions: AVX2, AVX-512, NEON), because numba's
+loop vectoriser gives up on these loops (it cannot prove the row pointers do not alias).
 
-- ``geo`` int64 [6]: rows per shard, first open shard, row_range start, row_range end, the
-  table's row count, the format's group size.
-- ``seg_start`` int64 [S]: global row held at ``bases[t, k]`` for open shard ``k``.
-- ``bases`` int64 [T, S + 1]: address of tensor ``t``'s row ``seg_start[k]``; column ``S`` is
-  the hot-tier copy, whose row ``j`` holds global row ``hot_ids[j]``; ``row_bytes`` int64 [T].
-- ``hot_ids`` int64 [H], sorted ascending (empty without a hot tier).
-- ``scalars`` float32 [S]: the per-shard scalar (nvfp4 ``weight_scale_2``; ones otherwise).
+Where a row lives (the *locator*, built once at open by the table) is one int64 array ``loc``:
+
+- ``loc[0:8]``: rows per shard, first open shard, row_range start, row_range end, the table's
+  row count, S (open shards), T (per-row tensors), H (hot rows).
+- ``loc[8:10]``: addresses of the format's decode tables (see :func:`decode_tables`).
+- ``loc[10:12]``: addresses of the hot tier's index (see :func:`hot_index`), 0 without one.
+- then ``seg_start`` [S] (global row held at ``bases[t, k]`` for open shard ``k``), ``bases``
+  [T, S + 1] (address of tensor ``t``'s row ``seg_start[k]``; column ``S`` is the hot-tier copy,
+  whose row ``j`` holds the ``j``-th hot row in row order) and ``row_bytes`` [T].
+
+``scalars`` float32 [S] is the per-shard scalar (nvfp4 ``weight_scale_2``; ones otherwise).
 
 Every kernel takes ``ids`` int64 [n] and a slice ``[lo, hi)`` of it (callers split big batches
 over threads; the GIL is released) and returns the index of the first id outside
-``[-1, num_rows)``, or -1. Ids of padding (-1) or outside row_range give zero rows (raw:
-the format's pad bytes). The constants (e2m1 codes, e4m3/fp16 decode tables, group size, pad
-bytes) come from :mod:`flashnext.ple.formats` through the caller; nothing is restated here.
+``[-1, num_rows)``, or -1. Ids of padding (-1) or outside row_range give zero rows (raw: the
+format's pad bytes). The constants (e2m1 codes, e4m3/fp16 decode tables, group size, pad bytes)
+come from :mod:`flashnext.ple.formats`; nothing is restated here.
 
 The addresses are only valid while the table holds its arrays: callers keep a reference to
 them for the duration of a call.
@@ -32,15 +40,149 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import ml_dtypes
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
+
+from flashnext.ple.formats import (
+    E2M1_CODES,
+    E4M3,
+    F16,
+    GROUP,
+    INT4_BIAS,
+    NIBBLE_BITS,
+    NIBBLE_MASK,
+)
 
 _OUT = -1  # padding or outside row_range: a zero row
 _BAD = -2  # not a row id of the table
+_HEAD = 12  # int64 slots of ``loc`` before seg_start
+_RANK_SHIFT = 9  # one rank entry per 512 rows: 8 bitmap words, one cache line
+
+# -- decode tables (from the dtypes and codes formats.py names) ------------------------------
+_E4M3_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+_FP16_F32 = np.arange(1 << 16, dtype=np.uint16).view(F16).astype(np.float32)
+# e4m3 decoded with vector arithmetic instead of 16 table loads per group: the layout comes
+# from the dtype (ml_dtypes' finfo), the NaN from the table; tests check all 256 codes.
+_E4M3_MANT = int(ml_dtypes.finfo(E4M3).nmant)  # mantissa bits
+_E4M3_REBIAS = 127 - (1 - int(ml_dtypes.finfo(E4M3).minexp))  # float32 bias - e4m3 bias
+_E4M3_NAN = int(np.flatnonzero(np.isnan(_E4M3_F32))[0])  # the NaN magnitude (no infinities)
+# Each packed e2m1 byte -> the float32 pair of its two codes, low nibble (even column) first.
+_BYTES = np.arange(256, dtype=np.uint8)
+_E2M1_PAIRS = np.ascontiguousarray(
+    np.stack([E2M1_CODES[_BYTES & NIBBLE_MASK], E2M1_CODES[_BYTES >> NIBBLE_BITS]], axis=1),
+    dtype=np.float32,
+)
+
+
+def decode_tables(fmt: str) -> tuple[int, int]:
+    """Addresses (``loc[8:10]``) of the tables format ``fmt``'s kernel reads (module-lifetime)."""
+    return {
+        "bf16": (0, 0),
+        "fp8": (_E4M3_F32.ctypes.data, 0),
+        "int4": (_FP16_F32.ctypes.data, 0),
+        "nvfp4": (_E2M1_PAIRS.ctypes.data, _E4M3_F32.ctypes.data),
+    }[fmt]
+
+
+# -- LLVM helpers: 16 columns as one vector ----------------------------------------------------
+_I8, _I16, _I32, _I64, _F32 = (
+    ir.IntType(8),
+    ir.IntType(16),
+    ir.IntType(32),
+    ir.IntType(64),
+    ir.FloatType(),
+)
+_V = GROUP  # columns per vector
+
+
+def _vt(elem: ir.Type, n: int = _V) -> ir.VectorType:
+    return ir.VectorType(elem, n)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, n: int = _V) -> ir.Value:
+    vec = builder.insert_element(ir.Constant(_vt(value.type, n), ir.Undefined), value, _I32(0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(_vt(_I32, n), [0] * n))
+
+
+def _const(elem: ir.Type, value: int | float, n: int = _V) -> ir.Constant:
+    return ir.Constant(_vt(elem, n), [value] * n)
+
+
+def _load(builder: ir.IRBuilder, address: ir.Value, ty: ir.Type) -> ir.Value:
+    return builder.load(builder.inttoptr(address, ir.PointerType(ty)), align=1)
+
+
+def _nibbles(builder: ir.IRBuilder, address: ir.Value) -> ir.Value:
+    """``<16 x i8>`` 4-bit codes of the 8 packed bytes at ``address``, low nibble first."""
+    packed = _load(builder, address, _vt(_I8, _V // 2))
+    low = builder.and_(packed, _const(_I8, NIBBLE_MASK, _V // 2))
+    high = builder.lshr(packed, _const(_I8, NIBBLE_BITS, _V // 2))
+    order = [k // 2 + (_V // 2) * (k % 2) for k in range(_V)]
+    return builder.shuffle_vector(low, high, ir.Constant(_vt(_I32), order))
+
+
+def _gather(builder: ir.IRBuilder, table: ir.Value, index: ir.Value, elem: ir.Type) -> ir.Value:
+    """``table[index[k]]`` for each lane of ``index`` (scalar loads; ``table`` an address)."""
+    n = index.type.count
+    size = 4 if isinstance(elem, ir.FloatType) else elem.width // 8
+    vec = ir.Constant(_vt(elem, n), ir.Undefined)
+    base = builder.inttoptr(table, ir.PointerType(elem))
+    for k in range(n):
+        at = builder.zext(builder.extract_element(index, _I32(k)), _I64)
+        ptr = builder.gep(base, [at])
+        vec = builder.insert_element(vec, builder.load(ptr, align=size), _I32(k))
+    return vec
+
+
+def _e4m3(builder: ir.IRBuilder, codes: ir.Value) -> ir.Value:
+    """``<16 x i8>`` e4m3fn codes -> ``<16 x float>``, bit for bit the table's values: normal
+    codes by moving exponent and mantissa into float32's fields, subnormal ones as
+    ``mantissa * 2**(minexp - nmant)`` (exact), the NaN code as the table's NaN."""
+    c = builder.zext(codes, _vt(_I32))
+    sign = builder.shl(builder.and_(c, _const(_I32, 0x80)), _const(_I32, 24))
+    mag = builder.and_(c, _const(_I32, 0x7F))
+    normal = builder.add(
+        builder.shl(mag, _const(_I32, 23 - _E4M3_MANT)), _const(_I32, _E4M3_REBIAS << 23)
+    )
+    tiny = float(2.0 ** (int(ml_dtypes.finfo(E4M3).minexp) - _E4M3_MANT))
+    sub = builder.fmul(builder.uitofp(mag, _vt(_F32)), _const(_F32, tiny))
+    is_sub = builder.icmp_unsigned("<", mag, _const(_I32, 1 << _E4M3_MANT))
+    bits = builder.select(is_sub, builder.bitcast(sub, _vt(_I32)), normal)
+    nan_bits = int(_E4M3_F32[_E4M3_NAN : _E4M3_NAN + 1].view(np.uint32)[0])
+    is_nan = builder.icmp_unsigned("==", mag, _const(_I32, _E4M3_NAN))
+    bits = builder.select(is_nan, _const(_I32, nan_bits), bits)
+    return builder.bitcast(builder.or_(bits, sign), _vt(_F32))
+
+
+def _store(builder: ir.IRBuilder, values: ir.Value, address: ir.Value, bf16: bool) -> None:
+    """Store ``<16 x float>`` at ``address`` as float32, or as bfloat16 rounded to nearest-even
+    the way ``astype(ml_dtypes.bfloat16)`` does (a NaN becomes the quiet NaN of its sign)."""
+    if not bf16:
+        builder.store(values, builder.inttoptr(address, ir.PointerType(values.type)), align=4)
+        return
+    bits = builder.bitcast(values, _vt(_I32))
+    lsb = builder.and_(builder.lshr(bits, _const(_I32, 16)), _const(_I32, 1))
+    rounded = builder.lshr(
+        builder.add(builder.add(bits, _const(_I32, 0x7FFF)), lsb), _const(_I32, 16)
+    )
+    magnitude = builder.and_(bits, _const(_I32, 0x7FFFFFFF))
+    nan = builder.icmp_unsigned(">", magnitude, _const(_I32, 0x7F800000))
+    sign = builder.and_(builder.lshr(bits, _const(_I32, 16)), _const(_I32, 0x8000))
+    quiet = builder.or_(sign, _const(_I32, 0x7FC0))  # ml_dtypes' NaN: the sign kept, no payload
+    half = builder.trunc(builder.select(nan, quiet, rounded), _vt(_I16))
+    builder.store(half, builder.inttoptr(address, ir.PointerType(half.type)), align=2)
+
+
+def _out_is_bf16(out: types.Type) -> bool | None:
+    """float32 out -> False, uint16 (bfloat16 bits) -> True, anything else -> None."""
+    if not isinstance(out, types.Array):
+        return None
+    return {types.float32: False, types.uint16: True}.get(out.dtype)
 
 
 @intrinsic
@@ -63,45 +205,203 @@ def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
+        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, _I32, _I32, _I32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, keep in all levels, data
+        builder.call(fn, [ptr, _I32(0), _I32(3), _I32(1)])  # read, keep in all levels, data
         return context.get_dummy_value()
 
     return types.none(address), codegen
 
 
+@intrinsic
+def _popcount(typingctx, word):  # type: ignore[no-untyped-def]
+    """Set bits of a uint64."""
+    if not isinstance(word, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        value = builder.zext(args[0], _I64) if args[0].type.width < 64 else args[0]
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_I64, [_I64]), "llvm.ctpop.i64"
+        )
+        return builder.call(fn, [value])
+
+    return types.int64(word), codegen
+
+
+@intrinsic
+def _copy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
+    """Copy ``nbytes`` from address ``src`` to ``dst`` inline: 8-byte words, then bytes (rows
+    are tens of bytes; a call to memcpy per row costs more than the copy)."""
+    if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        d, s, n = args
+        for ty, first, count in (
+            (_I64, _I64(0), builder.lshr(n, _I64(3))),
+            (_I8, builder.and_(n, _I64(~7)), builder.and_(n, _I64(7))),
+        ):
+            to, fro = (builder.inttoptr(a, ir.PointerType(ty)) for a in (d, s))
+            with cgutils.for_range(builder, count) as loop:
+                at = builder.add(loop.index, builder.lshr(first, _I64(3 if ty is _I64 else 0)))
+                value = builder.load(builder.gep(fro, [at]), align=1)
+                builder.store(value, builder.gep(to, [at]), align=1)
+        return context.get_dummy_value()
+
+    return types.none(dst, src, nbytes), codegen
+
+
+@intrinsic
+def _group_int4(typingctx, codes, scale, dst, out):  # type: ignore[no-untyped-def]
+    """16 int4 columns: ``(nibble - INT4_BIAS) * scale`` from 8 bytes at ``codes`` -> ``dst``."""
+    bf16 = _out_is_bf16(out)
+    if bf16 is None:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        codes_v, scale_v, dst_v, _ = args
+        # nibble - 8 is exact in float32, and so is its product with an fp16 scale.
+        q = builder.uitofp(_nibbles(builder, codes_v), _vt(_F32))
+        q = builder.fsub(q, _const(_F32, float(INT4_BIAS)))
+        _store(builder, builder.fmul(q, _splat(builder, scale_v)), dst_v, bf16)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.float32, types.int64, out), codegen
+
+
+@intrinsic
+def _group_nvfp4(typingctx, codes, pairs, scale, scale_2, dst, out):  # type: ignore[no-untyped-def]
+    """16 nvfp4 columns: ``(e2m1 * scale) * scale_2`` -> ``dst``; ``pairs`` is the address of
+    the float32 [256, 2] table of each byte's two codes (the order of the numpy codec)."""
+    bf16 = _out_is_bf16(out)
+    if bf16 is None:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        codes_v, pairs_v, scale_v, s2_v, dst_v, _ = args
+        packed = _load(builder, codes_v, _vt(_I8, _V // 2))
+        both = _gather(builder, pairs_v, packed, _I64)  # <8 x i64> = 16 float32, in order
+        q = builder.bitcast(both, _vt(_F32))
+        q = builder.fmul(q, _splat(builder, scale_v))  # exact: e2m1 x e4m3
+        _store(builder, builder.fmul(q, _splat(builder, s2_v)), dst_v, bf16)
+        return context.get_dummy_value()
+
+    return (
+        types.none(types.int64, types.int64, types.float32, types.float32, types.int64, out),
+        codegen,
+    )
+
+
+@intrinsic
+def _group_fp8(typingctx, codes, scale, dst, out):  # type: ignore[no-untyped-def]
+    """16 fp8 columns: ``e4m3(code) * scale`` -> ``dst``."""
+    bf16 = _out_is_bf16(out)
+    if bf16 is None:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        codes_v, scale_v, dst_v, _ = args
+        q = _e4m3(builder, _load(builder, codes_v, _vt(_I8)))
+        _store(builder, builder.fmul(q, _splat(builder, scale_v)), dst_v, bf16)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.float32, types.int64, out), codegen
+
+
+@intrinsic
+def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
+    """16 bf16 columns at ``src`` -> ``dst`` as float32 (the bits shifted up) or bfloat16 (the
+    same value, through :func:`_store` so that NaNs come out as the reference's)."""
+    bf16 = _out_is_bf16(out)
+    if bf16 is None:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        src_v, dst_v, _ = args
+        half = _load(builder, src_v, _vt(_I16))
+        wide = builder.shl(builder.zext(half, _vt(_I32)), _const(_I32, 16))
+        _store(builder, builder.bitcast(wide, _vt(_F32)), dst_v, bf16)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64, out), codegen
+
+
+# -- finding rows ------------------------------------------------------------------------------
+
+
 @numba.njit(nogil=True, cache=True)
-def _locate(row, geo, seg_start, hot_ids):  # type: ignore[no-untyped-def]
-    """(column of ``bases``, local row, open shard) of global ``row``; column -1/-2 = pad/bad."""
-    if row < -1 or row >= geo[4]:
+def hot_index(hot_rel, rows):  # type: ignore[no-untyped-def]
+    """The hot tier's index over ``rows`` rows: ``(bitmap, rank)``.
+
+    ``hot_rel`` int64 [H]: hot rows relative to the first open row, sorted, unique. ``bitmap``
+    uint64 [ceil(rows / 512) * 8]: bit ``r % 64`` of word ``r // 64`` set for a hot row ``r``;
+    ``rank`` int64 [ceil(rows / 512)]: hot rows before row ``512 * b``. Row ``r``'s place in
+    the hot copy is ``rank[r // 512]`` plus the set bits before it in its 512-row block.
+    """
+    blocks = (rows + (1 << _RANK_SHIFT) - 1) >> _RANK_SHIFT
+    bitmap = np.zeros(blocks << (_RANK_SHIFT - 6), np.uint64)
+    rank = np.zeros(blocks, np.int64)
+    for j in range(hot_rel.size):
+        r = hot_rel[j]
+        bitmap[r >> 6] |= np.uint64(1) << np.uint64(r & 63)
+    total = 0
+    for b in range(blocks):
+        rank[b] = total
+        for w in range(b << (_RANK_SHIFT - 6), (b + 1) << (_RANK_SHIFT - 6)):
+            total += _popcount(bitmap[w])
+    return bitmap, rank
+
+
+@numba.njit(nogil=True, cache=True)
+def _locate(row, loc, inv):  # type: ignore[no-untyped-def]
+    """(column of ``bases``, local row, open shard) of global ``row``; column -1/-2 = pad/bad.
+    ``inv`` is ``1 / rows_per_shard`` (float64)."""
+    if row < -1 or row >= loc[4]:
         return _BAD, 0, 0
-    if row < geo[2] or row >= geo[3]:  # padding (-1) included: geo[2] >= 0
+    if row < loc[2] or row >= loc[3]:  # padding (-1) included: loc[2] >= 0
         return _OUT, 0, 0
-    shard = row // geo[0] - geo[1]
-    n_hot = hot_ids.size
-    if n_hot:
-        lo, hi = 0, n_hot
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            if hot_ids[mid] < row:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < n_hot and hot_ids[lo] == row:
-            return seg_start.size, lo, shard
-    return shard, row - seg_start[shard], shard
+    # row // rows_per_shard without an integer division (tens of cycles each): a float64
+    # product, exact after one correction either way for any row below 2**52.
+    per = loc[0]
+    q = np.int64(np.float64(row) * inv)
+    if q * per > row:
+        q -= 1
+    elif (q + 1) * per <= row:
+        q += 1
+    shard = q - loc[1]
+    if loc[7]:  # a hot tier: is the row in it, and where (bitmap + rank, no search)
+        rel = row - loc[2]
+        word = rel >> 6
+        bitmap = numba.carray(_ptr(loc[10]), word + 1, np.uint64)
+        bits = bitmap[word]
+        bit = np.uint64(1) << np.uint64(rel & 63)
+        if bits & bit:
+            j = numba.carray(_ptr(loc[11]), (rel >> _RANK_SHIFT) + 1, np.int64)[rel >> _RANK_SHIFT]
+            for w in range((rel >> _RANK_SHIFT) << (_RANK_SHIFT - 6), word):
+                j += _popcount(bitmap[w])
+            j += _popcount(bits & (bit - np.uint64(1)))
+            return loc[5], j, shard
+    return shard, row - loc[_HEAD + shard], shard
 
 
 @numba.njit(nogil=True, cache=True)
-def _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where):  # type: ignore[no-untyped-def]
+def _resolve(ids, b0, b1, loc, where):  # type: ignore[no-untyped-def]
     """Fill ``where[i - b0]`` = (address of each tensor's row..., open shard) for ids
     ``[b0, b1)`` and prefetch the rows, so the decode loop finds them in cache. Padding gets
     address -1. Returns the first bad id's index or -1."""
-    n_t = row_bytes.size
+    n_s, n_t = loc[5], loc[6]
+    bases = _HEAD + n_s
+    sizes = bases + n_t * (n_s + 1)
+    inv = 1.0 / np.float64(loc[0])
+    if loc[7]:  # the hot index's lines for the whole block first, so their misses overlap
+        for i in range(b0, b1):
+            rel = ids[i] - loc[2]
+            if rel >= 0 and ids[i] < loc[3]:
+                _prefetch(loc[10] + (rel >> 6) * 8)
+                _prefetch(loc[11] + (rel >> _RANK_SHIFT) * 8)
     for i in range(b0, b1):
-        col, local, shard = _locate(ids[i], geo, seg_start, hot_ids)
+        col, local, shard = _locate(ids[i], loc, inv)
         if col == _BAD:
             return i
         slot = where[i - b0]
@@ -110,45 +410,12 @@ def _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where):  # 
             if col == _OUT:
                 slot[t] = -1
                 continue
-            address = bases[t, col] + local * row_bytes[t]
+            size = loc[sizes + t]
+            address = loc[bases + t * (n_s + 1) + col] + local * size
             slot[t] = address
-            _prefetch(address)
-            _prefetch(address + row_bytes[t] - 1)
+            for line in range(address & ~63, address + size, 64):  # every cache line of it
+                _prefetch(line)
     return -1
-
-
-def _row_of(out, i, scratch):  # type: ignore[no-untyped-def]
-    """Where row ``i`` is decoded: ``out[i]`` itself (float32 out) or ``scratch`` (bfloat16)."""
-
-
-@overload(_row_of, jit_options={"nogil": True, "cache": True})  # type: ignore[typeddict-unknown-key]
-def _row_of_impl(out, i, scratch):  # type: ignore[no-untyped-def]
-    if out.dtype == types.float32:
-        return lambda out, i, scratch: out[i]
-    return lambda out, i, scratch: scratch
-
-
-def _finish(out, i, scratch):  # type: ignore[no-untyped-def]
-    """Round the decoded ``scratch`` into bfloat16 row ``i`` of ``out`` (uint16 bits) to
-    nearest-even, NaN kept NaN; nothing to do for float32 out."""
-
-
-@overload(_finish, jit_options={"nogil": True, "cache": True})  # type: ignore[typeddict-unknown-key]
-def _finish_impl(out, i, scratch):  # type: ignore[no-untyped-def]
-    if out.dtype == types.float32:
-        return lambda out, i, scratch: None
-
-    def to_bf16(out, i, scratch):  # type: ignore[no-untyped-def]
-        bits = scratch.view(np.uint32)
-        dst = out[i]
-        for j in range(bits.size):
-            b = bits[j]
-            if (b & 0x7FFFFFFF) > 0x7F800000:
-                dst[j] = (b >> 16) | 0x40
-            else:
-                dst[j] = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-
-    return to_bf16
 
 
 @numba.njit(nogil=True, cache=True)
@@ -158,160 +425,235 @@ def _zero(out, i):  # type: ignore[no-untyped-def]
         dst[j] = 0
 
 
-#: Ids resolved (and their rows prefetched) ahead of decoding: enough loads in flight to
-#: hide memory latency, few enough that the rows are still in L1/L2 when decoded.
+#: Ids resolved (and their rows prefetched) one block ahead of decoding: enough loads in
+#: flight to hide memory latency, few enough that the rows are still in L1/L2 when decoded.
 BLOCK = 32
 
 
 @numba.njit(nogil=True, cache=True)
-def lookup_bf16(ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, out):  # type: ignore[no-untyped-def]
-    """bf16 rows -> ``out``: float32 [n, w], or uint16 [n, w] holding bfloat16 bits."""
+def _start(ids, lo, hi, loc):  # type: ignore[no-untyped-def]
+    """Slots for two blocks, the first resolved: ``(where [2, BLOCK, T + 1], bad index or -1)``."""
+    where = np.empty((2, BLOCK, loc[6] + 1), np.int64)
+    bad = _resolve(ids, lo, min(lo + BLOCK, hi), loc, where[0]) if lo < hi else -1
+    return where, bad
+
+
+@numba.njit(nogil=True, cache=True)
+def _advance(ids, b0, hi, loc, where, k):  # type: ignore[no-untyped-def]
+    """Before block ``k`` (ids from ``b0``) is decoded, resolve block ``k + 1`` so its rows are
+    on their way from memory meanwhile; return block ``k``'s slots and a bad index or -1."""
+    b1 = b0 + BLOCK
+    bad = -1
+    if b1 < hi:
+        bad = _resolve(ids, b1, min(b1 + BLOCK, hi), loc, where[(k + 1) & 1])
+    return where[k & 1], bad
+
+
+# -- one entry point per format ----------------------------------------------------------------
+# ``out`` is float32 [n, w] or uint16 [n, w] holding bfloat16 bits; numba compiles one version
+# of each kernel per out dtype (both land in the on-disk cache at the first open).
+
+
+@numba.njit(nogil=True, cache=True)
+def lookup_bf16(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
+    """bf16 rows -> ``out``."""
     w = out.shape[1]
-    scratch = np.empty(w, np.float32)
-    where = np.empty((BLOCK, row_bytes.size + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where)
+    step = out.strides[0]
+    itemsize = out.itemsize
+    base = out.ctypes.data
+    full = w - w % GROUP
+    scratch = np.empty(GROUP, np.float32)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            slot = where[i - b0]
-            if slot[0] < 0:
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            src = cur[i - b0, 0]
+            if src < 0:
                 _zero(out, i)
                 continue
-            row = _row_of(out, i, scratch)
-            src = numba.carray(_ptr(slot[0]), w, np.uint16)
-            bits = row.view(np.uint32)
-            for j in range(w):
-                bits[j] = np.uint32(src[j]) << 16
-            _finish(out, i, scratch)
+            dst = base + i * step
+            for c in range(0, full, GROUP):
+                _group_bf16(src + 2 * c, dst + itemsize * c, out)
+            if full < w:  # a width that is not a multiple of 16: the rest through scratch
+                bits = numba.carray(_ptr(src), w, np.uint16)
+                wide = scratch.view(np.uint32)
+                for c in range(full, w):
+                    wide[c - full] = np.uint32(bits[c]) << 16
+                _group_tail(scratch, w - full, dst + itemsize * full, out)
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def lookup_fp8(ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, e4m3, out):  # type: ignore[no-untyped-def]
-    """fp8 rows (e4m3 codes x per-row float32 scale) -> ``out``; ``e4m3`` float32 [256]."""
+def lookup_fp8(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
+    """fp8 rows (e4m3 codes x per-row float32 scale) -> ``out``."""
     w = out.shape[1]
-    scratch = np.empty(w, np.float32)
-    where = np.empty((BLOCK, row_bytes.size + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where)
+    step = out.strides[0]
+    itemsize = out.itemsize
+    base = out.ctypes.data
+    lut = numba.carray(_ptr(loc[8]), 256, np.float32)  # for a width's last columns
+    full = w - w % GROUP
+    scratch = np.empty(GROUP, np.float32)
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            slot = where[i - b0]
-            if slot[0] < 0:
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            codes = cur[i - b0, 0]
+            if codes < 0:
                 _zero(out, i)
                 continue
-            row = _row_of(out, i, scratch)
-            codes = numba.carray(_ptr(slot[0]), w, np.uint8)
-            scale = numba.carray(_ptr(slot[1]), 1, np.float32)[0]
-            for j in range(w):
-                row[j] = e4m3[codes[j]] * scale
-            _finish(out, i, scratch)
+            scale = numba.carray(_ptr(cur[i - b0, 1]), 1, np.float32)[0]
+            dst = base + i * step
+            for c in range(0, full, GROUP):
+                _group_fp8(codes + c, scale, dst + itemsize * c, out)
+            if full < w:  # a width that is not a multiple of 16: the rest through scratch
+                src = numba.carray(_ptr(codes), w, np.uint8)
+                for c in range(full, w):
+                    scratch[c - full] = lut[src[c]] * scale
+                _group_tail(scratch, w - full, dst + itemsize * full, out)
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def lookup_int4(ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, fp16, out):  # type: ignore[no-untyped-def]
-    """int4 rows ((nibble - 8) x fp16 group scale) -> ``out``; ``fp16`` float32 [65536]."""
+def _group_tail(values, n, dst, out):  # type: ignore[no-untyped-def]
+    """The first ``n`` (< 16) of ``values`` float32 [16] -> ``dst`` in out's dtype."""
+    full = np.empty(GROUP, out.dtype)
+    _store_group(values, full.ctypes.data, full)
+    tail = numba.carray(_ptr(dst), n, out.dtype)
+    for c in range(n):
+        tail[c] = full[c]
+
+
+@intrinsic
+def _store_values(typingctx, values, dst, out):  # type: ignore[no-untyped-def]
+    """float32 [16] at address ``values`` -> ``dst`` in out's dtype (rounded for bfloat16)."""
+    bf16 = _out_is_bf16(out)
+    if bf16 is None:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        vals = _load(builder, args[0], _vt(_F32))
+        _store(builder, vals, args[1], bf16)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64, out), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _store_group(values, dst, out):  # type: ignore[no-untyped-def]
+    _store_values(values.ctypes.data, dst, out)
+
+
+@numba.njit(nogil=True, cache=True)
+def lookup_int4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
+    """int4 rows ((nibble - INT4_BIAS) x fp16 group scale) -> ``out``."""
     w = out.shape[1]
-    group = geo[5]
-    half, groups, pairs = w // 2, w // group, group // 2
-    scratch = np.empty(w, np.float32)
-    where = np.empty((BLOCK, row_bytes.size + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where)
+    step = out.strides[0]
+    itemsize = out.itemsize
+    base = out.ctypes.data
+    fp16 = numba.carray(_ptr(loc[8]), 1 << 16, np.float32)
+    groups = w // GROUP
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            slot = where[i - b0]
-            if slot[0] < 0:
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            codes = cur[i - b0, 0]
+            if codes < 0:
                 _zero(out, i)
                 continue
-            row = _row_of(out, i, scratch)
-            codes = numba.carray(_ptr(slot[0]), half, np.uint8)
-            scales = numba.carray(_ptr(slot[1]), groups, np.uint16)
+            scales = numba.carray(_ptr(cur[i - b0, 1]), groups, np.uint16)
+            dst = base + i * step
             for g in range(groups):
                 s = fp16[scales[g]]
-                for k in range(pairs):
-                    b = codes[g * pairs + k]
-                    row[g * group + 2 * k] = np.float32(np.int32(b & 15) - 8) * s
-                    row[g * group + 2 * k + 1] = np.float32(np.int32(b >> 4) - 8) * s
-            _finish(out, i, scratch)
+                _group_int4(codes + g * (GROUP // 2), s, dst + itemsize * GROUP * g, out)
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def lookup_nvfp4(ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, e2m1, e4m3, out):  # type: ignore[no-untyped-def]
+def lookup_nvfp4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
     """nvfp4 rows (e2m1 code x e4m3 group scale x shard scale) -> ``out``.
 
-    ``e2m1`` float32 [16] (sign included), ``e4m3`` float32 [256]. The product is taken as
-    ``(code * scale) * scale_2`` in float32, the order of the numpy codec (the first is exact).
+    The product is taken as ``(code * scale) * scale_2`` in float32, the order of the numpy
+    codec (the first is exact).
     """
     w = out.shape[1]
-    group = geo[5]
-    half, groups, pairs = w // 2, w // group, group // 2
-    n_t = row_bytes.size
-    scratch = np.empty(w, np.float32)
-    where = np.empty((BLOCK, n_t + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where)
+    step = out.strides[0]
+    itemsize = out.itemsize
+    base = out.ctypes.data
+    pairs = loc[8]
+    e4m3 = numba.carray(_ptr(loc[9]), 256, np.float32)
+    groups = w // GROUP
+    n_t = loc[6]
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            slot = where[i - b0]
-            if slot[0] < 0:
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            codes = cur[i - b0, 0]
+            if codes < 0:
                 _zero(out, i)
                 continue
-            row = _row_of(out, i, scratch)
-            s2 = scalars[slot[n_t]]
-            codes = numba.carray(_ptr(slot[0]), half, np.uint8)
-            scales = numba.carray(_ptr(slot[1]), groups, np.uint8)
+            s2 = scalars[cur[i - b0, n_t]]
+            scales = numba.carray(_ptr(cur[i - b0, 1]), groups, np.uint8)
+            dst = base + i * step
             for g in range(groups):
                 s = e4m3[scales[g]]
-                for k in range(pairs):
-                    b = codes[g * pairs + k]
-                    row[g * group + 2 * k] = (e2m1[b & 15] * s) * s2
-                    row[g * group + 2 * k + 1] = (e2m1[b >> 4] * s) * s2
-            _finish(out, i, scratch)
+                _group_nvfp4(
+                    codes + g * (GROUP // 2), pairs, s, s2, dst + itemsize * GROUP * g, out
+                )
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def gather_tensor(
-    ids, lo, hi, geo, seg_start, bases, row_bytes, hot_ids, scalars, t, pad, dst, dst_scalars
-):  # type: ignore[no-untyped-def]
-    """Stored bytes of tensor ``t`` -> ``dst`` uint8 [n, row_bytes[t]]; padding rows get byte
-    ``pad``. When ``dst_scalars`` (float32 [n]) is not empty it receives each id's per-shard
-    scalar (0 for padding)."""
-    nbytes = row_bytes[t]
-    n_t = row_bytes.size
+def gather_rows(ids, lo, hi, loc, scalars, dst0, dst1, pads, dst_scalars):  # type: ignore[no-untyped-def]
+    """Stored bytes of every per-row tensor -> ``dst0``/``dst1`` uint8 [n, row_bytes[t]]
+    (``dst1`` [n, 0] for a one-tensor format); padding rows get byte ``pads[t]``. When
+    ``dst_scalars`` (float32 [n]) is not empty it receives each id's per-shard scalar (0 for
+    padding)."""
+    n_t = loc[6]
     fill = dst_scalars.size > 0
-    where = np.empty((BLOCK, n_t + 1), np.int64)
-    for b0 in range(lo, hi, BLOCK):
-        b1 = min(b0 + BLOCK, hi)
-        bad = _resolve(ids, b0, b1, geo, seg_start, bases, row_bytes, hot_ids, where)
+    base0, step0, size0 = dst0.ctypes.data, dst0.strides[0], dst0.shape[1]
+    base1, step1, size1 = dst1.ctypes.data, dst1.strides[0], dst1.shape[1]
+    where, bad = _start(ids, lo, hi, loc)
+    if bad >= 0:
+        return bad
+    for k, b0 in enumerate(range(lo, hi, BLOCK)):
+        cur, bad = _advance(ids, b0, hi, loc, where, k)
         if bad >= 0:
             return bad
-        for i in range(b0, b1):
-            slot = where[i - b0]
-            row = dst[i]
-            if slot[t] < 0:
-                for j in range(nbytes):
-                    row[j] = pad
-                if fill:
-                    dst_scalars[i] = 0.0
-                continue
-            src = numba.carray(_ptr(slot[t]), nbytes, np.uint8)
-            for j in range(nbytes):
-                row[j] = src[j]
+        for i in range(b0, min(b0 + BLOCK, hi)):
+            slot = cur[i - b0]
+            _copy_row(base0 + i * step0, size0, slot[0], pads[0])
+            if n_t > 1:
+                _copy_row(base1 + i * step1, size1, slot[1], pads[1])
             if fill:
-                dst_scalars[i] = scalars[slot[n_t]]
+                dst_scalars[i] = 0.0 if slot[0] < 0 else scalars[slot[n_t]]
     return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _copy_row(dst, nbytes, src, pad):  # type: ignore[no-untyped-def]
+    """``nbytes`` from address ``src`` to address ``dst``, or byte ``pad`` for padding (-1)."""
+    if src < 0:
+        row = numba.carray(_ptr(dst), nbytes, np.uint8)
+        for j in range(nbytes):
+            row[j] = pad
+    else:
+        _copy(dst, src, nbytes)
 
 
 #: Batches smaller than this run on the calling thread (a thread hand-off costs ~20 us).

@@ -30,7 +30,7 @@ import numpy as np
 
 from flashnext.errors import RowIdError, SidecarError
 from flashnext.ple import lookup_kernels as kern
-from flashnext.ple.formats import BF16, E2M1_CODES, E4M3, GROUP, Codec
+from flashnext.ple.formats import BF16, Codec
 from flashnext.ple.preflight import HostMemory, check_fits
 from flashnext.ple.profile import PROFILE_NAME, HotRowProfile, load_profile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
@@ -41,19 +41,21 @@ Residency = Literal["mmap", "resident"]
 #: (the first N rows of ``hot_rows.safetensors`` beside the sidecar).
 HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
 PAD_ID = -1
+_NO_SCALARS = np.zeros(0, np.float32)
+_INT64 = np.dtype(np.int64)
 
-# Decode tables handed to the kernels, derived from the dtypes formats.py names.
-_E4M3_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
-_FP16_F32 = np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
-_KERNELS: dict[str, tuple[Callable[..., int], tuple[np.ndarray, ...]]] = {
-    "bf16": (kern.lookup_bf16, ()),
-    "fp8": (kern.lookup_fp8, (_E4M3_F32,)),
-    "int4": (kern.lookup_int4, (_FP16_F32,)),
-    "nvfp4": (kern.lookup_nvfp4, (np.ascontiguousarray(E2M1_CODES, np.float32), _E4M3_F32)),
+_KERNELS: dict[str, Callable[..., int]] = {
+    "bf16": kern.lookup_bf16,
+    "fp8": kern.lookup_fp8,
+    "int4": kern.lookup_int4,
+    "nvfp4": kern.lookup_nvfp4,
 }
-_OUT_BITS: dict[np.dtype[Any], np.dtype[Any]] = {
+# lookup's out dtype (as a dtype or a scalar type) -> the bits the kernels write.
+_OUT_BITS: dict[Any, np.dtype[Any]] = {
     np.dtype(np.float32): np.dtype(np.float32),
+    np.float32: np.dtype(np.float32),
     BF16: np.dtype(np.uint16),
+    BF16.type: np.dtype(np.uint16),
 }
 
 
@@ -107,18 +109,10 @@ class _Locator:
     Holding it keeps every addressed array alive, so a call in flight survives ``close()``.
     """
 
-    geo: np.ndarray  # int64 [6]
-    seg_start: np.ndarray  # int64 [S]
-    bases: np.ndarray  # int64 [T, S + 1]: addresses
-    row_bytes: np.ndarray  # int64 [T]
-    hot_ids: np.ndarray  # int64 [H], sorted
+    loc: np.ndarray  # int64: geometry, shard starts, addresses, row bytes, hot ids
     scalars: np.ndarray  # float32 [S]
+    hot_rows: int
     keep: tuple[Any, ...]
-
-    @property
-    def args(self) -> tuple[np.ndarray, ...]:
-        """The locator arguments every kernel takes after ``ids, lo, hi``."""
-        return (self.geo, self.seg_start, self.bases, self.row_bytes, self.hot_ids, self.scalars)
 
 
 class PLETable:
@@ -148,8 +142,7 @@ class PLETable:
                 f"{sidecar.num_rows} rows"
             )
         self.row_range = (start, end)
-        self._row_specs = [s for s in self.codec.specs if s.per_row]
-        self._scalar_specs = [s for s in self.codec.specs if not s.per_row]
+        self._set_layout()
         self._shards = [
             sh for sh in sidecar.shards if sh.row_start < end and sh.row_start + sh.rows > start
         ]
@@ -171,8 +164,8 @@ class PLETable:
         hot_ids = self._hot_ids(hot_rows)
         if hot_ids.size:
             if preflight is not False:
-                check_fits(
-                    hot_ids.size * self.codec.bytes_per_row(self.width),
+                check_fits(  # the rows, and the index (at most 2 bits per open row)
+                    hot_ids.size * self.codec.bytes_per_row(self.width) + (end - start) // 4,
                     f"the hot tier of {sidecar.path} ({hot_ids.size:,} rows)",
                     memory=memory,
                 )
@@ -200,7 +193,7 @@ class PLETable:
     @property
     def hot_rows(self) -> int:
         """Rows held in the hot tier (0 without one)."""
-        return 0 if self._state is None else int(self._state.hot_ids.size)
+        return 0 if self._state is None else self._state.hot_rows
 
     @property
     def resident_bytes(self) -> int:
@@ -231,6 +224,20 @@ class PLETable:
         )
 
     # -- opening -------------------------------------------------------------------------
+    def _set_layout(self) -> None:
+        """What every call reuses: the format's tensors, kernel and gather_raw layout."""
+        self._row_specs = [s for s in self.codec.specs if s.per_row]
+        self._scalar_specs = [s for s in self.codec.specs if not s.per_row]
+        self._kernel = _KERNELS[self.format]
+        self._row_names = [s.name for s in self._row_specs]
+        # gather_raw's outputs: (name, dtype, shape after the ids' shape) per tensor
+        self._raw_layout = [
+            (s.name, s.dtype if s.per_row else np.dtype(np.float32), s.shape(1, self.width)[1:])
+            for s in self.codec.specs
+        ]
+        # pad byte per row tensor, and one for the absent second tensor of a one-tensor format
+        self._pads = np.array([s.pad for s in self._row_specs] + [0], dtype=np.uint8)
+
     def _map_shard(self, shard: Shard, lo: int, hi: int) -> _Segment:
         arrays = {}
         for spec in self._row_specs:
@@ -260,11 +267,13 @@ class PLETable:
         return [_Segment(start, end - start, merged)]
 
     def _locator(self, hot: Mapping[str, np.ndarray], hot_ids: np.ndarray) -> _Locator:
-        """Per open shard: its first open row and each tensor's address of that row."""
+        """The kernels' ``loc`` array: per open shard its first open row and each tensor's
+        address of that row, the hot tier's rows and addresses, the decode tables."""
         start, end = self.row_range
         seg_start = np.maximum(self._shard_starts, start)
-        bases = np.zeros((len(self._row_specs), seg_start.size + 1), dtype=np.int64)
-        row_bytes = np.zeros(len(self._row_specs), dtype=np.int64)
+        n_s, n_t = seg_start.size, len(self._row_specs)
+        bases = np.zeros((n_t, n_s + 1), dtype=np.int64)
+        row_bytes = np.zeros(n_t, dtype=np.int64)
         for t, spec in enumerate(self._row_specs):
             for k, first in enumerate(seg_start.tolist()):
                 seg = self._segments[0 if self.residency == "resident" else k]
@@ -273,14 +282,17 @@ class PLETable:
                 row_bytes[t] = arr.strides[0]
             if hot:
                 bases[t, -1] = hot[spec.name].ctypes.data
-        geo = np.array(
-            [self.sidecar.rows_per_shard, self._shards[0].index, start, end, self.num_rows, GROUP],
-            dtype=np.int64,
-        )
+        index: tuple[np.ndarray, ...] = ()
+        if hot_ids.size:
+            index = kern.hot_index(hot_ids - start, end - start)
+        head = [self.sidecar.rows_per_shard, self._shards[0].index, start, end, self.num_rows]
+        head += [n_s, n_t, hot_ids.size, *kern.decode_tables(self.format)]
+        head += [a.ctypes.data for a in index] or [0, 0]
+        loc = np.concatenate([head, seg_start, bases.reshape(-1), row_bytes])
         scal = self._shard_scalars
-        scalars = next(iter(scal.values())) if scal else np.ones(seg_start.size, np.float32)
-        keep = (self._segments, dict(hot))
-        return _Locator(geo, seg_start, bases, row_bytes, hot_ids, scalars, keep)
+        scalars = next(iter(scal.values())) if scal else np.ones(n_s, np.float32)
+        keep = (self._segments, dict(hot), index)
+        return _Locator(loc.astype(np.int64), scalars, int(hot_ids.size), keep)
 
     def _hot_ids(self, hot_rows: HotRows) -> np.ndarray:
         """The hot tier's global row ids inside row_range, unique and sorted (file order)."""
@@ -331,10 +343,12 @@ class PLETable:
         return state
 
     def _as_ids(self, ids: object) -> np.ndarray:
+        if type(ids) is np.ndarray and ids.dtype == _INT64 and ids.flags.c_contiguous:
+            return ids  # the common case, without a copy or a scan
         arr = _no_wrapping_ids(ids)
         if arr.dtype.kind not in "iu" and arr.size:
             raise RowIdError(f"row ids must be integers, found dtype {arr.dtype}")
-        return np.ascontiguousarray(arr, dtype=np.int64)
+        return np.asarray(arr, dtype=np.int64, order="C")  # a 0-d id stays 0-d
 
     def _raise_bad(self, arr: np.ndarray, index: int) -> None:
         pos = tuple(int(p) for p in np.unravel_index(index, arr.shape))
@@ -364,22 +378,29 @@ class PLETable:
         """
         state = self._state_or_raise()
         arr = self._as_ids(ids)
-        dt = np.dtype(dtype)
-        if dt not in _OUT_BITS:
-            raise ValueError(f"lookup dtype must be float32 or bfloat16, found {dt}")
+        bits_dtype = _OUT_BITS.get(dtype)
+        if bits_dtype is None:
+            dtype = np.dtype(dtype)  # a name such as "float32"
+            bits_dtype = _OUT_BITS.get(dtype)
+            if bits_dtype is None:
+                raise ValueError(f"lookup dtype must be float32 or bfloat16, found {dtype}")
         shape = (*arr.shape, self.width)
         if out is None:
-            out = np.empty(shape, dtype=dt)
-        elif out.dtype != dt or out.shape != shape or not out.flags.c_contiguous:
+            out = np.empty(shape, dtype=dtype)
+        elif out.dtype != dtype or out.shape != shape or not out.flags.c_contiguous:
             raise ValueError(
-                f"out must be a C-contiguous {dt} array of shape {list(shape)}, found "
-                f"{out.dtype} {list(out.shape)}"
+                f"out must be a C-contiguous {np.dtype(dtype)} array of shape {list(shape)}, "
+                f"found {out.dtype} {list(out.shape)}"
             )
-        if arr.size:
-            kernel, luts = _KERNELS[self.format]
-            flat = arr.reshape(-1)
-            bits = out.reshape(flat.size, self.width).view(_OUT_BITS[dt])
-            bad = kern.run_split(kernel, flat, (*state.args, *luts, bits), self.threads)
+        n = arr.size
+        if n:
+            bits = out.view(bits_dtype)
+            if bits.ndim != 2:
+                bits, arr_flat = bits.reshape(n, self.width), arr.reshape(n)
+            else:
+                arr_flat = arr
+            args = (state.loc, state.scalars, bits)
+            bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return out
@@ -405,37 +426,35 @@ class PLETable:
         """
         state = self._state_or_raise()
         arr = self._as_ids(ids)
-        flat = arr.reshape(-1)
+        n = arr.size
+        flat = arr.reshape(n)
         result = self._raw_buffers(arr.shape, out)
-        scal = [result[s.name].reshape(-1) for s in self._scalar_specs]
-        no_scalars = np.zeros(0, np.float32)
-        for t, spec in enumerate(self._row_specs):
-            dst = result[spec.name].reshape(flat.size, -1).view(np.uint8)
-            dst_scalars = scal[0] if t == 0 and scal else no_scalars
-            args = (*state.args, t, spec.pad, dst, dst_scalars)
-            bad = kern.run_split(kern.gather_tensor, flat, args, self.threads)
-            if bad >= 0:
-                self._raise_bad(arr, bad)
+        dst = [result[name].reshape(n, -1).view(np.uint8) for name in self._row_names]
+        if len(dst) == 1:
+            dst.append(np.empty((n, 0), np.uint8))
+        scal = [result[s.name].reshape(n) for s in self._scalar_specs] or [_NO_SCALARS]
+        args = (state.loc, state.scalars, dst[0], dst[1], self._pads, scal[0])
+        bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
+        if bad >= 0:
+            self._raise_bad(arr, bad)
         return result
 
     def _raw_buffers(
         self, shape: tuple[int, ...], out: Mapping[str, np.ndarray] | None
     ) -> dict[str, np.ndarray]:
+        if out is None:
+            return {name: np.empty((*shape, *tail), dt) for name, dt, tail in self._raw_layout}
         result = {}
-        for spec in self.codec.specs:
-            want = (*shape, *spec.shape(1, self.width)[1:])
-            dtype = spec.dtype if spec.per_row else np.dtype(np.float32)
-            if out is None:
-                result[spec.name] = np.empty(want, dtype=dtype)
-                continue
-            got = out.get(spec.name)
+        for name, dtype, tail in self._raw_layout:
+            want = (*shape, *tail)
+            got = out.get(name)
             if got is None or got.dtype != dtype or got.shape != want or not got.flags.c_contiguous:
                 found = "missing" if got is None else f"{got.dtype} {list(got.shape)}"
                 raise ValueError(
-                    f"out[{spec.name!r}] must be a C-contiguous {dtype} array of shape "
+                    f"out[{name!r}] must be a C-contiguous {dtype} array of shape "
                     f"{list(want)}, found {found}"
                 )
-            result[spec.name] = got
+            result[name] = got
         return result
 
     # -- the numpy reference -----------------------------------------------------------------
