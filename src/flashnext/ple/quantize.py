@@ -315,7 +315,7 @@ def _quantize_rows(
         if compiled:
             from flashnext.ple.quantize_kernels import quantize_block
 
-            q, err, ref = quantize_block(codec, block, scalars or None)
+            q, err, ref = quantize_block(codec, block, scalars or None, finite=True)
         else:
             q = codec.quantize(block, scalars or None)
             diff = codec.dequantize(q).astype(np.float64) - block

@@ -286,13 +286,18 @@ def block_absmax(block: np.ndarray) -> tuple[float, int]:
 
 
 def quantize_block(
-    codec: F.Codec, block: np.ndarray, scalars: Mapping[str, float] | None = None
+    codec: F.Codec,
+    block: np.ndarray,
+    scalars: Mapping[str, float] | None = None,
+    *,
+    finite: bool = False,
 ) -> tuple[dict[str, np.ndarray], float, float]:
-    """float32 [n, width] (finite) -> (the codec's per-row tensors, squared error, squared sum).
+    """float32 [n, width] -> (the codec's per-row tensors, squared error, squared sum).
 
     The tensors are byte-identical to ``codec.quantize(block, scalars)``'s (per-shard scalars
     are the caller's: nvfp4 needs ``scalars``). Squared error and squared sum are float64
-    sums over the block of the stored values' error and of the input.
+    sums over the block of the stored values' error and of the input. ``finite=True`` skips
+    the scan for NaN/inf (the caller has done it, e.g. with :func:`block_absmax`).
 
     Raises:
         FormatError: as ``codec.quantize`` (the reference raises its own message): a width
@@ -302,6 +307,8 @@ def quantize_block(
     if x.ndim != 2 or not x.shape[0]:
         return codec.quantize(x, scalars), *_reference_sums(codec, x, scalars)
     codec.check_width(x.shape[1])
+    if not finite and _absmax_scan(x)[1] >= 0:
+        codec.quantize(x, scalars)  # raises the reference's message
     n, w = x.shape
     if isinstance(codec, F.BF16Codec):
         bits = np.empty((n, w), dtype=np.uint16)
