@@ -57,14 +57,14 @@ from flashnext.ple.table import PLETable, open_table
 from flashnext.safetensors_file import sha256_file
 
 __all__ = [
-    "STATE_NAME",
     "CONVERSIONS",
     "ENGINES",
+    "STATE_NAME",
     "QuantizeResult",
     "RowSource",
-    "StoredRowSource",
     "ShardResult",
     "SidecarSource",
+    "StoredRowSource",
     "can_copy",
     "quantize_shard",
     "quantize_table",
@@ -705,9 +705,9 @@ def _quantize(
         if on_shard:
             on_shard(res, res.record["rows"])
 
+    shared = (opt.block_rows, opt.conversion, opt.engine)
     jobs = [
-        (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard)
-        + (opt.block_rows, opt.conversion, opt.engine)
+        (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, *shared)
         for i in range(writer.num_shards)
         if i not in dest.kept
     ]
@@ -728,7 +728,9 @@ def _result(
     written = sum(r.record["rows"] for r in results)
     settings = sidecar.meta.get("settings")
     conversion = settings.get("conversion", "quantize") if isinstance(settings, dict) else ""
-    row_bytes = get_codec(sidecar.format).bytes_per_row(width) if conversion == "copy" else width * 4
+    row_bytes = (
+        get_codec(sidecar.format).bytes_per_row(width) if conversion == "copy" else width * 4
+    )
     return QuantizeResult(
         sidecar=sidecar,
         rel_rmse=_table_rmse(records),

@@ -107,7 +107,7 @@ def _e2m1_round(y):  # type: ignore[no-untyped-def]
     q = np.uint32(q).view(np.float32)
     if a < _F32(1):
         q = np.rint(a * _F32(2)) * _F32(0.5)
-    if not q != q and q > _F32(6):  # np.minimum keeps NaN
+    if q > _F32(6):  # np.minimum(q, 6); NaN stays NaN (the comparison is False)
         q = _F32(6)
     return np.copysign(q, y)
 
