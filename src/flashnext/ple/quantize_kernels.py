@@ -39,6 +39,8 @@ __all__ = ["block_absmax", "compiled_matches_reference", "quantize_block"]
 
 _F32 = np.float32
 _INT4, _NVFP4 = 0, 1  # kinds of group codec, for the one group kernel
+#: Columns per group; :func:`_group_error` spells out numpy's order for exactly 16.
+_G = 16
 _OK, _NON_FINITE, _SCALE_RANGE = 0, 1, 2  # kernel status
 
 _F16_MAX = _F32(np.finfo(np.float16).max)
@@ -53,7 +55,7 @@ _E4M3_SUBNORMAL_STEP = _F32(2.0**-9)
 # -- float32 -> stored dtype, on the bits (nearest-even) ------------------------------------
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _round_bits(bits, drop):  # type: ignore[no-untyped-def]
     """``bits >> drop`` rounded to nearest, ties to even (a carry may bump the exponent)."""
     kept = bits >> drop
@@ -64,7 +66,7 @@ def _round_bits(bits, drop):  # type: ignore[no-untyped-def]
     return kept
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _f16_bits(v):  # type: ignore[no-untyped-def]
     """float32 ``v`` in [0, 65504] -> float16 bits."""
     if v < _F16_MIN_NORMAL:  # subnormal: multiples of 2^-24 (the scaling is exact)
@@ -73,14 +75,14 @@ def _f16_bits(v):  # type: ignore[no-untyped-def]
     return _round_bits(b - (112 << 23), 13)  # rebias the exponent (127 -> 15), keep 10 bits
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _f16_value(h):  # type: ignore[no-untyped-def]
     if h < 0x400:
         return np.float32(h) * _F16_SUBNORMAL_STEP
     return np.uint32((h + (112 << 10)) << 13).view(np.float32)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _e4m3_bits(v):  # type: ignore[no-untyped-def]
     """float32 ``v`` >= 0 (at most 464: above 448 rounds to 448 or NaN) -> e4m3fn bits."""
     if v < _E4M3_MIN_NORMAL:
@@ -89,7 +91,7 @@ def _e4m3_bits(v):  # type: ignore[no-untyped-def]
     return _round_bits(b - (120 << 23), 20)  # rebias (127 -> 7), keep 3 bits
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _e4m3_value(c):  # type: ignore[no-untyped-def]
     if c < 8:
         return np.float32(c) * _E4M3_SUBNORMAL_STEP
@@ -99,20 +101,20 @@ def _e4m3_value(c):  # type: ignore[no-untyped-def]
 # -- the 4-bit grids (the reference's operations, elementwise) ------------------------------
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _e2m1_round(y):  # type: ignore[no-untyped-def]
     """As ``formats._e2m1_round``: bits rounded to one mantissa bit, the grid below 1, +-6."""
     a = np.abs(y)
     q = np.uint32((np.float32(a).view(np.uint32) + np.uint32(1 << 21)) & np.uint32(0xFFC00000))
     q = np.uint32(q).view(np.float32)
-    if a < _F32(1):
-        q = np.rint(a * _F32(2)) * _F32(0.5)
+    small = np.rint(a * _F32(2)) * _F32(0.5)
+    q = small if a < _F32(1) else q
     if q > _F32(6):  # np.minimum(q, 6); NaN stays NaN (the comparison is False)
         q = _F32(6)
     return np.copysign(q, y)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _e2m1_code(q):  # type: ignore[no-untyped-def]
     """As ``formats._e2m1_code`` (uint32 wrap-around and float -> uint8 cast included)."""
     a = np.abs(q)
@@ -125,17 +127,14 @@ def _e2m1_code(q):  # type: ignore[no-untyped-def]
     return (mag & 0xFF) | (sign << 3)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _int4_round(y):  # type: ignore[no-untyped-def]
     r = np.rint(y)
-    if r < _F32(-8):
-        return _F32(-8)
-    if r > _F32(7):
-        return _F32(7)
-    return r
+    r = _F32(-8) if r < _F32(-8) else r  # as np.clip: NaN stays NaN
+    return _F32(7) if r > _F32(7) else r
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _group_error(p):  # type: ignore[no-untyped-def]
     """Sum of the 16 float32 ``p`` in numpy einsum's order (4 lanes x 4, then hadd)."""
     l0 = p[0] + (p[4] + (p[8] + p[12]))
@@ -150,19 +149,28 @@ def _group_error(p):  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True)
 def _absmax_scan(x):  # type: ignore[no-untyped-def]
-    """(largest |value|, flat index of the first non-finite value or -1) of float32 [n, w]."""
-    flat = x.reshape(-1)
-    amax = _F32(0)
-    for i in range(flat.size):
-        a = np.abs(flat[i])
-        if not a < np.inf:
-            return amax, i
-        if a > amax:
-            amax = a
-    return amax, -1
+    """(largest |value|, flat index of the first non-finite value or -1) of float32 [n, w].
+
+    On the bits: magnitudes order like their bit patterns, NaN/inf above every finite value,
+    and an integer max vectorizes where a float max (NaN rules) does not. After a non-finite
+    value, the magnitude is the largest before it.
+    """
+    bits = x.reshape(-1).view(np.uint32)
+    top = np.uint32(0)
+    for i in range(bits.size):
+        top = max(top, bits[i] & np.uint32(0x7FFFFFFF))
+    if top < np.uint32(0x7F800000):
+        return np.uint32(top).view(np.float32), -1
+    top = np.uint32(0)
+    for i in range(bits.size):
+        b = bits[i] & np.uint32(0x7FFFFFFF)
+        if b >= np.uint32(0x7F800000):
+            return np.uint32(top).view(np.float32), i
+        top = max(top, b)
+    return np.uint32(top).view(np.float32), -1
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _stored_scale(kind, raw):  # type: ignore[no-untyped-def]
     """(stored bits, their float32 value) of a candidate scale, as the codec stores it."""
     if kind == _INT4:
@@ -172,11 +180,11 @@ def _stored_scale(kind, raw):  # type: ignore[no-untyped-def]
     return c, _e4m3_value(c)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _fit(kind, xs, s, out, p):  # type: ignore[no-untyped-def]
     """Rounded values of group ``xs`` at scale ``s`` into ``out``, squared errors into ``p``."""
     inv = _F32(1) / s if s > _F32(0) else _F32(0)
-    for k in range(xs.size):
+    for k in range(_G):
         y = xs[k] * inv
         q = _int4_round(y) if kind == _INT4 else _e2m1_round(y)
         out[k] = q
@@ -185,18 +193,33 @@ def _fit(kind, xs, s, out, p):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def _group_kernel(x, gs, ratios, kind, group, codes, scales, deq_values):  # type: ignore[no-untyped-def]
-    """int4 / nvfp4 search and encode of float32 [n, w]; (status, sq_err, sq_ref)."""
+def _int4_kernel(x, ratios, codes, scales, deq_values):  # type: ignore[no-untyped-def]
+    """int4 search and encode of float32 [n, w]; (status, sq_err, sq_ref)."""
+    return _group_kernel(x, _F32(1), ratios, _INT4, codes, scales, deq_values)
+
+
+@numba.njit(nogil=True, cache=True)
+def _nvfp4_kernel(x, gs, ratios, codes, scales, deq_values):  # type: ignore[no-untyped-def]
+    """nvfp4 search and encode of float32 [n, w]; (status, sq_err, sq_ref)."""
+    return _group_kernel(x, gs, ratios, _NVFP4, codes, scales, deq_values)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _group_kernel(x, gs, ratios, kind, codes, scales, deq_values):  # type: ignore[no-untyped-def]
+    """int4 / nvfp4 search and encode of float32 [n, w]; (status, sq_err, sq_ref).
+
+    Inlined into one kernel per format, so ``kind`` is a constant there and its branches fold.
+    """
     n, w = x.shape
-    q = np.empty(group, dtype=np.float32)
-    p = np.empty(group, dtype=np.float32)
+    q = np.empty(_G, dtype=np.float32)
+    p = np.empty(_G, dtype=np.float32)
     sq_err = 0.0
     sq_ref = 0.0
     for r in range(n):
-        for g in range(w // group):
-            xs = x[r, g * group : (g + 1) * group]
+        for g in range(w // _G):
+            xs = x[r, g * _G : (g + 1) * _G]
             amax = _F32(0)
-            for k in range(group):
+            for k in range(_G):
                 amax = max(amax, np.abs(xs[k]))
             best_err = _F32(0)
             best_bits = 0
@@ -212,10 +235,10 @@ def _group_kernel(x, gs, ratios, kind, group, codes, scales, deq_values):  # typ
                     best_err, best_bits, best_value = err, bits, value
             scales[r, g] = best_bits
             _fit(kind, xs, best_value * gs, q, p)
-            for k in range(0, group, 2):
+            for k in range(0, _G, 2):
                 c0 = _encode(kind, q[k])
                 c1 = _encode(kind, q[k + 1])
-                codes[r, (g * group + k) // 2] = c0 | (c1 << 4)
+                codes[r, (g * _G + k) // 2] = c0 | (c1 << 4)
                 d0 = _decode(kind, c0, deq_values, best_value, gs) - np.float64(xs[k])
                 d1 = _decode(kind, c1, deq_values, best_value, gs) - np.float64(xs[k + 1])
                 sq_err += d0 * d0 + d1 * d1
@@ -223,14 +246,14 @@ def _group_kernel(x, gs, ratios, kind, group, codes, scales, deq_values):  # typ
     return _OK, sq_err, sq_ref
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _encode(kind, q):  # type: ignore[no-untyped-def]
     if kind == _INT4:
         return np.int64(q + _F32(8)) & 0xFF
     return _e2m1_code(q)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True, inline="always")
 def _decode(kind, code, deq_values, scale, gs):  # type: ignore[no-untyped-def]
     """The dequantized value as the numpy codec computes it, widened to float64."""
     if kind == _INT4:
@@ -319,7 +342,7 @@ def quantize_block(
         scale = np.empty(n, dtype=np.float32)
         sums = _fp8_kernel(x, codes, scale)
         return {codec.weight.name: codes.view(F.E4M3), codec.scale.name: scale}, *sums
-    assert isinstance(codec, F._GroupCodec) and codec.group is not None
+    assert isinstance(codec, F._GroupCodec) and codec.group == _G
     gs = _F32(1)
     if isinstance(codec, F.NVFP4Codec):
         if scalars is None:
@@ -330,10 +353,11 @@ def quantize_block(
         (n, w // codec.group), dtype=np.uint8 if codec.scale.dtype.itemsize == 1 else np.uint16
     )
     ratios = np.array([_F32(r / codec.qmax) for r in F.CLIP_RATIOS], dtype=np.float32)
-    kind = _INT4 if isinstance(codec, F.Int4Codec) else _NVFP4
-    status, sq_err, sq_ref = _group_kernel(
-        x, gs, ratios, kind, codec.group, codes, scales, F.E2M1_CODES
-    )
+    if isinstance(codec, F.Int4Codec):
+        found = _int4_kernel(x, ratios, codes, scales, F.E2M1_CODES)
+    else:
+        found = _nvfp4_kernel(x, gs, ratios, codes, scales, F.E2M1_CODES)
+    status, sq_err, sq_ref = found
     if status != _OK or not gs > 0:
         codec.quantize(x, scalars)  # raises the reference's message
         raise F.FormatError(f"{codec.name}: the block cannot be quantized")  # pragma: no cover
