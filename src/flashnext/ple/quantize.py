@@ -159,7 +159,7 @@ def _sidecar_identity(
 @dataclass
 class ShardResult:
     index: int
-    record: dict[str, Any]  # META.json record: file, rows, sha256, rel_rmse, sq_err, sq_ref
+    record: dict[str, Any]  # META.json record: file, rows, sha256, rel_rmse, sq_err[, sq_ref]
     seconds: float
 
 
@@ -268,8 +268,6 @@ def quantize_shard(
 
 
 def _compiled(engine: str) -> bool:
-    if engine not in ENGINES:
-        raise SidecarError(f"engine {engine!r}: expected one of {list(ENGINES)}")
     if engine == "numpy":
         return False
     from flashnext.ple.quantize_kernels import compiled_matches_reference
@@ -650,6 +648,8 @@ def quantize_table(
     get_codec(fmt).check_width(source.width)
     if rows_per_shard <= 0:
         raise SidecarError(f"rows_per_shard must be positive, found {rows_per_shard}")
+    if engine not in ENGINES:
+        raise SidecarError(f"engine {engine!r}: expected one of {list(ENGINES)}")
     conversion = "copy" if can_copy(source, fmt) and not requantize else "quantize"
     options = _Options(workers, block_rows, conversion, engine, force)
     try:
@@ -685,8 +685,10 @@ def _quantize(
     writer = SidecarWriter(
         dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, described
     )
-    # A copy and a quantization of the same rows differ: resume must not mix them.
-    writer.settings["conversion"] = opt.conversion
+    # A copy and a quantization of the same rows differ: resume must not mix them. (Only a
+    # copy says so, so quantized outputs of earlier versions still resume.)
+    if opt.conversion == "copy":
+        writer.settings["conversion"] = opt.conversion
     dest = _prepare_destination(dst, writer.params, writer.num_shards, opt.force)
     writer.path = dest.workdir
     for index in dest.kept:
@@ -727,7 +729,8 @@ def _result(
     records = sidecar.meta.get("shards", [])
     written = sum(r.record["rows"] for r in results)
     settings = sidecar.meta.get("settings")
-    conversion = settings.get("conversion", "quantize") if isinstance(settings, dict) else ""
+    conversion = settings.get("conversion") if isinstance(settings, dict) else None
+    conversion = conversion if conversion in CONVERSIONS else "quantize"
     row_bytes = (
         get_codec(sidecar.format).bytes_per_row(width) if conversion == "copy" else width * 4
     )
@@ -739,5 +742,5 @@ def _result(
         seconds=time.perf_counter() - t0,
         source_bytes=written * row_bytes,
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
-        conversion=conversion or "quantize",
+        conversion=conversion,
     )
