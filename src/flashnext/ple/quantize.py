@@ -240,8 +240,9 @@ def quantize_shard(
     """Quantize (or copy) rows ``[start, end)`` of ``source`` into ``dst/shard_{index}.safetensors``.
 
     Reads ``block_rows`` rows at a time. ``conversion`` is one of :data:`CONVERSIONS`
-    (``copy`` needs :func:`can_copy`), ``engine`` one of :data:`ENGINES`; the shard's bytes do
-    not depend on the engine.
+    (``copy`` needs :func:`can_copy`), ``engine`` one of :data:`ENGINES` or ``compiled`` (the
+    kernels, their self-check already passed in this run); the shard's bytes do not depend on
+    the engine.
 
     Raises:
         FormatError: a non-finite source value (named by global row id), or a stored tensor
@@ -268,8 +269,9 @@ def quantize_shard(
 
 
 def _compiled(engine: str) -> bool:
-    if engine == "numpy":
-        return False
+    """Whether to run the compiled kernels (``compiled``: the caller has checked them)."""
+    if engine in ("numpy", "compiled"):
+        return engine == "compiled"
     from flashnext.ple.quantize_kernels import compiled_matches_reference
 
     return compiled_matches_reference()
@@ -707,7 +709,10 @@ def _quantize(
         if on_shard:
             on_shard(res, res.record["rows"])
 
-    shared = (opt.block_rows, opt.conversion, opt.engine)
+    engine = opt.engine
+    if opt.conversion == "quantize" and engine == "auto":  # the self-check once, not per worker
+        engine = "compiled" if _compiled(engine) else "numpy"
+    shared = (opt.block_rows, opt.conversion, engine)
     jobs = [
         (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, *shared)
         for i in range(writer.num_shards)
