@@ -332,3 +332,18 @@ def test_bad_inputs():
     assert F.detect_format(["weight_scale", "weight_i4"]).name == "int4"
     with pytest.raises(FormatError, match="nvfp4: no tensor 'weight'"):
         F.get_codec("nvfp4").spec("weight")
+
+
+@pytest.mark.parametrize("dtype", [F.E4M3, F.BF16, F.F16, F.F32])
+def test_stored_non_finite_reads_the_bits(rng, dtype):
+    """Every bit pattern of the 1- and 2-byte dtypes, random float32: the mask equals
+    isfinite of the values, without a float copy."""
+    if dtype.itemsize <= 2:
+        values = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}").view(dtype)
+    else:
+        values = rng.standard_normal(4096).astype(np.float32)
+        values[rng.integers(0, 4096, 5)] = [np.nan, np.inf, -np.inf, np.nan, 3e38]
+    want = ~np.isfinite(values.astype(np.float32))
+    np.testing.assert_array_equal(F.stored_non_finite(values), want)
+    assert F.stored_non_finite(values.reshape(-1, 2 if dtype.itemsize <= 2 else 4)).shape[1] > 1
+    assert not F.stored_non_finite(np.full(7, 0xFF, dtype=np.uint8)).any()

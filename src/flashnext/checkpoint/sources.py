@@ -10,6 +10,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
+from flashnext.checkpoint.ple_tensors import CheckpointTableSource
 from flashnext.errors import CheckpointError
 from flashnext.ple.quantize import RowSource, SidecarSource
 
@@ -28,7 +31,8 @@ def open_row_source(
     progress: Callable[[int], None] | None = None,
 ) -> RowSource:
     """Float32 rows of the PLE table at ``path``: a checkpoint (any layout and format, PLE
-    layer ordinal ``layer``) or a sidecar directory (any format).
+    layer ordinal ``layer``; a :class:`CheckpointRows`, which can also be copied losslessly)
+    or a sidecar directory (any format).
 
     ``ignore_checksums`` and ``progress(nbytes)`` apply to sidecar sources, whose shards are
     hashed on opening (see :class:`flashnext.ple.quantize.SidecarSource`).
@@ -40,9 +44,45 @@ def open_row_source(
     if is_checkpoint(path):
         from flashnext.checkpoint.ple_tensors import open_table_source
 
-        return open_table_source(path, layer)
+        return CheckpointRows.of(open_table_source(path, layer))
     if layer not in (None, 0):
         raise CheckpointError(
             f"{path}: --layer {layer} applies to checkpoint sources only; this is a sidecar"
         )
     return SidecarSource(path, ignore_checksums=ignore_checksums, progress=progress)
+
+
+class CheckpointRows(CheckpointTableSource):
+    """A checkpoint table source that also reads its stored tensors (for a lossless copy).
+
+    ``read_stored`` returns the tensors of the table's own format as the codec names them
+    (:meth:`~flashnext.ple.formats.Codec.from_checkpoint`): fp8's global scale becomes every
+    row's ``weight_scale``, nvfp4's becomes the ``weight_scale_2`` of every output shard.
+    """
+
+    @classmethod
+    def of(cls, source: CheckpointTableSource) -> CheckpointRows:
+        rows = cls.__new__(cls)
+        rows.__dict__.update(source.__dict__)
+        return rows
+
+    def read_stored(self, start: int, end: int) -> dict[str, np.ndarray]:
+        """Codec tensors of rows ``[start, end)``: per-row [end - start, ...], scalars 0-d.
+
+        Raises:
+            CheckpointError: as :meth:`read_rows`.
+        """
+        codec = self.info.codec
+        parts = self._parts
+        pieces: dict[int, dict[str, np.ndarray]] = {}
+        for copy in self.info.row_map(start, end):
+            part = parts[copy.tensor]
+            arr = self._read(part, copy.src_offset, copy.rows)
+            pieces.setdefault(copy.dst_offset, {})[part.kind] = arr
+        stored = [codec.from_checkpoint(p, self.info.scalars) for _, p in sorted(pieces.items())]
+        return {
+            spec.name: np.concatenate([s[spec.name] for s in stored])
+            if spec.per_row and len(stored) > 1
+            else stored[0][spec.name]
+            for spec in codec.specs
+        }

@@ -129,6 +129,12 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     is_flag=True,
     help="Quantize a sidecar SRC even if its shards fail the sha256 in its META.json.",
 )
+@click.option(
+    "--requantize",
+    is_flag=True,
+    help="Quantize even when SRC already stores FORMAT exactly (by default such a table is "
+    "copied: rel. RMSE 0).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def quantize(
     src: Path,
@@ -139,6 +145,7 @@ def quantize(
     layer: int | None,
     force: bool,
     ignore_source_checksums: bool,
+    requantize: bool,
     as_json: bool,
 ) -> None:
     """Convert the table at SRC into a FORMAT sidecar at DST.
@@ -146,6 +153,8 @@ def quantize(
     DST must be new, empty, or this command's own output for the same SRC and settings (an
     interrupted run resumes: finished shards are kept, verified by sha256); anything else is
     refused unless --force. A sidecar SRC is hashed first and must match its own checksums.
+    A checkpoint that stores FORMAT already (bf16, fp8, nvfp4) is copied byte for byte
+    (exact, at disk speed) unless --requantize.
     """
     from flashnext.checkpoint.sources import open_row_source
 
@@ -176,13 +185,15 @@ def quantize(
             geometry=getattr(source, "geometry", None),
             on_shard=lambda _res, rows: bar.advance(task, rows),
             force=force,
+            requantize=requantize,
         )
     summary = result.summary(source, dst)
     if as_json:
         print_record("flashnext.ple.quantize", summary)
         return
+    done = "copied" if summary["conversion"] == "copy" else "quantized"
     table = Table(
-        title=cell(f"quantized to {summary['format']}: {summary['destination']}"),
+        title=cell(f"{done} to {summary['format']}: {summary['destination']}"),
         show_header=False,
         box=None,
     )

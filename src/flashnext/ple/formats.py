@@ -735,6 +735,29 @@ def dequantize(fmt: str, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     return get_codec(fmt).dequantize(tensors)
 
 
+#: Stored float dtypes -> (bit mask, bits under it) of their NaN/inf encodings (e4m3fn has no
+#: infinities; its NaN is every exponent and mantissa bit set).
+_NON_FINITE_BITS = {
+    E4M3: (0x7F, 0x7F),
+    BF16: (0x7F80, 0x7F80),
+    F16: (0x7C00, 0x7C00),
+    F32: (0x7F800000, 0x7F800000),
+}
+
+
+def stored_non_finite(arr: np.ndarray) -> np.ndarray:
+    """bool [same shape]: which stored values are NaN or inf, read from the bits (no float copy).
+
+    Integer tensors (packed codes) are never non-finite.
+    """
+    arr = np.asarray(arr)
+    bits = _NON_FINITE_BITS.get(arr.dtype)
+    if bits is None:
+        return np.zeros(arr.shape, dtype=bool)
+    mask, value = bits
+    return (arr.view(f"u{arr.dtype.itemsize}") & mask) == value
+
+
 def rel_rmse(reference: np.ndarray, approx: np.ndarray) -> float:
     """``sqrt(sum((approx - ref)^2) / sum(ref^2))`` in float64; 0.0 for an all-zero reference."""
     ref = np.asarray(reference, dtype=np.float64)

@@ -31,7 +31,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple.formats import get_codec
+from flashnext.ple.formats import Codec, get_codec, stored_non_finite
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
     META_NAME,
@@ -57,11 +57,15 @@ from flashnext.ple.table import PLETable, open_table
 from flashnext.safetensors_file import sha256_file
 
 __all__ = [
+    "CONVERSIONS",
+    "ENGINES",
     "STATE_NAME",
     "QuantizeResult",
     "RowSource",
     "ShardResult",
     "SidecarSource",
+    "StoredRowSource",
+    "can_copy",
     "quantize_shard",
     "quantize_table",
 ]
@@ -155,7 +159,7 @@ def _sidecar_identity(
 @dataclass
 class ShardResult:
     index: int
-    record: dict[str, Any]  # META.json record: file, rows, sha256, rel_rmse, sq_err, sq_ref
+    record: dict[str, Any]  # META.json record: file, rows, sha256, rel_rmse, sq_err[, sq_ref]
     seconds: float
 
 
@@ -168,8 +172,9 @@ class QuantizeResult:
     shards_written: int
     shards_kept: int
     seconds: float
-    source_bytes: int
+    source_bytes: int  # bytes read: float32 rows quantized, or stored tensors copied
     per_shard_rmse: list[float] = field(default_factory=list)
+    conversion: str = "quantize"  # one of CONVERSIONS
 
     def summary(self, source: RowSource, destination: str | os.PathLike[str]) -> dict[str, Any]:
         """JSON-ready summary (the ``ple quantize --json`` payload)."""
@@ -177,6 +182,7 @@ class QuantizeResult:
             "source": source.describe(),
             "destination": str(destination),
             "format": self.sidecar.format,
+            "conversion": self.conversion,
             "num_rows": self.sidecar.num_rows,
             "width": self.sidecar.width,
             "num_shards": len(self.sidecar.shards),
@@ -190,6 +196,35 @@ class QuantizeResult:
         }
 
 
+#: How a shard is made: quantized from float32 rows, or copied from a source that already
+#: stores the rows in the target format (exact; see :func:`can_copy`).
+CONVERSIONS = ("quantize", "copy")
+_COPY_METHOD = "copied from the source's stored tensors (exact)"
+#: ``auto``: the compiled kernels when they reproduce the numpy codec on this platform
+#: (:func:`~flashnext.ple.quantize_kernels.compiled_matches_reference`), else numpy.
+ENGINES = ("auto", "numpy")
+
+
+class StoredRowSource(RowSource, Protocol):
+    """A source that can also hand out its stored tensors (a lossless copy reads these)."""
+
+    format: str
+
+    def read_stored(self, start: int, end: int) -> dict[str, np.ndarray]:
+        """The tensors of codec ``format`` for rows ``[start, end)``: per-row tensors
+        [end - start, ...] and per-shard scalars as 0-d arrays."""
+        ...
+
+
+def can_copy(source: RowSource, fmt: str) -> bool:
+    """Whether ``source`` stores its rows in ``fmt`` exactly (a byte copy reproduces them).
+
+    True for sources with ``read_stored`` (checkpoints: bf16, fp8 with its global scale as
+    every row's scale, nvfp4 with its global scale as every shard's ``weight_scale_2``).
+    """
+    return callable(getattr(source, "read_stored", None)) and getattr(source, "format", None) == fmt
+
+
 def quantize_shard(
     source: RowSource,
     dst: str,
@@ -199,53 +234,142 @@ def quantize_shard(
     end: int,
     rows_per_shard: int,
     block_rows: int = DEFAULT_BLOCK_ROWS,
+    conversion: str = "quantize",
+    engine: str = "auto",
 ) -> ShardResult:
-    """Quantize rows ``[start, end)`` of ``source`` into ``dst/shard_{index}.safetensors``.
+    """Quantize (or copy) rows ``[start, end)`` of ``source`` into ``dst/shard_{index}.safetensors``.
 
-    Reads ``block_rows`` rows at a time. Non-finite source values raise :class:`FormatError`
-    naming the global row id.
+    Reads ``block_rows`` rows at a time. ``conversion`` is one of :data:`CONVERSIONS`
+    (``copy`` needs :func:`can_copy`), ``engine`` one of :data:`ENGINES` or ``compiled`` (the
+    kernels, their self-check already passed in this run); the shard's bytes do not depend on
+    the engine.
+
+    Raises:
+        FormatError: a non-finite source value (named by global row id), or a stored tensor
+            that does not fit the format.
     """
     t0 = time.perf_counter()
     codec = get_codec(fmt)
-    width = source.width
+    if conversion == "copy":
+        tensors, extra = _copy_rows(source, codec, start, end, block_rows)  # type: ignore[arg-type]
+    else:
+        tensors, extra = _quantize_rows(source, codec, start, end, block_rows, _compiled(engine))
+    record = write_shard_file(
+        Path(dst),
+        codec,
+        source.width,
+        index,
+        start,
+        end - start,
+        tensors,
+        table_rows=source.num_rows,
+        **extra,
+    )
+    return ShardResult(index, record, time.perf_counter() - t0)
+
+
+def _compiled(engine: str) -> bool:
+    """Whether to run the compiled kernels (``compiled``: the caller has checked them)."""
+    if engine in ("numpy", "compiled"):
+        return engine == "compiled"
+    from flashnext.ple.quantize_kernels import compiled_matches_reference
+
+    return compiled_matches_reference()
+
+
+def _blocks(
+    source: RowSource, start: int, end: int, block_rows: int, compiled: bool
+) -> Iterator[tuple[int, np.ndarray, float | None]]:
+    """(first row, float32 block, its absmax when the scan found it) of rows [start, end),
+    non-finite values refused (:func:`_checked`'s message)."""
+    for lo in range(start, end, block_rows):
+        block = np.asarray(source.read_rows(lo, min(lo + block_rows, end)), dtype=np.float32)
+        if not compiled:
+            yield lo, _checked(block, lo), None
+            continue
+        from flashnext.ple.quantize_kernels import block_absmax
+
+        amax, bad = block_absmax(block)
+        if bad >= 0:
+            _checked(block, lo)  # raises, naming the row
+        yield lo, block, amax
+
+
+def _quantize_rows(
+    source: RowSource, codec: Codec, start: int, end: int, block_rows: int, compiled: bool
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The shard's tensors and its META.json extras (rel_rmse, sq_err, sq_ref)."""
     n = end - start
     # nvfp4's per-shard scale needs the shard's absmax before any block is quantized.
     scalars: dict[str, float] = {}
-    if any(not s.per_row for s in codec.specs):
+    if codec.scalar_specs:
         amax = 0.0
-        for lo in range(start, end, block_rows):
-            block = _checked(source.read_rows(lo, min(lo + block_rows, end)), lo)
-            amax = max(amax, float(np.abs(block).max()) if block.size else 0.0)
+        for _, block, found in _blocks(source, start, end, block_rows, compiled):
+            if found is None:
+                found = float(np.abs(block).max()) if block.size else 0.0
+            amax = max(amax, found)
         scalars = codec.shard_scalars(amax)
-    out = {s.name: np.empty(s.shape(n, width), dtype=s.dtype) for s in codec.specs if s.per_row}
+    out = {s.name: np.empty(s.shape(n, source.width), dtype=s.dtype) for s in codec.row_specs}
     sq_err = sq_ref = 0.0
-    for lo in range(start, end, block_rows):
-        hi = min(lo + block_rows, end)
-        block = _checked(source.read_rows(lo, hi), lo)
-        q = codec.quantize(block, scalars or None)
+    for lo, block, _ in _blocks(source, start, end, block_rows, compiled):
+        if compiled:
+            from flashnext.ple.quantize_kernels import quantize_block
+
+            q, err, ref = quantize_block(codec, block, scalars or None, finite=True)
+        else:
+            q = codec.quantize(block, scalars or None)
+            diff = codec.dequantize(q).astype(np.float64) - block
+            err = float((diff * diff).sum())
+            ref = float(np.square(block, dtype=np.float64).sum())
         for name, arr in out.items():
-            arr[lo - start : hi - start] = q[name]
-        diff = codec.dequantize(q).astype(np.float64) - block
-        sq_err += float((diff * diff).sum())
-        sq_ref += float(np.square(block, dtype=np.float64).sum())
+            arr[lo - start : lo - start + len(block)] = q[name]
+        sq_err += err
+        sq_ref += ref
     tensors: dict[str, np.ndarray] = dict(out)
     for name, value in scalars.items():
         tensors[name] = np.array(value, dtype=np.float32)
     rel = float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
-    record = write_shard_file(
-        Path(dst),
-        codec,
-        width,
-        index,
-        start,
-        n,
-        tensors,
-        table_rows=source.num_rows,
-        rel_rmse=rel,
-        sq_err=sq_err,
-        sq_ref=sq_ref,
-    )
-    return ShardResult(index, record, time.perf_counter() - t0)
+    return tensors, {"rel_rmse": rel, "sq_err": sq_err, "sq_ref": sq_ref}
+
+
+def _copy_rows(
+    source: StoredRowSource, codec: Codec, start: int, end: int, block_rows: int
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The shard's tensors copied from the source's stored ones (exact: rel. RMSE 0)."""
+    n = end - start
+    out = {s.name: np.empty(s.shape(n, source.width), dtype=s.dtype) for s in codec.row_specs}
+    scalars: dict[str, np.ndarray] = {}
+    for lo in range(start, end, block_rows):
+        hi = min(lo + block_rows, end)
+        stored = source.read_stored(lo, hi)
+        for spec in codec.specs:
+            arr = np.asarray(stored[spec.name])
+            if arr.dtype != spec.dtype or arr.shape != spec.shape(hi - lo, source.width):
+                raise FormatError(
+                    f"source rows [{lo}, {hi}): stored tensor {spec.name} is {arr.dtype} "
+                    f"{list(arr.shape)}, expected {spec.dtype} "
+                    f"{list(spec.shape(hi - lo, source.width))}; use --requantize"
+                )
+            _refuse_non_finite(spec.name, arr, lo)
+            if spec.per_row:
+                out[spec.name][lo - start : hi - start] = arr
+            elif scalars.setdefault(spec.name, arr).tobytes() != arr.tobytes():
+                raise FormatError(
+                    f"source rows [{start}, {end}): {spec.name} changes inside one output shard "
+                    f"({scalars[spec.name]} vs {arr}); use --requantize or other --rows-per-shard"
+                )
+    return {**out, **scalars}, {"rel_rmse": 0.0, "sq_err": 0.0, "conversion": "copy"}
+
+
+def _refuse_non_finite(name: str, arr: np.ndarray, first_row: int) -> None:
+    bad = stored_non_finite(arr)
+    if bad.any():
+        where = tuple(np.argwhere(bad)[0])
+        row = first_row + int(where[0]) if arr.ndim else first_row
+        raise FormatError(
+            f"source row {row}: stored {name} value {arr[where]} is not finite; refusing to "
+            "copy a corrupt table"
+        )
 
 
 def _checked(block: np.ndarray, first_row: int) -> np.ndarray:
@@ -495,8 +619,13 @@ def quantize_table(
     block_rows: int = DEFAULT_BLOCK_ROWS,
     on_shard: Callable[[ShardResult | None, int], None] | None = None,
     force: bool = False,
+    requantize: bool = False,
+    engine: str = "auto",
 ) -> QuantizeResult:
     """Convert ``source`` into a ``fmt`` sidecar at ``dst``, resuming a previous run.
+
+    When the source already stores ``fmt`` exactly (:func:`can_copy`), its tensors are copied
+    (rel. RMSE 0, at the speed of the reads and writes) unless ``requantize``.
 
     Args:
         source: float32 rows by range (:class:`RowSource`).
@@ -509,6 +638,9 @@ def quantize_table(
         on_shard: called after each shard with its result (``None`` for a kept shard) and the
             shard's row count; drives progress bars.
         force: replace a destination that holds anything else (written beside, swapped in).
+        requantize: quantize from float32 rows even when a copy would be exact.
+        engine: ``auto`` (compiled kernels when they match numpy here) or ``numpy``
+            (:data:`ENGINES`); the output bytes are the same.
 
     Raises:
         SidecarError: bad arguments, a destination that holds something else (without
@@ -518,10 +650,12 @@ def quantize_table(
     get_codec(fmt).check_width(source.width)
     if rows_per_shard <= 0:
         raise SidecarError(f"rows_per_shard must be positive, found {rows_per_shard}")
+    if engine not in ENGINES:
+        raise SidecarError(f"engine {engine!r}: expected one of {list(ENGINES)}")
+    conversion = "copy" if can_copy(source, fmt) and not requantize else "quantize"
+    options = _Options(workers, block_rows, conversion, engine, force)
     try:
-        return _quantize(
-            source, Path(dst), fmt, rows_per_shard, workers, geometry, block_rows, on_shard, force
-        )
+        return _quantize(source, Path(dst), fmt, rows_per_shard, geometry, options, on_shard)
     except OSError as exc:
         where = exc.filename or dst
         raise SidecarError(
@@ -530,23 +664,34 @@ def quantize_table(
         ) from None
 
 
+@dataclass(frozen=True)
+class _Options:
+    workers: int
+    block_rows: int
+    conversion: str  # one of CONVERSIONS
+    engine: str  # one of ENGINES
+    force: bool
+
+
 def _quantize(
     source: RowSource,
     dst: Path,
     fmt: str,
     rows_per_shard: int,
-    workers: int,
     geometry: PLEGeometry | Mapping[str, Any] | None,
-    block_rows: int,
+    opt: _Options,
     on_shard: Callable[[ShardResult | None, int], None] | None,
-    force: bool,
 ) -> QuantizeResult:
     t0 = time.perf_counter()
     described = source.describe()
     writer = SidecarWriter(
         dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, described
     )
-    dest = _prepare_destination(dst, writer.params, writer.num_shards, force)
+    # A copy and a quantization of the same rows differ: resume must not mix them. (Only a
+    # copy says so, so quantized outputs of earlier versions still resume.)
+    if opt.conversion == "copy":
+        writer.settings["conversion"] = opt.conversion
+    dest = _prepare_destination(dst, writer.params, writer.num_shards, opt.force)
     writer.path = dest.workdir
     for index in dest.kept:
         if on_shard:
@@ -564,16 +709,19 @@ def _quantize(
         if on_shard:
             on_shard(res, res.record["rows"])
 
+    engine = opt.engine
+    if opt.conversion == "quantize" and engine == "auto":  # the self-check once, not per worker
+        engine = "compiled" if _compiled(engine) else "numpy"
+    shared = (opt.block_rows, opt.conversion, engine)
     jobs = [
-        (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, block_rows)
+        (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, *shared)
         for i in range(writer.num_shards)
         if i not in dest.kept
     ]
-    _run_shards(jobs, workers, finished)
+    _run_shards(jobs, opt.workers, finished)
     records = [writer.records[i] for i in range(writer.num_shards)]
-    sidecar = writer.finish(
-        quantization={"rel_rmse": _table_rmse(records), "method": get_codec(fmt).method}
-    )
+    method = get_codec(fmt).method if opt.conversion == "quantize" else _COPY_METHOD
+    sidecar = writer.finish(quantization={"rel_rmse": _table_rmse(records), "method": method})
     if dest.replaces:
         _swap_in(dest)
         sidecar = open_sidecar(dst)
@@ -585,12 +733,19 @@ def _result(
 ) -> QuantizeResult:
     records = sidecar.meta.get("shards", [])
     written = sum(r.record["rows"] for r in results)
+    settings = sidecar.meta.get("settings")
+    conversion = settings.get("conversion") if isinstance(settings, dict) else None
+    conversion = conversion if conversion in CONVERSIONS else "quantize"
+    row_bytes = (
+        get_codec(sidecar.format).bytes_per_row(width) if conversion == "copy" else width * 4
+    )
     return QuantizeResult(
         sidecar=sidecar,
         rel_rmse=_table_rmse(records),
         shards_written=len(results),
         shards_kept=kept,
         seconds=time.perf_counter() - t0,
-        source_bytes=written * width * 4,
+        source_bytes=written * row_bytes,
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
+        conversion=conversion,
     )
