@@ -112,8 +112,9 @@ def test_strict_overcommit_limits_resident_copies_not_maps(tmp_path):
     memory = host_memory(root)  # CommitLimit 11.8 GiB less Committed_AS 1.7 GiB
     assert memory.commit_available == (12341828 - 1830936) * 1024
     refused = preflight_table(10 * GIB, "resident", "t", memory=memory)
-    assert "vm.overcommit_memory=2: CommitLimit 11.8 GiB less Committed_AS 1.7 GiB = 10.0 GiB" in (
-        refused.refusals[0]
+    assert (
+        "vm.overcommit_memory=2: CommitLimit 11.8 GiB less Committed_AS 1.7 GiB = 10.0 GiB"
+        in (refused.refusals[0])
     )
     assert preflight_table(10 * GIB, "mmap", "t", memory=memory).ok  # file pages: no commit
     hot = preflight_table(10 * GIB, "mmap", "t", hot_bytes=10 * GIB, memory=memory)

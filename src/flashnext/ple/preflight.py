@@ -354,7 +354,9 @@ def preflight_table(
     warnings: list[str] = []
     anonymous = table_bytes if residency == "resident" else hot_bytes
     if anonymous:
-        name = f"a resident copy of {what}" if residency == "resident" else f"the hot tier of {what}"
+        name = (
+            f"a resident copy of {what}" if residency == "resident" else f"the hot tier of {what}"
+        )
         refusal = _refusal(anonymous, name, headroom, memory)
         if refusal:
             refusals.append(refusal)
