@@ -75,7 +75,10 @@ def profile_inputs(i: Inputs) -> ProfileInputs:
     tok.train([str(found.text)], trainer=trainer)
     tok.save(str(found.tokenizer))
     config = flash_next_config(
-        vocab_size=tok.get_vocab_size(), eos_token_id=0, ngram_vocab_size_base=200, split_ngram_parts=4
+        vocab_size=tok.get_vocab_size(),
+        eos_token_id=0,
+        ngram_vocab_size_base=200,
+        split_ngram_parts=4,
     )
     geo = PLEGeometry.from_config(config)
     rows = np.random.default_rng(0).standard_normal((geo.num_rows, geo.width), dtype=np.float32)
