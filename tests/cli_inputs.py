@@ -51,9 +51,13 @@ class ProfileInputs:
 
 
 def profile_inputs(i: Inputs) -> ProfileInputs:
+    """:func:`build_profile_inputs` under ``i.root``, built once per session."""
+    return build_profile_inputs(i.root / "profile-inputs")
+
+
+def build_profile_inputs(root: Path) -> ProfileInputs:
     """A small BPE trained on this repository's README, and an int4 sidecar whose geometry has
-    that tokenizer's vocabulary (built once per session under ``i.root``)."""
-    root = i.root / "profile-inputs"
+    that tokenizer's vocabulary (EOS id 0, 4 shards)."""
     found = ProfileInputs(root / "sidecar", root / "README.md", root / "tokenizer.json")
     if found.tokenizer.exists():
         return found
@@ -62,7 +66,7 @@ def profile_inputs(i: Inputs) -> ProfileInputs:
     from flashnext.ple.geometry import PLEGeometry
     from flashnext.synthetic import flash_next_config
 
-    root.mkdir()
+    root.mkdir(parents=True)
     found.text.write_text((Path(__file__).parents[1] / "README.md").read_text())
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
