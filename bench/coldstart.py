@@ -213,11 +213,15 @@ def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
     hot = work.hot_ids if name == "cold+hot" else None
     table = open_table(path, residency, hot_rows=hot)  # type: ignore[arg-type]
     opened = time.perf_counter() - t0
+    if name == "cold+hot":  # how much of the files the hot tier's load pulled in
+        run_cached = sum(cached_bytes(p) for p in files)
     if name == "warm":
         table.warm(background=False)
     warming = table.warm(background=True) if name == "cold+warming" else None
     run = run_lookups(table, work)
     run.extra["open_s"] = opened
+    if name == "cold+hot":
+        run.extra["cached_at_open_bytes"] = run_cached
     if warming is not None:
         warming.wait()
         run.extra["fully_warm_s"] = time.perf_counter() - t0
@@ -311,6 +315,7 @@ def report(args, geo, work, table_bytes, shards, runs) -> None:  # type: ignore[
         "anon_growth_after_warming_bytes": [r.extra["anon_growth_bytes"] for r in warmed],
         "anon_growth_resident_bytes": [r.extra["anon_growth_bytes"] for r in runs["resident"]],
         "cached_after_warming_bytes": [r.extra["cached_bytes"] for r in warmed],
+        "cached_after_hot_open_bytes": [r.extra["cached_at_open_bytes"] for r in runs["cold+hot"]],
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -330,6 +335,12 @@ def print_table(out: dict) -> None:  # type: ignore[type-arg]
         spread = f"{r['min_ms']:.2f}..{r['max_ms']:.2f}"
         print(f"{r['scenario']:14} {r['metric']:13} {r['median_ms']:10.2f} {spread:>19} "
               f"{r[key]:8.2f} {key}")  # fmt: skip
+    op = out["open_s"]
+    hot_cached = statistics.median(out["cached_after_hot_open_bytes"]) / t["bytes"]
+    print(f"open: cold {op['cold'][0]:.2f} s, cold + hot tier {op['cold+hot'][0]:.2f} s "
+          f"({op['cold+hot'][1]:.2f}..{op['cold+hot'][2]:.2f}), which left {hot_cached:.0%} of "
+          "the shard files cached; resident copy "
+          f"{op['resident'][0]:.2f} s")  # fmt: skip
     a = out["after_warming_vs_resident"]
     print(f"after warming / resident: decode {a['decode_s']:.2f}x, prefill {a['prefill_s']:.2f}x")
     fw = out["fully_warm_s"]

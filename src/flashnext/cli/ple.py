@@ -27,7 +27,7 @@ from flashnext.cli._common import (
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
-from flashnext.ple.preflight import GIB, Preflight, preflight_table
+from flashnext.ple.preflight import GIB, Preflight, host_memory, preflight_table
 from flashnext.ple.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
@@ -246,6 +246,8 @@ def _parse_ids(text: str) -> np.ndarray:
 def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_json: bool) -> None:
     """Print the dequantized rows of DIRECTORY for --ids (for debugging)."""
     row_ids = _parse_ids(ids)
+    if warm and residency == "resident":
+        raise click.BadParameter("applies to --residency mmap (page cache)", param_hint="--warm")
     try:
         with open_table(directory, residency) as table:  # type: ignore[arg-type]
             if warm:
@@ -370,8 +372,6 @@ def preflight(
     Memory-mapped: the hot tier is, and the table itself should stay in page cache (a warning
     when it cannot). Exits 1 when the table would be refused.
     """
-    from flashnext.ple.preflight import host_memory
-
     sidecar = open_sidecar(directory)
     if residency == "resident" and hot_rows is not None:
         raise click.BadParameter("a hot tier applies to --residency mmap", param_hint="--hot-rows")
