@@ -147,3 +147,19 @@ def test_warm_reads_every_row_byte_and_lookup_warm_matches(inputs, capsys):
     cold = json.loads(run_in_process(ids, capsys)[1])["rows"]
     code, stdout, err = run_in_process([*ids, "--warm"], capsys)
     assert code == 0 and json.loads(stdout)["rows"] == cold
+
+
+def test_default_tokenizer_is_the_demo_bpe_for_a_demo_table(inputs, tmp_path, capsys):
+    from flashnext.ple import write_sidecar
+    from flashnext.ple.geometry import PLEGeometry
+    from flashnext.synthetic import flash_next_config
+
+    config = flash_next_config(8192, 0, ngram_vocab_size_base=100, split_ngram_parts=2)
+    geo = PLEGeometry.from_config(config)  # flashnext demo's vocabulary and EOS, fewer rows
+    rows = np.zeros((geo.num_rows, geo.width), np.float32)
+    write_sidecar(tmp_path / "demo", "int4", rows, geo.shard_rows(), geometry=geo.to_dict())
+    argv = ["ple", "profile", tmp_path / "demo", "--text", inputs.text, "--json"]
+    code, stdout, err = run_in_process(argv, capsys)
+    assert code == 0, err
+    assert json.loads(stdout)["tokenizer"] == {"kind": "demo", "vocab_size": 8192}
+    assert load_profile(tmp_path / "demo").total_lookups > 0
