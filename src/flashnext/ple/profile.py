@@ -20,6 +20,7 @@ as the model does (:mod:`flashnext.ple.hashing`), one fresh request per file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -195,6 +196,15 @@ def _cached_tokenizer(name: str) -> Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _demo_tokenizer() -> tuple[Any, int]:
+    """``flashnext demo``'s BPE and its EOS id (trained once per process: ~2 s)."""
+    from flashnext.demo import EOS, corpus_files, train_tokenizer
+
+    tok = train_tokenizer(corpus_files())
+    return tok, tok.token_to_id(EOS)
+
+
 def load_tokenizer(spec: str | None, geometry: PLEGeometry) -> tuple[Any, dict[str, Any]]:
     """A ``tokenizers.Tokenizer`` for ``spec`` and its description for the profile record.
 
@@ -209,10 +219,7 @@ def load_tokenizer(spec: str | None, geometry: PLEGeometry) -> tuple[Any, dict[s
     """
     tokenizers = require("tokenizers", "demo", "flashnext ple profile")
     if spec is None or spec == DEMO_TOKENIZER:
-        from flashnext.demo import EOS, corpus_files, train_tokenizer
-
-        tok = train_tokenizer(corpus_files())
-        eos = tok.token_to_id(EOS)
+        tok, eos = _demo_tokenizer()
         if (tok.get_vocab_size(), eos) != (geometry.vocab_size, geometry.eos_token_id):
             raise SidecarError(
                 f"the demo tokenizer (vocab {tok.get_vocab_size()}, EOS {eos}) does not match the "
