@@ -27,10 +27,8 @@ after-warming / resident (targets: <= 2x with a hot tier of <= 5%, <= 1.1x after
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
-import mmap
 import os
 import platform
 import statistics
@@ -49,6 +47,7 @@ from flashnext.demo import EOS, corpus_files, train_tokenizer
 from flashnext.ple import open_table
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
+from flashnext.ple.preflight import page_cache_bytes
 from flashnext.ple.profile import build_profile
 from flashnext.ple.sidecar import SidecarWriter
 from flashnext.synthetic import flash_next_config
@@ -56,32 +55,9 @@ from flashnext.synthetic import flash_next_config
 REQUESTS = 32
 PREFILL_TOKENS = 8192
 HOT_SHARE = 0.05
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-_libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 # -- page cache ------------------------------------------------------------------------------
-def cached_bytes(path: Path) -> int:
-    """Bytes of ``path`` in the page cache, by ``mincore`` on a fresh read-only map of it."""
-    size = path.stat().st_size
-    page = mmap.PAGESIZE
-    with open(path, "rb") as fh:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
-    if addr in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), f"mmap {path}")
-    try:
-        vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
-        if _libc.mincore(addr, size, vec) != 0:
-            raise OSError(ctypes.get_errno(), f"mincore {path}")
-        return int((np.frombuffer(vec, np.uint8) & 1).sum()) * page
-    finally:
-        _libc.munmap(addr, size)
-
-
 def evict(files: list[Path]) -> int:
     """Drop ``files`` from the page cache; returns the bytes still cached (0 when it worked)."""
     gc.collect()  # maps of closed tables must be gone: mapped pages are not dropped
@@ -89,7 +65,7 @@ def evict(files: list[Path]) -> int:
         with open(path, "rb") as fh:
             os.fsync(fh.fileno())
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return sum(cached_bytes(p) for p in files)
+    return sum(page_cache_bytes(p) for p in files)
 
 
 def anonymous_bytes() -> int:
@@ -214,7 +190,7 @@ def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
     table = open_table(path, residency, hot_rows=hot)  # type: ignore[arg-type]
     opened = time.perf_counter() - t0
     if name == "cold+hot":  # how much of the files the hot tier's load pulled in
-        run_cached = sum(cached_bytes(p) for p in files)
+        run_cached = sum(page_cache_bytes(p) for p in files)
     if name == "warm":
         table.warm(background=False)
     warming = table.warm(background=True) if name == "cold+warming" else None
@@ -228,7 +204,7 @@ def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
         again = run_lookups(table, work)
         run.extra.update(after_decode_s=again.decode_s, after_prefill_s=again.prefill_s)
         run.extra["anon_growth_bytes"] = anonymous_bytes() - anon0
-        run.extra["cached_bytes"] = sum(cached_bytes(p) for p in files)
+        run.extra["cached_bytes"] = sum(page_cache_bytes(p) for p in files)
     if name == "resident":
         run.extra["anon_growth_bytes"] = anonymous_bytes() - anon0
     table.close()

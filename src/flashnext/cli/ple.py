@@ -27,7 +27,13 @@ from flashnext.cli._common import (
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
-from flashnext.ple.preflight import GIB, Preflight, host_memory, preflight_table
+from flashnext.ple.preflight import (
+    GIB,
+    Preflight,
+    host_memory,
+    page_cache_bytes,
+    preflight_table,
+)
 from flashnext.ple.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
@@ -306,24 +312,32 @@ def warm(directory: Path, as_json: bool) -> None:
     maps the table afterwards find their rows cached instead of reading them from disk.
     """
     with open_table(directory, "mmap") as table:
+        files = sorted({p for p, _, _ in table.file_ranges()})
+        before = sum(page_cache_bytes(p) for p in files)
         t0 = time.perf_counter()
         warming = _warm(table, disable=as_json)
         seconds = time.perf_counter() - t0
     warming.wait()
     rate = warming.bytes_read / seconds if seconds > 0 else 0.0
+    file_bytes = sum(p.stat().st_size for p in files)
+    after = sum(page_cache_bytes(p) for p in files)
     record = {
         "path": str(directory),
-        "files": len({p for p, _, _ in warming.ranges}),
+        "files": len(files),
         "bytes": warming.bytes_read,
         "seconds": seconds,
         "bytes_per_second": rate,
+        "file_bytes": file_bytes,
+        "cached_before_bytes": before,  # by mincore, whole shard files
+        "cached_after_bytes": after,
     }
     if as_json:
         print_record("flashnext.ple.warm", record)
         return
     say(
-        f"warmed {directory}: {human_bytes(warming.bytes_read)} in {seconds:.1f} s "
-        f"({human_bytes(rate)}/s)"
+        f"warmed {directory}: read {human_bytes(warming.bytes_read)} in {seconds:.1f} s "
+        f"({human_bytes(rate)}/s); page cache held {human_bytes(before)} of its "
+        f"{human_bytes(file_bytes)} before, {human_bytes(after)} after"
     )
 
 

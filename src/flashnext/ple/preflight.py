@@ -21,6 +21,9 @@ Everything is read from a root directory (``/`` on a live host; a fixture tree i
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -373,3 +376,32 @@ def preflight_table(
     return Preflight(
         what, residency, table_bytes, hot_bytes, headroom, memory, tuple(refusals), tuple(warnings)
     )
+
+
+def page_cache_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of the file ``path`` now in the page cache (``mincore`` on a fresh read-only map).
+
+    Raises:
+        OSError: the file cannot be opened or mapped, or ``mincore`` fails.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    with open(path, "rb") as fh:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+    try:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        return min(size, sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE)
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)
