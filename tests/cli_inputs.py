@@ -41,6 +41,55 @@ def deployment_record(i: Inputs) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class ProfileInputs:
+    """What `flashnext ple profile` reads: a sidecar with a geometry, text, a tokenizer.json."""
+
+    sidecar: Path
+    text: Path
+    tokenizer: Path
+
+
+def profile_inputs(i: Inputs) -> ProfileInputs:
+    """:func:`build_profile_inputs` under ``i.root``, built once per session."""
+    return build_profile_inputs(i.root / "profile-inputs")
+
+
+def build_profile_inputs(root: Path) -> ProfileInputs:
+    """A small BPE trained on this repository's README, and an int4 sidecar whose geometry has
+    that tokenizer's vocabulary (EOS id 0, 4 shards)."""
+    found = ProfileInputs(root / "sidecar", root / "README.md", root / "tokenizer.json")
+    if found.tokenizer.exists():
+        return found
+    import tokenizers
+
+    from flashnext.ple.geometry import PLEGeometry
+    from flashnext.synthetic import flash_next_config
+
+    root.mkdir(parents=True)
+    found.text.write_text((Path(__file__).parents[1] / "README.md").read_text())
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(found.text)], trainer=trainer)
+    tok.save(str(found.tokenizer))
+    config = flash_next_config(
+        vocab_size=tok.get_vocab_size(),
+        eos_token_id=0,
+        ngram_vocab_size_base=200,
+        split_ngram_parts=4,
+    )
+    geo = PLEGeometry.from_config(config)
+    rows = np.random.default_rng(0).standard_normal((geo.num_rows, geo.width), dtype=np.float32)
+    write_sidecar(found.sidecar, "int4", rows, geo.shard_rows(), geometry=geo.to_dict())
+    return found
+
+
 def leaf_commands() -> dict[str, click.Command]:
     """Every runnable command, by its path (``"ple info"``); a group that runs on its own
     (``validate``) is one too."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .cli_inputs import Inputs, leaf_commands, run_in_process, run_subprocess
+from .cli_inputs import Inputs, leaf_commands, profile_inputs, run_in_process, run_subprocess
 
 CASES = ("missing", "wrong-kind", "unreadable", "out-of-range")
 LAYER_TYPE = ["--layer-type", "qwen_sparse_attention=full_attention"]
@@ -97,6 +97,24 @@ BAD_INPUTS: dict[str, dict[str, Args | str]] = {
         "wrong-kind": lambda i: [i.a_file, "--ids", "0"],
         "unreadable": lambda i: [_unreadable_shard(i), "--ids", "0,150"],
         "out-of-range": lambda i: [i.sidecar, "--ids", "0,99999999999999999999"],
+    },
+    "ple preflight": {
+        "missing": lambda i: [i.fresh("nothing")],
+        "wrong-kind": lambda i: [i.a_file],
+        "unreadable": lambda i: [_unreadable_shard(i)],
+        "out-of-range": lambda i: [i.sidecar, "--hot-rows", "-1"],
+    },
+    "ple profile": {
+        "missing": lambda i: [i.fresh("nothing"), "--text", profile_inputs(i).text],
+        "wrong-kind": lambda i: [profile_inputs(i).sidecar, "--text", i.root],
+        "unreadable": lambda i: [profile_inputs(i).sidecar, "--text", _unreadable_file(i)],
+        "out-of-range": lambda i: [i.sidecar, "--text", i.a_file, "--rows", "0"],
+    },
+    "ple warm": {
+        "missing": lambda i: [i.fresh("nothing")],
+        "wrong-kind": lambda i: [i.a_file],
+        "unreadable": lambda i: [_unreadable_shard(i)],
+        "out-of-range": "ple warm has no flag with a range",
     },
     "ple quantize": {
         "missing": lambda i: [i.fresh("nothing"), i.fresh("dst"), "--format", "int4"],

@@ -20,6 +20,7 @@ from .cli_inputs import (
     deployment_record,
     has_option,
     leaf_commands,
+    profile_inputs,
     run_in_process,
 )
 
@@ -38,6 +39,12 @@ JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {
     "ple info": lambda i: [i.sidecar],
     "ple lookup": lambda i: [i.sidecar, "--ids", "0,-1,199", "--raw"],
     "ple quantize": lambda i: [i.sidecar, i.fresh("quantized"), "--format", "nvfp4"],
+    "ple preflight": lambda i: [i.sidecar, "--residency", "resident"],
+    "ple profile": lambda i: [
+        *(profile_inputs(i).sidecar, "--text", profile_inputs(i).text),
+        *("--tokenizer", profile_inputs(i).tokenizer, "--out", i.fresh("hot") / "p.safetensors"),
+    ],
+    "ple warm": lambda i: [i.sidecar],
     "validate": lambda i: [
         "--url",
         f"http://127.0.0.1:{closed_port()}",

@@ -1,64 +1,51 @@
-"""Host-memory preflight on this machine's real /proc and on cgroup files laid out on disk."""
+"""Host-memory preflight on this machine's real /proc and /sys, and in open_table."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from flashnext.ple import open_table, write_sidecar
-from flashnext.ple.preflight import GIB, HostMemory, PreflightError, check_fits, host_memory
+from flashnext.ple.preflight import (
+    GIB,
+    CgroupLevel,
+    HostMemory,
+    PreflightError,
+    check_fits,
+    host_memory,
+)
+
+
+def _meminfo_bytes(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
 
 
 def test_reads_this_machine():
     mem = host_memory()
-    with open("/proc/meminfo") as f:
-        avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    assert abs(mem.mem_available - avail_kb * 1024) < 512 * 1024**2  # moved a little since
-    assert 0 < mem.available <= mem.mem_available
-
-
-def _cgroup_tree(tmp_path, version, limit, usage, inactive_file):
-    (tmp_path / "meminfo").write_text("MemTotal: 100000000 kB\nMemAvailable: 60000000 kB\n")
-    if version == 2:
-        d = tmp_path / "cg" / "job"
-        d.mkdir(parents=True)
-        (d / "memory.max").write_text(f"{limit}\n")
-        (d / "memory.current").write_text(f"{usage}\n")
-        (d / "memory.stat").write_text(f"anon 123\ninactive_file {inactive_file}\nactive_file 5\n")
-        (tmp_path / "self_cgroup").write_text("0::/job\n")
-    else:
-        d = tmp_path / "cg" / "memory" / "docker" / "abc"
-        d.mkdir(parents=True)
-        (d / "memory.limit_in_bytes").write_text(f"{limit}\n")
-        (d / "memory.usage_in_bytes").write_text(f"{usage}\n")
-        (d / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {inactive_file}\n")
-        (tmp_path / "self_cgroup").write_text("4:memory:/docker/abc\n1:cpu:/\n")
-    return host_memory(tmp_path / "meminfo", tmp_path / "cg", tmp_path / "self_cgroup")
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_cgroup_limit_less_usage_plus_reclaimable(tmp_path, version):
-    mem = _cgroup_tree(tmp_path, version, 48 * GIB, 40 * GIB, 6 * GIB)
-    assert mem.cgroup_available == 14 * GIB and mem.available == 14 * GIB
-    assert "limit 48.0 GiB less usage 40.0 GiB plus reclaimable page cache 6.0 GiB" in mem.explain()
-
-
-def test_unlimited_cgroup_uses_memavailable(tmp_path):
-    mem = _cgroup_tree(tmp_path, 2, "max", 40 * GIB, 0)
-    assert mem.cgroup_limit is None and mem.available == 60000000 * 1024
+    assert abs(mem.mem_available - _meminfo_bytes("MemAvailable")) < 512 * 1024**2  # moved since
+    assert mem.commit_limit == _meminfo_bytes("CommitLimit")
+    assert mem.overcommit_mode == int(Path("/proc/sys/vm/overcommit_memory").read_text())
+    assert 0 < mem.available <= mem.page_cache_room <= mem.mem_available
+    if mem.cgroup is not None:  # a limited memory cgroup: its numbers are this host's files
+        assert 0 < mem.cgroup.limit < 1 << 60 and mem.cgroup.path in mem.sources
 
 
 def test_refuses_with_numbers():
     mem = HostMemory(
         mem_available=40 * GIB,
-        cgroup_limit=48 * GIB,
-        cgroup_usage=40 * GIB,
-        cgroup_reclaimable=2 * GIB,
-        cgroup_path="/sys/fs/cgroup/job",
+        cgroup=CgroupLevel("/job", "v2", limit=48 * GIB, usage=40 * GIB, reclaimable=2 * GIB),
     )
     with pytest.raises(
         PreflightError,
         match=r"table needs 29\.8 GiB plus 2\.0 GiB headroom, but only 10\.0 GiB is available",
     ) as info:
         check_fits(int(29.8 * GIB), "table", memory=mem)
+    assert "limit 48.0 GiB less usage 40.0 GiB plus reclaimable page cache 2.0 GiB" in str(
+        info.value
+    )
     assert "residency='mmap'" in str(info.value)
     assert check_fits(7 * GIB, "table", memory=mem) is mem
 

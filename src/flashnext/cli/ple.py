@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -19,15 +21,32 @@ from flashnext.cli._common import (
     out_console,
     print_record,
     progress,
+    say,
     show,
 )
 from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
-from flashnext.ple.preflight import GIB
+from flashnext.ple.preflight import (
+    GIB,
+    Preflight,
+    host_memory,
+    page_cache_bytes,
+    preflight_table,
+)
+from flashnext.ple.profile import (
+    DEMO_TOKENIZER,
+    PROFILE_NAME,
+    HotRowProfile,
+    layer_geometry,
+    load_profile,
+    load_tokenizer,
+    profile_text_files,
+    write_profile,
+)
 from flashnext.ple.quantize import quantize_table
 from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
+from flashnext.ple.table import PLETable, Warming, open_table
 
 
 @contextlib.contextmanager
@@ -237,12 +256,19 @@ def _parse_ids(text: str) -> np.ndarray:
     "--residency", type=click.Choice(["mmap", "resident"]), default="mmap", show_default=True
 )
 @click.option("--raw", is_flag=True, help="Also show the stored (quantized) tensors.")
+@click.option(
+    "--warm", is_flag=True, help="Read the shard files into the page cache first (mmap only)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print full rows as JSON on stdout.")
-def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) -> None:
+def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_json: bool) -> None:
     """Print the dequantized rows of DIRECTORY for --ids (for debugging)."""
     row_ids = _parse_ids(ids)
+    if warm and residency == "resident":
+        raise click.BadParameter("applies to --residency mmap (page cache)", param_hint="--warm")
     try:
         with open_table(directory, residency) as table:  # type: ignore[arg-type]
+            if warm:
+                _warm(table, disable=as_json)
             rows = table.lookup(row_ids)
             stored = table.gather_raw(row_ids) if raw else {}
     except IndexError as exc:
@@ -277,3 +303,250 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, as_json: bool) 
             out_console.print(
                 f"  {name}: {np.asarray(value[i]).astype(np.float32)}", highlight=False
             )
+
+
+def _warm(table: PLETable, disable: bool) -> Warming:
+    """Read ``table``'s files into the page cache now, with a progress bar on stderr."""
+    with _bar(disable=disable) as bar:
+        total = sum(length for _, _, length in table.file_ranges())
+        task = bar.add_task("warming", total=total, bytes_per_unit=1, unit="B")
+        return table.warm(background=False, progress=lambda n: bar.advance(task, n))
+
+
+@ple.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+def warm(directory: Path, as_json: bool) -> None:
+    """Read the shard files of DIRECTORY into the page cache (no anonymous copy).
+
+    Large sequential reads after posix_fadvise(WILLNEED): the first lookups of a server that
+    maps the table afterwards find their rows cached instead of reading them from disk.
+    """
+    with open_table(directory, "mmap") as table:
+        files = sorted({p for p, _, _ in table.file_ranges()})
+        before = sum(page_cache_bytes(p) for p in files)
+        t0 = time.perf_counter()
+        warming = _warm(table, disable=as_json)
+        seconds = time.perf_counter() - t0
+    warming.wait()
+    rate = warming.bytes_read / seconds if seconds > 0 else 0.0
+    file_bytes = sum(p.stat().st_size for p in files)
+    after = sum(page_cache_bytes(p) for p in files)
+    record = {
+        "path": str(directory),
+        "files": len(files),
+        "bytes": warming.bytes_read,
+        "seconds": seconds,
+        "bytes_per_second": rate,
+        "file_bytes": file_bytes,
+        "cached_before_bytes": before,  # by mincore, whole shard files
+        "cached_after_bytes": after,
+    }
+    if as_json:
+        print_record("flashnext.ple.warm", record)
+        return
+    say(
+        f"warmed {directory}: read {human_bytes(warming.bytes_read)} in {seconds:.1f} s "
+        f"({human_bytes(rate)}/s); page cache held {human_bytes(before)} of its "
+        f"{human_bytes(file_bytes)} before, {human_bytes(after)} after"
+    )
+
+
+def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]:
+    """``--hot-rows`` as (rows, profile path): a count, or a profile file / directory."""
+    if value is None:
+        return 0, None
+    if value.isdigit():
+        return min(int(value), num_rows), None
+    path = Path(value)
+    if not path.exists():
+        raise click.BadParameter(
+            f"expected a row count or a hot-row profile, found {value!r} (no such file)",
+            param_hint="--hot-rows",
+        )
+    profile = load_profile(path)
+    return min(len(profile), num_rows), str(path)
+
+
+@ple.command()
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--residency", type=click.Choice(["mmap", "resident"]), default="mmap", show_default=True
+)
+@click.option(
+    "--hot-rows",
+    metavar="N|PROFILE",
+    default=None,
+    help="mmap: a hot tier of N rows, or of the rows of a hot-row profile.",
+)
+@click.option(
+    "--host-root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=Path("/"),
+    show_default=True,
+    help="Read proc/ and sys/ under this directory (a copy of another host's files).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+def preflight(
+    directory: Path, residency: str, hot_rows: str | None, host_root: Path, as_json: bool
+) -> None:
+    """Will the sidecar DIRECTORY fit in this host's memory when served with --residency?
+
+    Resident: the whole table is anonymous memory (MemAvailable, the memory cgroup's limit less
+    its usage plus reclaimable page cache, the commit limit under vm.overcommit_memory=2).
+    Memory-mapped: the hot tier is, and the table itself should stay in page cache (a warning
+    when it cannot). Exits 1 when the table would be refused.
+    """
+    sidecar = open_sidecar(directory)
+    if residency == "resident" and hot_rows is not None:
+        raise click.BadParameter("a hot tier applies to --residency mmap", param_hint="--hot-rows")
+    per_row = sidecar.codec.bytes_per_row(sidecar.width)
+    hot, profile_path = _hot_rows_option(hot_rows, sidecar.num_rows)
+    verdict = preflight_table(
+        sidecar.num_rows * per_row,
+        residency,  # type: ignore[arg-type]
+        f"{directory} ({sidecar.format})",
+        hot_bytes=hot * per_row,
+        memory=host_memory(host_root),
+    )
+    if as_json:
+        extra = {"format": sidecar.format, "hot_rows": hot, "hot_rows_profile": profile_path}
+        print_record("flashnext.ple.preflight", {**verdict.to_dict(), **extra})
+    else:
+        _show_preflight(verdict, hot)
+    if not verdict.ok:
+        raise SystemExit(1)
+
+
+def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
+    mem = verdict.memory
+    table = Table(title=cell(f"preflight: {verdict.what}"), show_header=False, box=None)
+    table.add_row("residency", verdict.residency)
+    table.add_row("table", human_bytes(verdict.table_bytes))
+    if verdict.residency == "mmap":
+        table.add_row("hot tier", f"{hot_rows:,} rows, {human_bytes(verdict.hot_bytes)}")
+    table.add_row("anonymous memory", human_bytes(verdict.anonymous_bytes))
+    table.add_row("page cache", human_bytes(verdict.page_cache_bytes))
+    table.add_row("can allocate", cell(f"{human_bytes(mem.available)} ({mem.explain()})"))
+    table.add_row("can cache", human_bytes(mem.page_cache_room))
+    verdict_text = "refused" if not verdict.ok else "warning" if verdict.warnings else "fits"
+    table.add_row("verdict", cell(verdict_text, "red" if not verdict.ok else None))
+    show(table)
+    for line in verdict.refusals:
+        note(line, style="red")
+    for line in verdict.warnings:
+        note(line, style="yellow")
+
+
+@ple.command()
+@click.argument("sidecar_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "--text",
+    "texts",
+    multiple=True,
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A text file to profile (repeat the flag; each file is one request).",
+)
+@click.option(
+    "--rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Keep the N most-used rows [default: every row seen].",
+)
+@click.option(
+    "--tokenizer",
+    default=None,
+    metavar="PATH|NAME",
+    help="tokenizer.json, a model directory, or a model in the local Hugging Face cache "
+    f"[default: '{DEMO_TOKENIZER}', flashnext demo's BPE, when the table is the demo's].",
+)
+@click.option(
+    "--layer",
+    type=click.IntRange(min=0),
+    default=None,
+    help="PLE layer ordinal to hash for [default: the sidecar's geometry's].",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help=f"Profile file [default: SIDECAR_DIR/{PROFILE_NAME}].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+def profile(
+    sidecar_dir: Path,
+    texts: tuple[Path, ...],
+    rows: int | None,
+    tokenizer: str | None,
+    layer: int | None,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """Count which rows of SIDECAR_DIR real text reads: a hot-row profile for --hot-rows.
+
+    The text is tokenized and hashed exactly as the model does, through the geometry recorded
+    in the sidecar's META.json.
+    """
+    sidecar = open_sidecar(sidecar_dir)
+    if sidecar.geometry is None:
+        raise SidecarError(
+            f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be computed; "
+            "re-create the sidecar with `flashnext ple quantize` from the checkpoint"
+        )
+    geometry = layer_geometry(sidecar.geometry, layer)
+    if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
+        raise SidecarError(
+            f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} rows, "
+            f"{sidecar_dir} has {sidecar.num_rows} x {sidecar.width}: profile it with its own layer"
+        )
+    tok, tok_meta = load_tokenizer(tokenizer, geometry)
+    with _bar(disable=as_json) as bar:
+        total = sum(p.stat().st_size for p in texts)
+        task = bar.add_task("hashing text", total=total, bytes_per_unit=1, unit="B")
+        found = profile_text_files(
+            geometry, texts, tok, tok_meta, rows, progress=lambda n: bar.advance(task, n)
+        )
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    target = write_profile(out or sidecar_dir / PROFILE_NAME, found)
+    summary = _profile_summary(found, target, sidecar.num_rows)
+    if as_json:
+        print_record("flashnext.ple.profile_summary", summary)
+        return
+    _show_profile(summary)
+
+
+def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[str, object]:
+    cover = {}
+    for share in (0.001, 0.01, 0.05):
+        n = max(1, int(num_rows * share))
+        cover[f"{share:.1%}"] = {"rows": n, "coverage": found.coverage(n)}
+    return {
+        "profile": str(target),
+        "rows": len(found),
+        "table_rows": num_rows,
+        "total_lookups": found.total_lookups,
+        "coverage_of_lookups": found.coverage(len(found)),
+        "coverage_by_table_share": cover,
+        "tokenizer": found.meta.get("tokenizer"),
+        "layer": found.meta.get("layer"),
+        "files": len(found.meta.get("corpus", [])),
+        "tokens": found.meta.get("tokens"),
+    }
+
+
+def _show_profile(summary: dict[str, Any]) -> None:
+    table = Table(title=cell(f"hot-row profile: {summary['profile']}"), show_header=False, box=None)
+    table.add_row("corpus", f"{summary['files']} files, {summary['tokens']:,} tokens")
+    table.add_row("tokenizer", cell(str(summary["tokenizer"])))
+    table.add_row("layer", str(summary["layer"]))
+    table.add_row("lookups", f"{summary['total_lookups']:,}")
+    table.add_row(
+        "rows kept",
+        f"{summary['rows']:,} of {summary['table_rows']:,}: "
+        f"{summary['coverage_of_lookups']:.1%} of lookups",
+    )
+    for share, value in summary["coverage_by_table_share"].items():
+        table.add_row(f"top {share} of rows", f"{value['rows']:,} rows: {value['coverage']:.1%}")
+    show(table)

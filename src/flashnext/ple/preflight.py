@@ -1,20 +1,32 @@
-"""Host-memory preflight: will a resident table fit, before we start copying it?
+"""Host-memory preflight: will a table fit, before we start copying or mapping it?
 
-A resident table is anonymous memory. Copying 30 GiB and failing at 25 is the worst outcome,
-so we refuse up front with the numbers. Available memory is the smaller of
+A resident table (or an mmapped table's hot tier) is anonymous memory. Copying 30 GiB and
+failing at 25 is the worst outcome, so we refuse up front with the numbers. A memory-mapped
+table costs page cache instead: it cannot fail to open, but when the cache cannot hold the
+table, evicted rows are read from disk again on every lookup, so we warn.
 
-- the kernel's ``MemAvailable`` (``/proc/meminfo``), and
-- in a container, the cgroup limit less its usage, plus the cgroup's reclaimable page cache
-  (``inactive_file``): a cgroup's usage counts page cache, which the kernel drops under pressure.
+Everything is read from a root directory (``/`` on a live host; a fixture tree in tests):
 
-cgroup v2 (``memory.max``, ``memory.current``, ``memory.stat``) and v1
-(``memory.limit_in_bytes``, ``memory.usage_in_bytes``, ``total_inactive_file``) are read.
+- ``proc/meminfo``: ``MemAvailable`` (what the kernel can hand out without swapping: free
+  memory plus reclaimable page cache) and ``CommitLimit`` / ``Committed_AS``;
+- ``proc/sys/vm/overcommit_memory``: under mode 2 (strict) an anonymous copy must also fit in
+  ``CommitLimit - Committed_AS``; modes 0 and 1 do not limit what we allocate up front;
+- ``proc/self/cgroup`` and ``sys/fs/cgroup``: the memory cgroup this process is in and every
+  ancestor up to the mount's root, cgroup v2 (``memory.max``, ``memory.current``,
+  ``memory.stat`` ``inactive_file``) or v1 (``memory/memory.limit_in_bytes``,
+  ``memory.usage_in_bytes``, ``memory.stat`` ``total_inactive_file``). A level's room is its
+  limit less its usage plus its reclaimable page cache (a cgroup's usage counts page cache,
+  which the kernel drops under pressure); the tightest level binds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from flashnext.errors import FlashnextError
 
@@ -22,44 +34,108 @@ GIB = 1024**3
 #: What we leave free beyond the table: the worker's own allocations and the kernel's.
 DEFAULT_HEADROOM = 2 * GIB
 _UNLIMITED = 1 << 60
+#: vm.overcommit_memory's strict mode: allocations beyond CommitLimit fail.
+OVERCOMMIT_NEVER = 2
+
+Residency = Literal["mmap", "resident"]
 
 
 class PreflightError(FlashnextError, MemoryError):
-    """The host does not have the memory a resident table needs."""
+    """The host does not have the memory a resident table (or hot tier) needs."""
+
+
+@dataclass(frozen=True)
+class CgroupLevel:
+    """One memory cgroup on the path from this process's cgroup to the root, in bytes."""
+
+    path: str
+    version: str  # "v1" | "v2"
+    limit: int
+    usage: int
+    reclaimable: int  # inactive page cache the kernel can drop
+
+    @property
+    def available(self) -> int:
+        return max(0, self.limit - self.usage + self.reclaimable)
+
+    def explain(self) -> str:
+        return (
+            f"cgroup {self.version} {self.path} limit {_gib(self.limit)} less usage "
+            f"{_gib(self.usage)} plus reclaimable page cache {_gib(self.reclaimable)} = "
+            f"{_gib(self.available)}"
+        )
 
 
 @dataclass(frozen=True)
 class HostMemory:
-    """What this process may still allocate, in bytes, and where each number came from."""
+    """What this process may still allocate, in bytes, and where each number came from.
+
+    ``cgroup`` is the binding level (the least room) of the memory cgroups that limit this
+    process, ``None`` when none does; ``commit_limit`` / ``committed`` are ``CommitLimit`` /
+    ``Committed_AS`` from meminfo; ``overcommit_mode`` is ``vm.overcommit_memory``.
+    """
 
     mem_available: int
-    cgroup_limit: int | None = None
-    cgroup_usage: int | None = None
-    cgroup_reclaimable: int | None = None
-    cgroup_path: str | None = None
+    cgroup: CgroupLevel | None = None
+    overcommit_mode: int | None = None
+    commit_limit: int | None = None
+    committed: int | None = None
+    sources: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def cgroup_available(self) -> int | None:
-        if self.cgroup_limit is None or self.cgroup_usage is None:
-            return None
-        return max(0, self.cgroup_limit - self.cgroup_usage + (self.cgroup_reclaimable or 0))
+        return None if self.cgroup is None else self.cgroup.available
 
     @property
-    def available(self) -> int:
+    def commit_available(self) -> int | None:
+        """Room left under the commit limit, when strict overcommit enforces it."""
+        if self.overcommit_mode != OVERCOMMIT_NEVER or self.commit_limit is None:
+            return None
+        return max(0, self.commit_limit - (self.committed or 0))
+
+    @property
+    def page_cache_room(self) -> int:
+        """Bytes of page cache a memory-mapped table can keep (no commit charge for file maps)."""
         cg = self.cgroup_available
         return self.mem_available if cg is None else min(self.mem_available, cg)
 
-    def explain(self) -> str:
-        """One line: every number that went into :attr:`available`."""
-        text = f"MemAvailable {self.mem_available / GIB:.1f} GiB"
-        cg = self.cgroup_available
-        if cg is not None:
-            text += (
-                f"; cgroup {self.cgroup_path} limit {(self.cgroup_limit or 0) / GIB:.1f} GiB less "
-                f"usage {(self.cgroup_usage or 0) / GIB:.1f} GiB plus reclaimable page cache "
-                f"{(self.cgroup_reclaimable or 0) / GIB:.1f} GiB = {cg / GIB:.1f} GiB"
+    @property
+    def available(self) -> int:
+        """Bytes of anonymous memory (a resident copy, a hot tier) that can still be allocated."""
+        commit = self.commit_available
+        room = self.page_cache_room
+        return room if commit is None else min(room, commit)
+
+    def explain(self, anonymous: bool = True) -> str:
+        """One line: every number that went into :attr:`available` (or :attr:`page_cache_room`)."""
+        parts = [f"MemAvailable {_gib(self.mem_available)}"]
+        if self.cgroup is not None:
+            parts.append(self.cgroup.explain())
+        commit = self.commit_available
+        if anonymous and commit is not None:
+            parts.append(
+                f"vm.overcommit_memory=2: CommitLimit {_gib(self.commit_limit or 0)} less "
+                f"Committed_AS {_gib(self.committed or 0)} = {_gib(commit)}"
             )
-        return text
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready numbers (bytes) for a record."""
+        cg = self.cgroup
+        return {
+            "mem_available": self.mem_available,
+            "cgroup": None if cg is None else {**cg.__dict__, "available": cg.available},
+            "overcommit_mode": self.overcommit_mode,
+            "commit_limit": self.commit_limit,
+            "committed": self.committed,
+            "commit_available": self.commit_available,
+            "available": self.available,
+            "page_cache_room": self.page_cache_room,
+        }
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
 
 
 def _read_int(path: Path) -> int | None:
@@ -75,26 +151,26 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def _stat_value(path: Path, *keys: str) -> int | None:
+def _stat_values(path: Path) -> dict[str, int]:
+    """``key value`` lines (memory.stat) and ``Key: value kB`` lines (meminfo), values as ints
+    (meminfo's kB are converted to bytes)."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return None
+        return {}
     values = {}
     for line in lines:
         parts = line.split()
-        if len(parts) >= 2:
-            values[parts[0]] = parts[1]  # "MemAvailable: 123 kB" and "inactive_file 123"
-    for key in keys:
-        if key in values and values[key].isdigit():
-            return int(values[key])
-    return None
+        if len(parts) >= 2 and parts[1].isdigit():
+            scale = 1024 if len(parts) >= 3 and parts[2] == "kB" else 1
+            values[parts[0].rstrip(":")] = int(parts[1]) * scale
+    return values
 
 
-def _cgroup_dirs(cgroup_root: Path, proc_cgroup: Path) -> list[tuple[str, Path]]:
-    """Candidate (version, directory) pairs holding this process's memory controller files."""
-    rel_v2: str | None = None
+def _own_cgroups(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """This process's (v1 memory, v2) cgroup paths from /proc/self/cgroup."""
     rel_v1: str | None = None
+    rel_v2: str | None = None
     try:
         for line in proc_cgroup.read_text().splitlines():
             hid, controllers, rel = line.split(":", 2)
@@ -104,49 +180,74 @@ def _cgroup_dirs(cgroup_root: Path, proc_cgroup: Path) -> list[tuple[str, Path]]
                 rel_v1 = rel
     except (OSError, ValueError):
         pass
-    out = []
-    for version, base, own in (
-        ("v1", cgroup_root / "memory", rel_v1),
-        ("v2", cgroup_root, rel_v2),
-        ("v2", cgroup_root / "unified", rel_v2),
-    ):
-        if own is None:
+    return rel_v1, rel_v2
+
+
+def _level(directory: Path, version: str, mount: Path) -> CgroupLevel | None:
+    if version == "v2":
+        limit = _read_int(directory / "memory.max")
+        usage = _read_int(directory / "memory.current")
+        stat = _stat_values(directory / "memory.stat")
+        reclaim = stat.get("inactive_file", 0)
+    else:
+        limit = _read_int(directory / "memory.limit_in_bytes")
+        usage = _read_int(directory / "memory.usage_in_bytes")
+        stat = _stat_values(directory / "memory.stat")
+        reclaim = stat.get("total_inactive_file", stat.get("inactive_file", 0))
+    if limit is None or usage is None or limit >= _UNLIMITED // 2:  # "max"; v1's ~2**63
+        return None
+    rel = directory.relative_to(mount).as_posix()
+    return CgroupLevel("/" + rel if rel != "." else "/", version, limit, usage, reclaim)
+
+
+def _cgroup_levels(root: Path) -> list[CgroupLevel]:
+    """Every limiting memory cgroup from this process's own up to the mount's root."""
+    rel_v1, rel_v2 = _own_cgroups(root / "proc/self/cgroup")
+    sys_cgroup = root / "sys/fs/cgroup"
+    mounts = [("v1", sys_cgroup / "memory", rel_v1)]
+    mounts += [("v2", sys_cgroup, rel_v2), ("v2", sys_cgroup / "unified", rel_v2)]
+    for version, mount, own in mounts:
+        if own is None or not mount.is_dir():
             continue
+        start = mount / own.lstrip("/")
         # Inside a container the mount usually shows the process's own cgroup as the root.
-        for directory in (base / own.lstrip("/"), base):
-            out.append((version, directory))
-    return out
+        directory = start if start.is_dir() else mount
+        levels = []
+        while True:
+            level = _level(directory, version, mount)
+            if level is not None:
+                levels.append(level)
+            if directory == mount:
+                break
+            directory = directory.parent
+        if levels:  # the memory controller lives in one hierarchy only
+            return levels
+    return []
 
 
-def host_memory(
-    meminfo: str | Path = "/proc/meminfo",
-    cgroup_root: str | Path = "/sys/fs/cgroup",
-    proc_cgroup: str | Path = "/proc/self/cgroup",
-) -> HostMemory:
-    """Read the memory this process may still allocate (the paths exist for tests).
+def host_memory(root: str | Path = "/") -> HostMemory:
+    """Read the memory this process may still allocate from the tree at ``root``.
 
     Raises:
-        PreflightError: ``meminfo`` cannot be read or has no MemAvailable line.
+        PreflightError: ``proc/meminfo`` cannot be read or has no MemAvailable line.
     """
-    avail_kb = _stat_value(Path(meminfo), "MemAvailable:")
-    if avail_kb is None:
-        raise PreflightError(f"{meminfo}: no MemAvailable line; cannot check host memory")
-    mem_available = avail_kb * 1024
-    for version, directory in _cgroup_dirs(Path(cgroup_root), Path(proc_cgroup)):
-        if version == "v2":
-            limit = _read_int(directory / "memory.max")
-            usage = _read_int(directory / "memory.current")
-            reclaim = _stat_value(directory / "memory.stat", "inactive_file")
-        else:
-            limit = _read_int(directory / "memory.limit_in_bytes")
-            usage = _read_int(directory / "memory.usage_in_bytes")
-            reclaim = _stat_value(directory / "memory.stat", "total_inactive_file", "inactive_file")
-        if limit is None or usage is None:
-            continue
-        if limit >= _UNLIMITED // 2:  # "max" or v1's page-rounded 2**63
-            return HostMemory(mem_available)
-        return HostMemory(mem_available, limit, usage, reclaim, str(directory))
-    return HostMemory(mem_available)
+    base = Path(root)
+    meminfo_path = base / "proc/meminfo"
+    meminfo = _stat_values(meminfo_path)
+    if "MemAvailable" not in meminfo:
+        raise PreflightError(
+            f"{meminfo_path}: no MemAvailable line (Linux >= 3.14 has one); cannot check host "
+            "memory. Pass preflight=False to open_table to skip the check."
+        )
+    levels = _cgroup_levels(base)
+    return HostMemory(
+        mem_available=meminfo["MemAvailable"],
+        cgroup=min(levels, key=lambda lv: lv.available) if levels else None,
+        overcommit_mode=_read_int(base / "proc/sys/vm/overcommit_memory"),
+        commit_limit=meminfo.get("CommitLimit"),
+        committed=meminfo.get("Committed_AS"),
+        sources=tuple(lv.path for lv in levels),
+    )
 
 
 def check_fits(
@@ -155,17 +256,152 @@ def check_fits(
     headroom: int = DEFAULT_HEADROOM,
     memory: HostMemory | None = None,
 ) -> HostMemory:
-    """Raise :class:`PreflightError` unless ``needed`` bytes plus ``headroom`` are available.
+    """Raise :class:`PreflightError` unless ``needed`` bytes of anonymous memory plus
+    ``headroom`` are available.
 
     ``what`` names the allocation in the message, e.g. "a resident copy of /ples_int4 (int4)".
     Returns the :class:`HostMemory` reading that was checked.
     """
     memory = memory or host_memory()
-    if needed + headroom > memory.available:
-        raise PreflightError(
-            f"{what} needs {needed / GIB:.1f} GiB plus {headroom / GIB:.1f} GiB headroom, but only "
-            f"{memory.available / GIB:.1f} GiB is available ({memory.explain()}). Serve it "
-            "memory-mapped instead (residency='mmap': page cache, reclaimable under pressure), "
-            "open only this rank's rows (row_range), or free host memory."
-        )
+    refusal = _refusal(needed, what, headroom, memory)
+    if refusal:
+        raise PreflightError(refusal)
     return memory
+
+
+def _refusal(needed: int, what: str, headroom: int, memory: HostMemory) -> str | None:
+    if needed + headroom <= memory.available:
+        return None
+    return (
+        f"{what} needs {_gib(needed)} plus {_gib(headroom)} headroom, but only "
+        f"{_gib(memory.available)} is available ({memory.explain()}). Serve it "
+        "memory-mapped instead (residency='mmap': page cache, reclaimable under pressure), "
+        "open only this rank's rows (row_range), or free host memory."
+    )
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """The verdict on serving a table of ``table_bytes`` with ``residency`` on this host.
+
+    ``anonymous_bytes`` is what the process copies (the table when resident, the hot tier when
+    mmapped); ``page_cache_bytes`` what the kernel caches for it (the table when mmapped).
+    ``refusals`` (the table cannot be opened) and ``warnings`` (it can, but will be slow) are
+    one line each.
+    """
+
+    what: str
+    residency: Residency
+    table_bytes: int
+    hot_bytes: int
+    headroom: int
+    memory: HostMemory
+    refusals: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+    @property
+    def anonymous_bytes(self) -> int:
+        return self.table_bytes if self.residency == "resident" else self.hot_bytes
+
+    @property
+    def page_cache_bytes(self) -> int:
+        return 0 if self.residency == "resident" else self.table_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ple preflight --json`` payload."""
+        return {
+            "what": self.what,
+            "residency": self.residency,
+            "ok": self.ok,
+            "table_bytes": self.table_bytes,
+            "hot_bytes": self.hot_bytes,
+            "anonymous_bytes": self.anonymous_bytes,
+            "page_cache_bytes": self.page_cache_bytes,
+            "headroom": self.headroom,
+            "refusals": list(self.refusals),
+            "warnings": list(self.warnings),
+            "memory": self.memory.to_dict(),
+        }
+
+
+def preflight_table(
+    table_bytes: int,
+    residency: Residency,
+    what: str,
+    hot_bytes: int = 0,
+    memory: HostMemory | None = None,
+    headroom: int = DEFAULT_HEADROOM,
+) -> Preflight:
+    """Check a table of ``table_bytes`` served with ``residency`` against host memory.
+
+    Resident: the whole table is anonymous memory and must fit (MemAvailable, the cgroup's
+    room, the commit limit under strict overcommit), else a refusal. Memory-mapped: the hot
+    tier (``hot_bytes``) is anonymous and must fit the same way; the table itself is page
+    cache, and when it will not stay cached (MemAvailable or the cgroup's room, less the hot
+    tier and headroom, is smaller than the table) that is a warning, not a refusal.
+
+    Raises:
+        ValueError: ``residency`` is neither "mmap" nor "resident", or ``hot_bytes`` is given
+            for a resident table.
+    """
+    if residency not in ("mmap", "resident"):
+        raise ValueError(f"residency must be 'mmap' or 'resident', found {residency!r}")
+    if residency == "resident" and hot_bytes:
+        raise ValueError("a hot tier applies to residency='mmap'; a resident table holds every row")
+    memory = memory or host_memory()
+    refusals: list[str] = []
+    warnings: list[str] = []
+    anonymous = table_bytes if residency == "resident" else hot_bytes
+    if anonymous:
+        name = (
+            f"a resident copy of {what}" if residency == "resident" else f"the hot tier of {what}"
+        )
+        refusal = _refusal(anonymous, name, headroom, memory)
+        if refusal:
+            refusals.append(refusal)
+    if residency == "mmap":
+        room = memory.page_cache_room - hot_bytes - headroom
+        if table_bytes > room:
+            warnings.append(
+                f"{what} is {_gib(table_bytes)} but the page cache can keep only {_gib(max(room, 0))} "
+                f"of it ({memory.explain(anonymous=False)}; less {_gib(hot_bytes)} hot tier and "
+                f"{_gib(headroom)} headroom): rows evicted under pressure are read from disk again "
+                "on lookup. Use a smaller format, a hot tier for the most-used rows, open only "
+                "this rank's rows (row_range), or raise the memory limit."
+            )
+    return Preflight(
+        what, residency, table_bytes, hot_bytes, headroom, memory, tuple(refusals), tuple(warnings)
+    )
+
+
+def page_cache_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes of the file ``path`` now in the page cache (``mincore`` on a fresh read-only map).
+
+    Raises:
+        OSError: the file cannot be opened or mapped, or ``mincore`` fails.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    with open(path, "rb") as fh:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+    try:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+            raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        return min(size, sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE)
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)

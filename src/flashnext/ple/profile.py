@@ -11,19 +11,27 @@ sidecar's shards, holding
 
 Consumers (the CPU hot tier of :func:`flashnext.ple.table.open_table`, the GPU row cache) take
 the ``row_ids`` in order, or a prefix of them.
+
+:func:`profile_text_files` builds one from text files: tokenized with a ``tokenizers`` tokenizer
+(:func:`load_tokenizer`: a ``tokenizer.json``, a model directory, a model already in the local
+Hugging Face cache, or ``demo``, the byte-level BPE ``flashnext demo`` trains) and hashed exactly
+as the model does (:mod:`flashnext.ple.hashing`), one fresh request per file.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from flashnext._extras import require
 from flashnext.errors import SidecarError
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
@@ -33,6 +41,7 @@ from flashnext.safetensors_file import SafetensorsError, read_header, read_tenso
 PROFILE_NAME = "hot_rows.safetensors"
 PROFILE_KIND = "flashnext.ple.profile"
 SCHEMA_VERSION = 1
+DEMO_TOKENIZER = "demo"
 
 
 @dataclass(frozen=True)
@@ -158,3 +167,165 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
         )
     meta = {k: v for k, v in record.items() if k not in ("schema_version", "kind")}
     return HotRowProfile(ids, counts, int(record.get("total_lookups", 0)), meta)
+
+
+# -- building a profile from text files ---------------------------------------------------------
+
+
+def _hub_cache_dirs() -> list[Path]:
+    """Where huggingface_hub keeps downloaded models (its environment variables, then default)."""
+    dirs = []
+    if os.environ.get("HF_HUB_CACHE"):
+        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
+    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return dirs
+
+
+def _cached_tokenizer(name: str) -> Path | None:
+    """``tokenizer.json`` of model ``name`` ("org/model") in the local Hugging Face cache."""
+    for cache in _hub_cache_dirs():
+        repo = cache / ("models--" + name.replace("/", "--"))
+        ref = repo / "refs" / "main"
+        snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else []
+        snapshots += sorted((repo / "snapshots").glob("*"))
+        for snap in snapshots:
+            if (snap / "tokenizer.json").is_file():
+                return snap / "tokenizer.json"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _demo_tokenizer() -> tuple[Any, int]:
+    """``flashnext demo``'s BPE and its EOS id (trained once per process: ~2 s)."""
+    from flashnext.demo import EOS, corpus_files, train_tokenizer
+
+    tok = train_tokenizer(corpus_files())
+    return tok, tok.token_to_id(EOS)
+
+
+def load_tokenizer(spec: str | None, geometry: PLEGeometry) -> tuple[Any, dict[str, Any]]:
+    """A ``tokenizers.Tokenizer`` for ``spec`` and its description for the profile record.
+
+    ``spec``: a ``tokenizer.json`` file, a directory holding one, a model name already in the
+    local Hugging Face cache (nothing is downloaded), or ``"demo"`` (``flashnext demo``'s BPE,
+    trained again on this machine's files: the same text gives the same tokenizer). ``None``
+    means ``"demo"`` when the table's vocabulary is the demo's.
+
+    Raises:
+        SidecarError: the tokenizer cannot be found, or its vocabulary does not fit the table's.
+        MissingExtraError: the ``tokenizers`` package is missing.
+    """
+    tokenizers = require("tokenizers", "demo", "flashnext ple profile")
+    if spec is None or spec == DEMO_TOKENIZER:
+        tok, eos = _demo_tokenizer()
+        if (tok.get_vocab_size(), eos) != (geometry.vocab_size, geometry.eos_token_id):
+            raise SidecarError(
+                f"the demo tokenizer (vocab {tok.get_vocab_size()}, EOS {eos}) does not match the "
+                f"table's geometry (vocab {geometry.vocab_size}, EOS {geometry.eos_token_id}): "
+                "pass --tokenizer with the model's tokenizer.json"
+            )
+        return tok, {"kind": "demo", "vocab_size": tok.get_vocab_size()}
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        kind = "file"
+    else:
+        cached = (
+            _cached_tokenizer(spec) if "/" in spec and not spec.startswith(("/", ".")) else None
+        )
+        if cached is None:
+            raise SidecarError(
+                f"--tokenizer {spec}: not a tokenizer.json, a directory with one, or a model in "
+                f"the local Hugging Face cache ({', '.join(map(str, _hub_cache_dirs()))}); "
+                "nothing is downloaded: fetch the model's tokenizer.json and pass its path"
+            )
+        path, kind = cached, "hub-cache"
+    try:
+        tok = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception subclasses
+        raise SidecarError(f"{path}: not a tokenizers tokenizer.json ({exc})") from None
+    if tok.get_vocab_size() > geometry.vocab_size:
+        raise SidecarError(
+            f"{path}: the tokenizer has {tok.get_vocab_size()} tokens but the table's geometry "
+            f"only {geometry.vocab_size}; is it this model's tokenizer?"
+        )
+    return tok, {"kind": kind, "path": str(path), "vocab_size": tok.get_vocab_size()}
+
+
+def _tokenized(
+    tokenizer: Any, files: Sequence[Path], corpus: list[dict[str, Any]]
+) -> Iterator[np.ndarray]:
+    """Token ids of each file (one document each); appends each file's record to ``corpus``."""
+    for path in files:
+        data = path.read_bytes()
+        text = data.decode("utf-8", errors="replace")
+        ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        corpus.append(
+            {
+                "path": str(path),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "bytes": len(data),
+                "tokens": int(ids.size),
+            }
+        )
+        yield ids
+
+
+def profile_text_files(
+    geometry: PLEGeometry,
+    files: Sequence[str | os.PathLike[str]],
+    tokenizer: Any,
+    tokenizer_meta: Mapping[str, Any],
+    rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> HotRowProfile:
+    """Tokenize each file, hash it through ``geometry`` (a fresh request per file) and count rows.
+
+    ``progress(nbytes)`` is called after each file. The record names every file with its
+    sha256, bytes and tokens, the tokenizer and the layer.
+
+    Raises:
+        SidecarError: a file cannot be read.
+        GeometryError: the tokenizer produced a token outside the geometry's vocabulary.
+    """
+    paths = [Path(f) for f in files]
+    corpus: list[dict[str, Any]] = []
+
+    def documents() -> Iterator[np.ndarray]:
+        for path, ids in zip(paths, _tokenized(tokenizer, paths, corpus)):
+            yield ids
+            if progress is not None:
+                progress(path.stat().st_size)
+
+    try:
+        meta = {"tokenizer": dict(tokenizer_meta), "layer": geometry.layer_ordinal}
+        profile = build_profile(geometry, documents(), rows=rows, meta=meta)
+    except OSError as exc:
+        raise SidecarError(f"{exc.filename}: cannot read the text file ({exc.strerror})") from None
+    full_meta = {**profile.meta, "corpus": corpus, "tokens": sum(c["tokens"] for c in corpus)}
+    return HotRowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
+
+
+def layer_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:
+    """``geometry`` of another PLE layer ordinal (same config fields; buffers not carried over).
+
+    Raises:
+        GeometryError: ``layer`` is negative.
+    """
+    if layer is None or layer == geometry.layer_ordinal:
+        return geometry
+    config = {
+        "vocab_size": geometry.vocab_size,
+        "eos_token_id": geometry.eos_token_id,
+        "ngram_size": geometry.ngram_size,
+        "heads_per_ngram": geometry.heads_per_ngram,
+        "ngram_vocab_size_base": geometry.base,
+        "make_ngram_vocab_size_divisible_by": geometry.divisible_by,
+        "seed": geometry.seed,
+        "split_ngram_parts": geometry.split_ngram_parts,
+        "ple_embed_dim": geometry.width * geometry.num_heads,
+    }
+    return PLEGeometry.from_config(config, layer_ordinal=layer)

@@ -1,0 +1,332 @@
+"""Benchmark: the first lookups after a cold start, memory-mapped, against warm and resident.
+
+    python bench/coldstart.py [--base N] [--dir DIR] [--repeats K] [--steps S] [--json]
+
+Builds an int4 sidecar with the released layout (128 shards; ``--base`` scales the rows per
+shard down) and the geometry of ``flashnext demo`` (its byte-level BPE, trained on this
+machine's text). Row ids come from real text hashed through that geometry: a hot-row profile
+from the demo corpus, and held-out text (standard-library sources the tokenizer never saw)
+for the measured requests: ``--steps`` decode steps of 32 requests (512 ids each), then one
+8K-token prefill (131,072 ids).
+
+Each cold scenario first evicts the shard files from the page cache (``posix_fadvise
+(DONTNEED)``) and checks with ``mincore`` that no page is left. Scenarios, in each repeat:
+
+- resident: an anonymous copy of the table (the baseline after warming);
+- warm: memory-mapped, every page cached (the baseline of the cold start);
+- cold: memory-mapped straight after eviction;
+- cold + hot tier: the same with the top 5% rows of the profile copied at open;
+- cold + warming: ``table.warm(background=True)`` started at open, lookups at once; then the
+  time until fully warm, the lookups again, and anonymous memory (``/proc/self/smaps_rollup``)
+  before opening and after warming.
+
+Prints the median and spread (min..max) over repeats and the ratios cold / warm and
+after-warming / resident (targets: <= 2x with a hot tier of <= 5%, <= 1.1x after warming).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from flashnext import __version__
+from flashnext.demo import EOS, corpus_files, train_tokenizer
+from flashnext.ple import open_table
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.hashing import ngram_ids
+from flashnext.ple.preflight import page_cache_bytes
+from flashnext.ple.profile import build_profile
+from flashnext.ple.sidecar import SidecarWriter
+from flashnext.synthetic import flash_next_config
+
+REQUESTS = 32
+PREFILL_TOKENS = 8192
+HOT_SHARE = 0.05
+
+
+# -- page cache ------------------------------------------------------------------------------
+def evict(files: list[Path]) -> int:
+    """Drop ``files`` from the page cache; returns the bytes still cached (0 when it worked)."""
+    gc.collect()  # maps of closed tables must be gone: mapped pages are not dropped
+    for path in files:
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return sum(page_cache_bytes(p) for p in files)
+
+
+def anonymous_bytes() -> int:
+    """This process's anonymous memory (``Anonymous`` of /proc/self/smaps_rollup)."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/smaps_rollup has no Anonymous line")
+
+
+# -- inputs ------------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    decode: list[np.ndarray]  # int64 [REQUESTS, heads] per decode step
+    prefill: np.ndarray  # int64 [PREFILL_TOKENS, heads]
+    hot_ids: np.ndarray  # int64 [H]: the profile's top rows
+    profile_coverage: float  # share of the held-out lookups the hot rows serve
+    text_bytes: int
+    # Output buffers allocated once, so anonymous memory measures tables, not results.
+    out_decode: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+    out_prefill: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+
+    def allocate(self, width: int) -> None:
+        self.out_decode = np.zeros((*self.decode[0].shape, width), np.float32)
+        self.out_prefill = np.zeros((*self.prefill.shape, width), np.float32)
+
+
+def held_out_files(exclude: set[Path], limit_bytes: int) -> list[Path]:
+    """Standard-library subpackage sources (tests skipped) not in the tokenizer's corpus."""
+    files: list[Path] = []
+    total = 0
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if total >= limit_bytes:
+            break
+        if p not in exclude and "test" not in p.parts and p.is_file() and not p.is_symlink():
+            size = p.stat().st_size
+            if 0 < size < 400_000:
+                files.append(p)
+                total += size
+    return files
+
+
+def tokens_of(tok: object, files: list[Path], eos: int) -> np.ndarray:
+    """The documents of ``files`` tokenized and joined by EOS (int64 [T])."""
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    stream: list[int] = []
+    for enc in tok.encode_batch(texts):  # type: ignore[attr-defined]
+        stream.extend(enc.ids)
+        stream.append(eos)
+    return np.array(stream, dtype=np.int64)
+
+
+def make_workload(geo: PLEGeometry, tok: object, eos: int, steps: int) -> Workload:
+    train = corpus_files()
+    held = held_out_files(set(train), 3_000_000)
+    profile = build_profile(geo, [tokens_of(tok, [p], eos) for p in train])
+    hot_ids = profile.row_ids[: int(geo.num_rows * HOT_SHARE)]
+    ids = ngram_ids(geo, tokens_of(tok, held, eos))  # [T, heads]
+    span = (ids.shape[0] - PREFILL_TOKENS) // REQUESTS
+    if span < steps:
+        raise SystemExit(f"held-out text too short for {steps} steps of {REQUESTS} requests")
+    starts = np.arange(REQUESTS) * span
+    decode = [ids[starts + k] for k in range(steps)]
+    seen = np.concatenate([d.reshape(-1) for d in decode] + [ids[-PREFILL_TOKENS:].reshape(-1)])
+    coverage = float(np.isin(seen, hot_ids).mean())
+    return Workload(
+        decode, ids[-PREFILL_TOKENS:], hot_ids, coverage, sum(p.stat().st_size for p in held)
+    )
+
+
+def build_table(root: Path, geo: PLEGeometry, rng: np.random.Generator) -> Path:
+    """An int4 sidecar of random valid stored tensors with ``geo``'s rows in 128 shards."""
+    path = root / "int4"
+    width = geo.width
+    writer = SidecarWriter(path, "int4", width, geo.num_rows, geo.shard_rows(), geo.to_dict())
+    for i in range(writer.num_shards):
+        start, end = writer.shard_rows(i)
+        writer.write_shard(
+            i,
+            {
+                "weight_i4": rng.integers(0, 256, size=(end - start, width // 2), dtype=np.uint8),
+                "weight_scale": (rng.random((end - start, 10), dtype=np.float32) * 0.01).astype(
+                    np.float16
+                ),
+            },
+        )
+    writer.finish()
+    return path
+
+
+# -- scenarios -----------------------------------------------------------------------------
+@dataclass
+class Run:
+    decode_s: float  # the decode steps, summed
+    first_step_s: float
+    prefill_s: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def run_lookups(table: object, work: Workload) -> Run:
+    lookup: Callable[..., np.ndarray] = table.lookup  # type: ignore[attr-defined]
+    times = []
+    for ids in work.decode:
+        t = time.perf_counter()
+        lookup(ids, out=work.out_decode)
+        times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    lookup(work.prefill, out=work.out_prefill)
+    return Run(sum(times), times[0], time.perf_counter() - t)
+
+
+def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
+    """Open the table as ``name`` says, run the lookups, close; see the module docstring."""
+    if name.startswith("cold"):
+        left = evict(files)
+        if left:
+            raise SystemExit(f"eviction failed: {left} bytes of the shard files still cached")
+    anon0 = anonymous_bytes()
+    t0 = time.perf_counter()
+    residency = "resident" if name == "resident" else "mmap"
+    hot = work.hot_ids if name == "cold+hot" else None
+    table = open_table(path, residency, hot_rows=hot)  # type: ignore[arg-type]
+    opened = time.perf_counter() - t0
+    if name == "cold+hot":  # how much of the files the hot tier's load pulled in
+        run_cached = sum(page_cache_bytes(p) for p in files)
+    if name == "warm":
+        table.warm(background=False)
+    warming = table.warm(background=True) if name == "cold+warming" else None
+    run = run_lookups(table, work)
+    run.extra["open_s"] = opened
+    if name == "cold+hot":
+        run.extra["cached_at_open_bytes"] = run_cached
+    if warming is not None:
+        warming.wait()
+        run.extra["fully_warm_s"] = time.perf_counter() - t0
+        again = run_lookups(table, work)
+        run.extra.update(after_decode_s=again.decode_s, after_prefill_s=again.prefill_s)
+        run.extra["anon_growth_bytes"] = anonymous_bytes() - anon0
+        run.extra["cached_bytes"] = sum(page_cache_bytes(p) for p in files)
+    if name == "resident":
+        run.extra["anon_growth_bytes"] = anonymous_bytes() - anon0
+    table.close()
+    del table
+    return run
+
+
+SCENARIOS = ("resident", "warm", "cold", "cold+hot", "cold+warming")
+
+
+def median_spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", type=int, default=200_000, help="ngram_vocab_size_base (rows / 16)")
+    ap.add_argument("--dir", type=Path, default=None, help="Where to build the table (on disk)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=100, help="decode steps timed per scenario")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    rng = np.random.default_rng()
+    tok = train_tokenizer(corpus_files())
+    eos = tok.token_to_id(EOS)
+    config = flash_next_config(tok.get_vocab_size(), eos, ngram_vocab_size_base=args.base)
+    geo = PLEGeometry.from_config(config)
+    work = make_workload(geo, tok, eos, args.steps)
+    work.allocate(geo.width)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="coldstart-") as tmp:
+        path = build_table(Path(tmp), geo, rng)
+        files = sorted(path.glob("shard_*.safetensors"))
+        table_bytes = sum(p.stat().st_size for p in files)
+        log(f"table: {geo.num_rows:,} rows int4 in {len(files)} shards, {table_bytes / 1e6:.0f} MB")
+        runs: dict[str, list[Run]] = {name: [] for name in SCENARIOS}
+        scenario("warm", path, files, work)  # untimed: one-time costs (thread pool, caches)
+        for rep in range(args.repeats):
+            for name in SCENARIOS:
+                runs[name].append(scenario(name, path, files, work))
+                log(f"repeat {rep + 1}/{args.repeats} {name}: {runs[name][-1]}")
+    report(args, geo, work, table_bytes, len(files), runs)
+
+
+def report(args, geo, work, table_bytes, shards, runs) -> None:  # type: ignore[no-untyped-def]
+    def med(name: str, key: str) -> tuple[float, float, float]:
+        vals = [getattr(r, key) if hasattr(r, key) else r.extra[key] for r in runs[name]]
+        return median_spread(vals)
+
+    rows = []
+    for name in SCENARIOS:
+        for key in ("decode_s", "first_step_s", "prefill_s"):
+            m, lo, hi = med(name, key)
+            base = "resident" if name == "resident" else "warm"
+            ratio = m / med(base, key)[0]
+            rows.append({"scenario": name, "metric": key, "median_ms": m * 1e3,
+                         "min_ms": lo * 1e3, "max_ms": hi * 1e3, f"x_{base}": ratio})  # fmt: skip
+    warmed = runs["cold+warming"]
+    after = {
+        key: median_spread([r.extra[f"after_{key}"] for r in warmed])
+        for key in ("decode_s", "prefill_s")
+    }
+    out = {
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "flashnext": __version__,
+        "command": " ".join(["python", *sys.argv]),
+        "table": {"rows": geo.num_rows, "shards": shards, "bytes": table_bytes, "format": "int4"},
+        "hot_tier": {
+            "rows": int(work.hot_ids.size),
+            "share": HOT_SHARE,
+            "lookups_served": work.profile_coverage,
+        },
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "rows": rows,
+        "after_warming_vs_resident": {
+            k: after[k][0] / med("resident", k)[0] for k in ("decode_s", "prefill_s")
+        },
+        "after_warming_ms": {k: [v * 1e3 for v in after[k]] for k in after},
+        "fully_warm_s": median_spread([r.extra["fully_warm_s"] for r in warmed]),
+        "open_s": {n: median_spread([r.extra["open_s"] for r in runs[n]]) for n in SCENARIOS},
+        "anon_growth_after_warming_bytes": [r.extra["anon_growth_bytes"] for r in warmed],
+        "anon_growth_resident_bytes": [r.extra["anon_growth_bytes"] for r in runs["resident"]],
+        "cached_after_warming_bytes": [r.extra["cached_bytes"] for r in warmed],
+        "cached_after_hot_open_bytes": [r.extra["cached_at_open_bytes"] for r in runs["cold+hot"]],
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    print_table(out)
+
+
+def print_table(out: dict) -> None:  # type: ignore[type-arg]
+    print(f"{out['machine']}; {out['date']}; flashnext {out['flashnext']}")
+    t = out["table"]
+    print(f"table: int4, {t['rows']:,} rows, {t['shards']} shards, {t['bytes'] / 1e6:.0f} MB; "
+          f"hot tier {out['hot_tier']['rows']:,} rows ({out['hot_tier']['share']:.0%}) serves "
+          f"{out['hot_tier']['lookups_served']:.1%} of the measured lookups")  # fmt: skip
+    print(f"{'scenario':14} {'metric':13} {'median ms':>10} {'min..max ms':>19} {'ratio':>14}")
+    for r in out["rows"]:
+        key = next(k for k in r if k.startswith("x_"))
+        spread = f"{r['min_ms']:.2f}..{r['max_ms']:.2f}"
+        print(f"{r['scenario']:14} {r['metric']:13} {r['median_ms']:10.2f} {spread:>19} "
+              f"{r[key]:8.2f} {key}")  # fmt: skip
+    op = out["open_s"]
+    hot_cached = statistics.median(out["cached_after_hot_open_bytes"]) / t["bytes"]
+    print(f"open: cold {op['cold'][0]:.2f} s, cold + hot tier {op['cold+hot'][0]:.2f} s "
+          f"({op['cold+hot'][1]:.2f}..{op['cold+hot'][2]:.2f}), which left {hot_cached:.0%} of "
+          "the shard files cached; resident copy "
+          f"{op['resident'][0]:.2f} s")  # fmt: skip
+    a = out["after_warming_vs_resident"]
+    print(f"after warming / resident: decode {a['decode_s']:.2f}x, prefill {a['prefill_s']:.2f}x")
+    fw = out["fully_warm_s"]
+    cached = min(1.0, min(out["cached_after_warming_bytes"]) / t["bytes"])
+    print(f"fully warm after {fw[0]:.2f} s ({fw[1]:.2f}..{fw[2]:.2f}); {cached:.0%} of the "
+          "shard files cached then (mincore)")  # fmt: skip
+    print(f"anonymous memory growth: after warming "
+          f"{max(out['anon_growth_after_warming_bytes']) / 1e6:.1f} MB (max), resident copy "
+          f"{statistics.median(out['anon_growth_resident_bytes']) / 1e6:.1f} MB")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
