@@ -1,5 +1,6 @@
 """Record pieces that need no vLLM server: container inspect, /proc, diff, restore."""
 
+import itertools
 import json
 import os
 import shlex
@@ -11,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.deploy.process import ProcessError, from_inspect, pid_listening_on, read_pid
-from flashnext.deploy.record import redact_launch
+from flashnext.deploy.process import (
+    ProcessError,
+    from_inspect,
+    output_files,
+    pid_listening_on,
+    read_pid,
+)
+from flashnext.deploy.record import plugin_log, read_bounded, redact_launch
 from flashnext.deploy.record_diff import record_diff, restore_command, variables_changed
 from flashnext.records import REDACTED, make_record
 
@@ -73,7 +80,7 @@ def test_restore_of_real_inspect_output_is_a_docker_run_that_parses_back():
     cmd = restore_command(rec)
     words = shlex.split(cmd)
     assert words[:5] == ["docker", "run", "-d", "--name", "runlike_fixture6"]
-    pairs = list(zip(words, words[1:]))
+    pairs = list(itertools.pairwise(words))
     for expected in [
         ("--user", "daemon"), ("--restart", "always"), ("--memory", "2147483648"),
         ("--cap-add", "CHOWN"), ("--device", "/dev/null:/dev/null:r"), ("-w", "/workdir"),
@@ -210,3 +217,93 @@ def test_restore_of_a_remote_capture_is_refused():
     rec = make_record("flashnext.deploy.record", {"launch": None, "server": {}})
     with pytest.raises(Exception, match="nothing to restore"):
         restore_command(rec)
+
+
+PLUGIN_LINE = (
+    "flashnext plugin: ple sidecar /x (int4, 320001536 rows, placement pinned) on vllm 0.32.0, "
+    "flashnext 0.1.0"
+)
+# A vLLM-like log prefix on stdout, a second plugin line and noise on stderr, then a long sleep.
+LOGGER = f"""
+import sys, time
+print("(APIServer pid=7) INFO 12-01 03:00:00 [plugin.py:12] {PLUGIN_LINE}", flush=True)
+print("INFO unrelated line about flashnext-models", flush=True)
+print("(EngineCore pid=8) INFO flashnext plugin: moe guard on (token=" + sys.argv[1] + ")",
+      file=sys.stderr, flush=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _start_logger(tmp_path, stderr_to_stdout: bool):
+    env = {**os.environ, "FLASHNEXT_PLE_SIDECAR": "/x", "FLASHNEXT_MOE_GUARD": "1",
+           "FLASHNEXT_HUB_TOKEN": "tok-secret-42", "UNRELATED": "1"}  # fmt: skip
+    out = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    err = subprocess.STDOUT if stderr_to_stdout else open(tmp_path / "server.err", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOGGER, "tok-secret-42"], stdout=out, stderr=err, env=env
+    )
+    out.close()
+    if err is not subprocess.STDOUT:
+        err.close()
+    for _ in range(200):  # until it has printed everything
+        if b"ready" in (tmp_path / "server.log").read_bytes():
+            break
+        time.sleep(0.05)
+    return proc
+
+
+def test_plugin_lines_and_switches_of_a_real_process_by_pid(tmp_path):
+    from flashnext.deploy.record import plugin_switches
+
+    proc = _start_logger(tmp_path, stderr_to_stdout=False)
+    try:
+        files = output_files(proc.pid)
+        assert [name for name, _ in files] == [
+            str(tmp_path / "server.log"),
+            str(tmp_path / "server.err"),
+        ]
+        launch = read_pid(proc.pid)
+        got = plugin_log(None, launch)
+        assert got.note is None and got.files == [
+            str(tmp_path / "server.log"),
+            str(tmp_path / "server.err"),
+        ]
+        assert got.lines == [PLUGIN_LINE, "flashnext plugin: moe guard on (token=tok-secret-42)"]
+        redacted = redact_launch(launch, [])
+        assert plugin_switches(redacted["env"]) == {
+            "FLASHNEXT_HUB_TOKEN": REDACTED, "FLASHNEXT_MOE_GUARD": "1", "FLASHNEXT_PLE_SIDECAR": "/x",
+        }  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+    got = plugin_log(None, launch)  # the process is gone
+    assert got.lines == [] and "no such process" in (got.note or "")
+
+
+def test_plugin_log_of_stderr_sent_to_stdout_and_of_a_pipe(tmp_path):
+    proc = _start_logger(tmp_path, stderr_to_stdout=True)
+    try:
+        got = plugin_log(None, read_pid(proc.pid))
+        assert got.files == [str(tmp_path / "server.log")] and len(got.lines) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    piped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        got = plugin_log(None, read_pid(piped.pid))
+        assert got.lines == [] and got.files == [] and "are not files" in (got.note or "")
+    finally:
+        piped.kill()
+        piped.communicate()
+
+
+def test_bounded_read_keeps_head_and_tail_whole_lines(tmp_path):
+    path = tmp_path / "big.log"
+    path.write_text("".join(f"line {i:05d}\n" for i in range(20000)))  # 220 kB
+    text = read_bounded(path, head=1000, tail=1000)
+    lines = text.splitlines()
+    assert lines[0] == "line 00000" and lines[-1] == "line 19999"
+    assert all(x.startswith("line ") and len(x) == 10 for x in lines) and len(lines) < 200
+    assert read_bounded(path, head=10**6, tail=10**6) == path.read_text()

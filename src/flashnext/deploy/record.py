@@ -347,3 +347,20 @@ def capture(
         "captured": {"pid": launch.pid if launch else None, "plugin_log_from": plugin.files},
     }
     return make_record(KIND, payload, schema_version=SCHEMA_VERSION, argv=argv, secrets=secrets)
+
+
+def describe(record: dict[str, Any] | None) -> str:
+    """One line naming a deployment record: server version, where the launch came from and its
+    command line, the checkpoint's config.json sha256; or why it was not captured."""
+    if not record:
+        return "no deployment record"
+    if "error" in record:
+        return f"not captured ({record['error']})"
+    launch = record.get("launch") or {}
+    argv = " ".join(launch.get("argv") or []) or "unknown (remote server)"
+    ckpt = (record.get("checkpoint") or {}).get("config_sha256")
+    return (
+        f"server {(record.get('server') or {}).get('version')}, launch from "
+        f"{launch.get('source', 'nowhere')}: `{argv}`"
+        + (f", config.json sha256 {ckpt[:12]}" if ckpt else "")
+    )
