@@ -13,6 +13,10 @@ at a time on a small machine. Per repeat, in this order:
   prompts filled, generate, teacher-forced scoring on both sides), deployment capture off;
 - **capture**: capturing both deployment records (what ``validate ab`` adds after the prompts).
 
+Floor and ab alternate which goes first from one repeat to the next, and the 1-minute load
+average is recorded at each repeat's start: on a shared machine the load drifts. The wall-time
+ratio is called **noise** (and not printed as a figure) when the two ranges overlap.
+
 Printed: requests sent and wall time per repeat, median [min..max] over ``--repeats``, and the
 ratio ab / floor of the medians. Usage::
 
@@ -91,10 +95,16 @@ async def floor(cfg: AbConfig, model: str | None, prompts: list[list[int]]) -> d
     return {"requests": len(urls) * len(prompts), "wall_s": time.monotonic() - t0}
 
 
-async def one_repeat(cfg: AbConfig, model: str | None, ids: list[list[int]]) -> dict[str, Any]:
-    """Floor, ab and capture once each; the ab run must compare every prompt."""
-    low = await floor(cfg, model, ids)
+async def one_repeat(
+    cfg: AbConfig, model: str | None, ids: list[list[int]], floor_first: bool
+) -> dict[str, Any]:
+    """Floor and ab once each (in the order given), then capture; ab must compare every prompt."""
+    load = os.getloadavg()[0]
+    if floor_first:
+        low = await floor(cfg, model, ids)
     payload = await run_ab(cfg)
+    if not floor_first:
+        low = await floor(cfg, model, ids)
     if payload["summary"]["errors"] or payload["setup_error"]:
         raise SystemExit(f"validate ab failed during the bench: {payload['verdict']['reasons']}")
     t0 = time.monotonic()
@@ -107,6 +117,8 @@ async def one_repeat(cfg: AbConfig, model: str | None, ids: list[list[int]]) -> 
         "ab": {"requests": sum(payload["cost"]["requests"].values()),
                "wall_s": payload["cost"]["wall_s"]},
         "capture_s": capture_s,
+        "floor_first": floor_first,
+        "load_average_1min_at_start": load,
     }  # fmt: skip
 
 
@@ -121,7 +133,18 @@ def summarise(repeats: list[dict[str, Any]]) -> dict[str, Any]:
         key: round(out["ab"][key]["median"] / out["floor"][key]["median"], 2)
         for key in ("requests", "wall_s")
     }
+    out["wall_s_noise"] = noise_reason(out["floor"]["wall_s"], out["ab"]["wall_s"])
     return out
+
+
+def noise_reason(low: dict[str, Any], ab: dict[str, Any]) -> str | None:
+    """Why the wall-time ratio is noise (the two ranges overlap), or None when it is a figure."""
+    if low["max"] >= ab["min"] and ab["max"] >= low["min"]:
+        return (
+            "the floor's and ab's wall-time ranges overlap: the machine's load varied more "
+            "than the difference between them"
+        )
+    return None
 
 
 def parse_args() -> argparse.Namespace:
@@ -147,8 +170,8 @@ def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     say(f"{len(ids)} prompts, {sum(map(len, ids))} prompt tokens; warm-up")
     asyncio.run(floor(cfg, model, ids[:2]))
     repeats = []
-    for i in range(args.repeats):
-        repeats.append(asyncio.run(one_repeat(cfg, model, ids)))
+    for i in range(args.repeats):  # alternate the order, so drifting load hits both alike
+        repeats.append(asyncio.run(one_repeat(cfg, model, ids, floor_first=i % 2 == 0)))
         r = repeats[-1]
         say(f"repeat {i + 1}: floor {r['floor']['wall_s']:.1f} s, ab {r['ab']['wall_s']:.1f} s, "
             f"capture {r['capture_s']:.1f} s")  # fmt: skip
@@ -200,7 +223,8 @@ def print_table(results: dict[str, Any]) -> None:
         f"capturing both deployment records: {c['median']:.2f} s [{c['min']:.2f}..{c['max']:.2f}]"
     )
     r = s["ratio_ab_over_floor"]
-    print(f"ab / floor (medians): requests x{r['requests']}, wall time x{r['wall_s']}")
+    wall = f"x{r['wall_s']}" if not s["wall_s_noise"] else f"NOISE ({s['wall_s_noise']})"
+    print(f"ab / floor (medians): requests x{r['requests']}, wall time {wall}")
 
 
 if __name__ == "__main__":
