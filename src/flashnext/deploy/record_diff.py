@@ -38,6 +38,13 @@ _FLAG_GROUPS = {
 }  # fmt: skip
 
 
+#: Container settings a diff compares (all but the name and the restart count).
+CONTAINER_KEYS = (
+    "image", "image_id", "repo_digests", "user", "network_mode", "ipc_mode", "shm_size", "memory",
+    "privileged", "cap_add", "devices", "ports", "mounts", "gpus", "env_without_value",
+)  # fmt: skip
+
+
 class RecordDiffError(FlashnextError):
     """Records that cannot be compared or restored."""
 
@@ -94,7 +101,7 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
     ]
     cont_a = (a.get("launch") or {}).get("container") or {}
     cont_b = (b.get("launch") or {}).get("container") or {}
-    for key in ("image", "image_id", "repo_digests", "mounts", "gpus", "shm_size", "ipc_mode"):
+    for key in CONTAINER_KEYS:
         if cont_a.get(key) != cont_b.get(key):
             out.append(
                 Change("runtime", f"container {key}", cont_a.get(key), cont_b.get(key), True)
@@ -171,35 +178,69 @@ def restore_command(record: Mapping[str, Any]) -> str:
     return prefix + " ".join(["env", *env_words, *_argv_words(list(launch["argv"]))])
 
 
+def _gpu_words(gpus: list[Mapping[str, Any]]) -> list[str]:
+    words = []
+    for gpu in gpus:
+        ids = gpu.get("ids")
+        if ids:
+            spec = f'"device={",".join(ids)}"'  # docker parses the value as CSV: quote it
+        else:
+            spec = "all" if gpu.get("count") == -1 else str(gpu.get("count"))
+        words += ["--gpus", shlex.quote(spec)]
+    return words
+
+
+def _mount_words(mounts: list[Mapping[str, Any]]) -> list[str]:
+    words = []
+    for m in mounts:
+        ro = "" if m.get("rw", True) else ":ro"
+        src = f"{m['source']}:" if m.get("source") else ""  # no source: a fresh anonymous volume
+        words += ["-v", shlex.quote(f"{src}{m['destination']}{ro}")]
+    return words
+
+
+def _port_words(ports: list[Mapping[str, str]]) -> list[str]:
+    words = []
+    for p in ports:
+        host = ":".join(x for x in (p.get("host_ip"), p.get("host_port")) if x)
+        words += ["-p", shlex.quote(f"{host}:{p['container']}" if host else p["container"])]
+    return words
+
+
+def _container_words(c: Mapping[str, Any]) -> list[str]:
+    """Every ``docker run`` option of the container section except env, image and command."""
+    words = ["--name", shlex.quote(c["name"])] if c.get("name") else []
+    words += _gpu_words(c.get("gpus") or [])
+    for key, flag in (
+        ("user", "--user"),
+        ("restart_policy", "--restart"),
+        ("network_mode", "--network"),
+        ("ipc_mode", "--ipc"),
+        ("shm_size", "--shm-size"),
+        ("memory", "--memory"),
+    ):
+        if c.get(key) and c.get(key) != "no":
+            words += [flag, shlex.quote(str(c[key]))]
+    if c.get("privileged"):
+        words.append("--privileged")
+    for cap in c.get("cap_add") or []:
+        words += ["--cap-add", shlex.quote(cap)]
+    for dev in c.get("devices") or []:
+        words += ["--device", shlex.quote(dev)]
+    return words + _port_words(c.get("ports") or []) + _mount_words(c.get("mounts") or [])
+
+
 def _docker_run(launch: Mapping[str, Any], env: Mapping[str, str]) -> str:
     c = launch.get("container") or {}
     digests = c.get("repo_digests") or []
     image = digests[0] if digests else (c.get("image_id") or c.get("image"))
-    words = ["docker", "run", "-d"]
-    if c.get("name"):
-        words += ["--name", shlex.quote(c["name"])]
-    for gpu in c.get("gpus") or []:
-        ids = gpu.get("ids")
-        spec = (
-            f"device={','.join(ids)}"
-            if ids
-            else ("all" if gpu.get("count") == -1 else str(gpu.get("count")))
-        )
-        words += ["--gpus", shlex.quote(spec)]
-    for key, flag in (
-        ("network_mode", "--network"),
-        ("ipc_mode", "--ipc"),
-        ("shm_size", "--shm-size"),
-    ):
-        if c.get(key):
-            words += [flag, shlex.quote(str(c[key]))]
-    for m in c.get("mounts") or []:
-        words += [
-            "-v",
-            shlex.quote(f"{m['source']}:{m['destination']}" + ("" if m.get("rw", True) else ":ro")),
-        ]
+    words = ["docker", "run", "-d", *_container_words(c)]
+    if launch.get("cwd"):
+        words += ["-w", shlex.quote(launch["cwd"])]
     for k, v in sorted(env.items()):
         words += ["-e", f"{k}={_placeholder(k)}" if v == REDACTED else shlex.quote(f"{k}={v}")]
+    for k in c.get("env_without_value") or []:
+        words += ["-e", shlex.quote(k)]
     if c.get("entrypoint"):
         words += ["--entrypoint", shlex.quote(c["entrypoint"][0])]
     words.append(shlex.quote(str(image)))

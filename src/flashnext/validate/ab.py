@@ -17,7 +17,12 @@ The payload of the ``flashnext.validate.ab`` record (schema version 1):
   finish reason), first_difference, token_agreement, ``tf`` (teacher-forced: positions,
   top1_agreement, kl/tv/logprob_delta_abs {mean, max}, per-position kl and tv), error;
 - ``summary``: pooled numbers; ``verdict``: status (identical | pass | fail | error), checks,
-  reasons; ``cost``: requests per server and wall time.
+  reasons; ``cost``: requests per server and wall time (the comparison only);
+- ``deployments``: ``baseline`` and ``candidate``, each server's deployment record
+  (``flashnext.deploy.record``, captured after the prompts by the URL's port, as
+  ``flashnext validate`` does) or ``{"error": why}``; ``differences``: what
+  :func:`~flashnext.deploy.record_diff.record_diff` finds between the two (group, name,
+  before, after, variable), null unless both were captured. Null when capture was off.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class AbConfig:
     concurrency: int = 1
     timeout_s: float = 180.0
     thresholds: Thresholds = field(default_factory=Thresholds)
+    capture_deployments: bool = True
 
 
 Progress = Callable[[int, int, str], None]
@@ -93,6 +99,7 @@ async def run_ab(cfg: AbConfig, progress: Progress | None = None) -> dict[str, A
             results = await _run_prompts(cfg, base, cand, progress)
     finally:
         await asyncio.gather(base.client.aclose(), cand.client.aclose())
+    wall_s = round(time.monotonic() - t0, 3)
     summary = summarize(results)
     return {
         "baseline": base.info(),
@@ -104,8 +111,33 @@ async def run_ab(cfg: AbConfig, progress: Progress | None = None) -> dict[str, A
         "verdict": verdict(summary, cfg.thresholds, setup_error),
         "cost": {
             "requests": {"baseline": base.requests, "candidate": cand.requests},
-            "wall_s": round(time.monotonic() - t0, 3),
+            "wall_s": wall_s,
         },
+        "deployments": await deployments(cfg) if cfg.capture_deployments else None,
+    }
+
+
+async def deployments(cfg: AbConfig) -> dict[str, Any]:
+    """Both servers' deployment records and their differences (see the module docstring).
+    Never raises: a capture that fails is recorded with its reason."""
+    from flashnext.deploy.record import capture
+    from flashnext.deploy.record_diff import record_diff
+    from flashnext.errors import FlashnextError
+
+    def one(url: str) -> dict[str, Any]:
+        try:
+            return capture(url, api_key=cfg.api_key)
+        except (FlashnextError, OSError) as exc:
+            return {"error": str(exc)}
+
+    base, cand = await asyncio.gather(
+        asyncio.to_thread(one, cfg.baseline_url), asyncio.to_thread(one, cfg.candidate_url)
+    )
+    both = "error" not in base and "error" not in cand
+    return {
+        "baseline": base,
+        "candidate": cand,
+        "differences": [asdict(c) for c in record_diff(base, cand)] if both else None,
     }
 
 

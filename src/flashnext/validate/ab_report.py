@@ -1,7 +1,8 @@
 """Files of ``flashnext validate ab``: ``ab.json`` (the record), ``ab.md``, ``ab.png``.
 
 ``ab.md`` is one page: the verdict with each check, both servers, the pooled numbers, a table
-of every prompt and the worst prompts with both continuations side by side. ``ab.png`` plots,
+of every prompt, both deployment records and what differs between them, and the worst prompts
+with both continuations side by side. ``ab.png`` plots,
 per generated position, the teacher-forced KL (mean and max over prompts) and the share of
 prompts whose free-running outputs have gone apart by then. Every file is written to a
 temporary name and renamed when complete.
@@ -92,6 +93,7 @@ def render_markdown(record: dict[str, Any]) -> str:
             f"{r['token_agreement']:.3f} | {_f(tf.get('top1_agreement'), '.3f')} | "
             f"{_f((tf.get('kl') or {}).get('mean'))} | {_f((tf.get('kl') or {}).get('max'))} |"
         )
+    lines += _deployment_section(record.get("deployments"))
     lines += _worst_section(record)
     errors = [r for r in record["prompts"] if r.get("error")]
     if errors or record.get("setup_error"):
@@ -105,6 +107,28 @@ def render_markdown(record: dict[str, Any]) -> str:
         ]
     lines += ["", f"Command: `{' '.join(record['environment']['command'])}`", ""]
     return "\n".join(lines)
+
+
+def _deployment_section(deployments: dict[str, Any] | None) -> list[str]:
+    """Both servers' deployment records in a line each, then what differs between them."""
+    if not deployments:
+        return []
+    from flashnext.deploy.record import describe
+
+    lines = ["", "## Deployments", ""]
+    lines += [f"- {side}: {describe(deployments[side])}" for side in ("baseline", "candidate")]
+    diff = deployments.get("differences")
+    if diff is None:
+        return [*lines, "", "Differences: unknown (a record is missing)."]
+    if not diff:
+        return [*lines, "", "Differences: none (same launch, same checkpoint)."]
+    lines += ["", "Differences (baseline -> candidate; *observed* = reported by the server):", ""]
+    lines += [
+        f"- {c['group']}: {c['name']}: {c['before']!r} -> {c['after']!r}"
+        + ("" if c["variable"] else " (*observed*)")
+        for c in diff
+    ]
+    return lines
 
 
 def _quote(text: str) -> str:

@@ -192,17 +192,10 @@ def _deployment_lines(record: dict[str, Any] | None) -> list[str]:
     """The launch this report belongs to (from the embedded deployment record)."""
     if not record:
         return []
-    if "error" in record:
-        return ["", f"Deployment record: not captured ({record['error']})"]
-    launch = record.get("launch") or {}
-    argv = " ".join(launch.get("argv") or []) or "unknown (remote server)"
-    ckpt = (record.get("checkpoint") or {}).get("config_sha256")
-    return [
-        "",
-        f"Deployment: server {(record.get('server') or {}).get('version')}, launch from "
-        f"{launch.get('source', 'nowhere')}: `{argv}`"
-        + (f", config.json sha256 {ckpt[:12]}" if ckpt else ""),
-    ]
+    from flashnext.deploy.record import describe
+
+    label = "Deployment record" if "error" in record else "Deployment"
+    return ["", f"{label}: {describe(record)}"]
 
 
 def _failure_lines(report: dict[str, Any]) -> list[str]:
