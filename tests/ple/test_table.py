@@ -5,14 +5,15 @@ from flashnext.errors import SidecarError
 from flashnext.ple import open_table, write_sidecar
 from flashnext.synthetic import embedding_rows
 
+from ..seeding import seeded_rng
 from .reference import dequant64
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    rng = np.random.default_rng()
+def tables(tmp_path_factory, request):
+    rng = seeded_rng(request.node.nodeid, request.fixturename)
     x = embedding_rows(1000, 160, rng)
     root = tmp_path_factory.mktemp("tables")
     for fmt in FORMATS:
@@ -22,9 +23,8 @@ def tables(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("residency", ["mmap", "resident"])
-def test_lookup_equals_float64_dequant(tables, fmt, residency):
+def test_lookup_equals_float64_dequant(tables, fmt, residency, rng):
     root, x = tables
-    rng = np.random.default_rng()
     table = open_table(root / fmt, residency)
     assert (table.format, table.num_rows, table.width) == (fmt, 1000, 160)
     ids = rng.integers(-1, 1000, size=(4, 33, 16))
@@ -92,8 +92,7 @@ def _rss_kb():
     raise RuntimeError("no VmRSS")
 
 
-def test_mmap_is_zero_copy_and_resident_copies(tmp_path):
-    rng = np.random.default_rng()
+def test_mmap_is_zero_copy_and_resident_copies(tmp_path, rng):
     rows = 200_000  # 64 MB of bf16
     big = rng.integers(0, 2**16, size=(rows, 160), dtype=np.uint16)
     big[(big & 0x7F80) == 0x7F80] = 0x3F80  # no NaN/inf bit patterns
@@ -117,11 +116,10 @@ def test_mmap_is_zero_copy_and_resident_copies(tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("residency", ["mmap", "resident", "hot"])
-def test_fused_kernels_match_numpy_reference(tables, fmt, residency):
+def test_fused_kernels_match_numpy_reference(tables, fmt, residency, rng):
     import ml_dtypes
 
     root, _ = tables
-    rng = np.random.default_rng()
     hot = rng.choice(1000, size=100, replace=False) if residency == "hot" else None
     table = open_table(root / fmt, "mmap" if hot is not None else residency, hot_rows=hot)
     assert table.hot_rows == (100 if hot is not None else 0)
@@ -142,12 +140,11 @@ def test_fused_kernels_match_numpy_reference(tables, fmt, residency):
             np.testing.assert_array_equal(raw[name].view(np.uint8), want[name].view(np.uint8))
 
 
-def test_lookup_from_threads_matches_single_thread(tables):
+def test_lookup_from_threads_matches_single_thread(tables, rng):
     from concurrent.futures import ThreadPoolExecutor
 
     root, _ = tables
     table = open_table(root / "int4")
-    rng = np.random.default_rng()
     batches = [rng.integers(-1, 1000, size=int(rng.integers(1, 20_000))) for _ in range(24)]
     expect = [table.lookup(b) for b in batches]
     with ThreadPoolExecutor(6) as pool:
