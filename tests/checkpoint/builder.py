@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,8 @@ from safetensors.numpy import save_file
 
 from flashnext.ple.geometry import PLEGeometry
 
+from ..seeding import current_test_rng
+
 PREFIXES = {
     "long": "model.language_model.layers.",
     "short": "model.layers.",
@@ -36,12 +37,6 @@ PREFIXES = {
 E2M1 = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64
 )
-
-
-def make_rng() -> np.random.Generator:
-    seed = secrets.randbits(63)
-    print(f"checkpoint test rng seed: {seed}")
-    return np.random.default_rng(seed)
 
 
 def make_config(
@@ -159,10 +154,10 @@ def build_checkpoint(
 ) -> Built:
     """Write a checkpoint at ``root``: config.json, shards (+ index when ``files`` > 1 or
     ``files`` == 0 for a single ``model.safetensors``), hf download metadata."""
-    rng = rng or make_rng()
+    rng = rng or current_test_rng("build_checkpoint")
     root.mkdir(parents=True, exist_ok=True)
     config = make_config(ple_layer_ids, base, parts, nested)
-    built = Built(root, config, commit=secrets.token_hex(20))
+    built = Built(root, config, commit=rng.bytes(20).hex())
     pre = PREFIXES[prefix]
     tensors: dict[str, np.ndarray] = {
         "model.language_model.embed_tokens.weight": (rng.standard_normal((1000, 16)) * 0.02).astype(

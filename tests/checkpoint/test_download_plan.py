@@ -9,7 +9,7 @@ from flashnext.checkpoint.download_plan import check_sidecar, plan_download
 from flashnext.errors import CheckpointError
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import write_sidecar
-from tests.checkpoint.builder import build_checkpoint, make_rng, to_hf_cache
+from tests.checkpoint.builder import build_checkpoint, to_hf_cache
 
 
 def split_ple_into_own_file(built):
@@ -89,11 +89,10 @@ def test_missing_index_is_named(tmp_path):
         plan_download(tmp_path)
 
 
-def test_sidecar_checked_against_config_geometry(tmp_path):
+def test_sidecar_checked_against_config_geometry(tmp_path, rng):
     built = build_checkpoint(tmp_path / "ckpt", parts=4, hf_metadata=False)
     split_ple_into_own_file(built)
     geo = PLEGeometry.from_config(built.config, layer_ordinal=0)
-    rng = make_rng()
     rows = rng.standard_normal((geo.num_rows, geo.width)).astype("float32")
     write_sidecar(tmp_path / "good", "int4", rows, rows_per_shard=geo.shard_rows())
     write_sidecar(tmp_path / "short", "int4", rows[:-128], rows_per_shard=geo.shard_rows())

@@ -102,10 +102,10 @@ BASE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_rows_are_named(tmp_path, bad):
+def test_non_finite_rows_are_named(tmp_path, bad, rng):
     built = build_checkpoint(tmp_path / "ck", fmt="bf16", base=600)
     S = open_table_source(built.root).rows_per_shard
-    local = int(np.random.default_rng().integers(0, S))
+    local = int(rng.integers(0, S))
     _poison(built, BASE, 2, local, 17, ml_dtypes.bfloat16(bad))
     src = open_table_source(built.root)
     with pytest.raises(FormatError, match=rf"source row {2 * S + local} column 17 is -?(nan|inf)"):

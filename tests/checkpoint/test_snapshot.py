@@ -190,11 +190,11 @@ def test_hf_cache_layout_verifies_by_blob_name(pristine, tmp_path, capsys):
     assert "dangling" in msgs and "partial download" in msgs
 
 
-def test_file_digest_algorithms(tmp_path):
+def test_file_digest_algorithms(tmp_path, rng):
     import hashlib
 
     p = tmp_path / "f"
-    data = os.urandom(3 << 20)
+    data = rng.bytes(3 << 20)
     p.write_bytes(data)
     seen = []
     assert file_digest(p, "sha256", seen.append, chunk=1 << 20) == hashlib.sha256(data).hexdigest()

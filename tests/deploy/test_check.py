@@ -19,7 +19,8 @@ from flashnext.deploy.check import (
 from flashnext.deploy.gpu import GpuSpecError, parse_gpu
 from flashnext.deploy.serve_args import ServeArgsError, parse_serve_args
 from flashnext.records import check_record
-from tests.checkpoint.builder import build_checkpoint, make_rng
+from tests.checkpoint.builder import build_checkpoint
+from tests.seeding import current_test_rng
 
 SM120 = parse_gpu("sm120,96GiB,cuda13.0")
 PUBLISHED = Path(__file__).parents[1] / "plan" / "fixtures" / "qwen4exp-published.config.json"
@@ -49,7 +50,7 @@ def moe_tensors(rng, moe_fmt="nvfp4", mtp_fmt="bf16", dense_w4a16=False):
 
 
 def model(tmp_path, *, config_extra=None, **moe):
-    rng = make_rng()
+    rng = current_test_rng("model")
     built = build_checkpoint(
         tmp_path / "m", parts=4, hf_metadata=False, extra_tensors=moe_tensors(rng, **moe)
     )

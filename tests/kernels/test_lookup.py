@@ -17,6 +17,7 @@ from flashnext.ple import open_table, write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..ple.reference import dequant64
+from ..seeding import seeded_rng
 
 torch = pytest.importorskip("torch", reason="torch not installed: pip install 'flashnext[gpu]'")
 pytest.importorskip("triton", reason="triton not installed: pip install 'flashnext[gpu]'")
@@ -47,10 +48,8 @@ def few_programs_when_interpreted(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def sidecars(tmp_path_factory):
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"kernel test tables: seed {seed}")
-    x = embedding_rows(ROWS, WIDTH, np.random.default_rng(seed))
+def sidecars(tmp_path_factory, request):
+    x = embedding_rows(ROWS, WIDTH, seeded_rng(request.node.nodeid, request.fixturename))
     root = tmp_path_factory.mktemp("kernel_tables")
     for fmt in FORMATS:
         write_sidecar(root / fmt, fmt, x, 128)  # 8 shards: nvfp4 has 8 scale_2 values
@@ -80,8 +79,7 @@ def bits(out):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_lookup_is_bit_exact(sidecars, fmt, placement):
-    rng = np.random.default_rng()
+def test_lookup_is_bit_exact(sidecars, fmt, placement, rng):
     table = open_table(sidecars / fmt)
     gpu = GpuTable.from_table(table, placement, device=DEVICE)
     # 1 row per program (decode), 8, and 64 with a partial last block (prefill)
@@ -93,8 +91,7 @@ def test_lookup_is_bit_exact(sidecars, fmt, placement):
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_rank_row_ranges_sum_to_the_whole(sidecars, fmt):
-    rng = np.random.default_rng()
+def test_rank_row_ranges_sum_to_the_whole(sidecars, fmt, rng):
     table = open_table(sidecars / fmt, row_range=(250, 1000))
     ids = random_ids(rng, 21)
     ids_d = torch.from_numpy(ids).to(DEVICE)
@@ -110,8 +107,7 @@ def test_rank_row_ranges_sum_to_the_whole(sidecars, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS if CUDA else ["nvfp4"])  # CPU: one numba compile
-def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt):
-    rng = np.random.default_rng()
+def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt, rng):
     table = open_table(sidecars / fmt, "mmap")
     staged = StagedTable(table, max_ids=40 * HEADS, buffers=2, device=DEVICE)
     batches = [random_ids(rng, t, hi=ROWS) for t in (40, 3, 17, 1)]
@@ -125,8 +121,7 @@ def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt):
 
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_hot_row_cache_serves_the_same_rows(sidecars, fmt):
-    rng = np.random.default_rng()
+def test_hot_row_cache_serves_the_same_rows(sidecars, fmt, rng):
     table = open_table(sidecars / fmt)
     gpu = GpuTable.from_table(table, "pinned", device=DEVICE)
     ids = random_ids(rng, 50)
@@ -144,8 +139,7 @@ def test_hot_row_cache_serves_the_same_rows(sidecars, fmt):
 
 @needs_cuda
 @pytest.mark.parametrize("placement", ["device", "pinned"])
-def test_cuda_graph_replays_with_new_ids(sidecars, placement):
-    rng = np.random.default_rng()
+def test_cuda_graph_replays_with_new_ids(sidecars, placement, rng):
     table = open_table(sidecars / "nvfp4")
     gpu = GpuTable.from_table(table, placement, row_range=(100, 900), device=DEVICE)
     if placement == "pinned":

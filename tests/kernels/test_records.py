@@ -23,8 +23,7 @@ def test_layout_at_width_160(fmt, nbytes, offsets):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_pack_unpack_round_trip_dequantizes_like_the_card(fmt):
-    rng = np.random.default_rng()
+def test_pack_unpack_round_trip_dequantizes_like_the_card(fmt, rng):
     tensors = card_tensors(fmt, 37, rng)
     layout = record_layout(get_codec(fmt), 160)
     recs = pack_records(layout, tensors)
@@ -39,8 +38,7 @@ def test_pack_unpack_round_trip_dequantizes_like_the_card(fmt):
     )
 
 
-def test_pack_into_a_buffer_writes_only_the_first_rows():
-    rng = np.random.default_rng()
+def test_pack_into_a_buffer_writes_only_the_first_rows(rng):
     layout = record_layout(get_codec("int4"), 160)
     buf = np.full((10, 100), 7, np.uint8)
     tensors = card_tensors("int4", 4, rng)
@@ -49,8 +47,7 @@ def test_pack_into_a_buffer_writes_only_the_first_rows():
     np.testing.assert_array_equal(buf[:4, :80], tensors["weight_i4"])
 
 
-def test_wrong_tensor_is_named():
-    rng = np.random.default_rng()
+def test_wrong_tensor_is_named(rng):
     layout = record_layout(get_codec("fp8"), 160)
     tensors = card_tensors("fp8", 3, rng)
     tensors["weight_scale"] = tensors["weight_scale"].astype(np.float64)

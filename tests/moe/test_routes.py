@@ -23,8 +23,7 @@ def test_notes_vector():
 
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("w_dtype", [np.float32, np.float16])
-def test_random_routes_match_reference_and_inputs_are_untouched(id_dtype, w_dtype):
-    rng = np.random.default_rng()
+def test_random_routes_match_reference_and_inputs_are_untouched(id_dtype, w_dtype, rng):
     n = int(rng.integers(4, 600))
     ids = rng.integers(-3, n + 3, size=(int(rng.integers(1, 300)), 10)).astype(id_dtype)
     ids[rng.random(ids.shape[0]) < 0.2] = -1  # whole padding rows, as vLLM writes them
@@ -63,9 +62,8 @@ def test_bad_routes_are_named(ids, weights, n, message):
         sanitize_routes(ids, weights, n)
 
 
-def test_torch_routes_match_numpy_without_host_sync():
+def test_torch_routes_match_numpy_without_host_sync(rng):
     torch = pytest.importorskip("torch", reason="torch not installed: pip install 'flashnext[gpu]'")
-    rng = np.random.default_rng()
     ids = rng.integers(-2, 70, size=(33, 8))
     w = rng.random(ids.shape).astype(np.float32)
     counter = InvalidRouteCounter()

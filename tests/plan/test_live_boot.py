@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from devtools.vllm_cpu import VllmServer
 from flashnext.plan.logs import explain
 from flashnext.plan.planner import PlanRequest, load_model, make_plan
-from tests.validate.conftest import VllmServer
 
 
 def test_real_kv_capacity_failure(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> None:

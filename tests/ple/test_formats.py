@@ -1,6 +1,5 @@
 """The format contract: golden code tables, reference pairs, declared tensors, codecs vs float64."""
 
-import secrets
 
 import ml_dtypes
 import numpy as np
@@ -13,13 +12,6 @@ from flashnext.synthetic import embedding_rows
 from .reference import E2M1, card_tensors, dequant64, nibbles
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
-
-
-@pytest.fixture
-def rng():
-    seed = secrets.randbits(63)
-    print(f"test_formats rng seed: {seed}")
-    return np.random.default_rng(seed)
 
 
 # -- golden tables, written from the card ---------------------------------------------------

@@ -57,9 +57,8 @@ def random_tokens(rng, g, size, eos_rate=0.1):
 
 
 @pytest.mark.parametrize("ordinal", [0, 1])
-def test_matches_reference_fresh_random(ordinal):
+def test_matches_reference_fresh_random(ordinal, rng):
     g = PLEGeometry.from_config(CFG, ordinal)
-    rng = np.random.default_rng()
     for _ in range(5):
         toks = random_tokens(rng, g, int(rng.integers(1, 200)))
         ctx = random_tokens(rng, g, 2, eos_rate=0.3)
@@ -84,9 +83,8 @@ def test_eos_rule_by_hand():
     assert c[0].tolist() != d[0].tolist()
 
 
-def test_packed_equals_per_request():
+def test_packed_equals_per_request(rng):
     g = PLEGeometry.from_config(CFG, 1)
-    rng = np.random.default_rng()
     lens = rng.integers(0, 40, size=9)
     lens[3] = 0  # an empty request in the middle
     reqs = [random_tokens(rng, g, int(n)) for n in lens]

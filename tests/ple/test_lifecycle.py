@@ -80,18 +80,6 @@ def snapshot(root: Path) -> dict[str, bytes]:
     }
 
 
-@pytest.fixture
-def rng(seed):
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    print(f"lifecycle test rng seed: {value}")
-    return value
-
-
 def bf16_sidecar(path: Path, rng, rows=1200, per_shard=300) -> np.ndarray:
     x = embedding_rows(rows, 160, rng)
     write_sidecar(path, "bf16", x, per_shard)

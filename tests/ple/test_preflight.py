@@ -50,8 +50,8 @@ def test_refuses_with_numbers():
     assert check_fits(7 * GIB, "table", memory=mem) is mem
 
 
-def test_open_table_resident_refuses_what_cannot_fit(tmp_path):
-    x = np.random.default_rng().standard_normal((64, 160)).astype(np.float32)
+def test_open_table_resident_refuses_what_cannot_fit(tmp_path, rng):
+    x = rng.standard_normal((64, 160)).astype(np.float32)
     write_sidecar(tmp_path, "int4", x, 32)
     small_host = HostMemory(mem_available=2 * GIB)  # 2 GiB free: less than the headroom alone
     with pytest.raises(

@@ -10,10 +10,12 @@ from flashnext.ple.quantize import STATE_NAME, SidecarSource, quantize_table
 from flashnext.records import check_record
 from flashnext.synthetic import embedding_rows
 
+from ..seeding import seeded_rng
+
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    rng = np.random.default_rng()
+def source(tmp_path_factory, request):
+    rng = seeded_rng(request.node.nodeid, request.fixturename)
     x = embedding_rows(3000, 160, rng)
     root = tmp_path_factory.mktemp("src")
     write_sidecar(root / "bf16", "bf16", x, 700)
@@ -99,8 +101,7 @@ def test_interrupted_run_is_unfinished_then_resumes_byte_identical(tmp_path, sou
     assert _files(dst) == _files(clean)
 
 
-def test_non_finite_source_rows_are_named(tmp_path):
-    rng = np.random.default_rng()
+def test_non_finite_source_rows_are_named(tmp_path, rng):
     x = embedding_rows(300, 160, rng)
     x[217, 9] = np.inf
     x[250, 0] = np.nan

@@ -11,6 +11,7 @@ from flashnext.errors import SidecarError
 from flashnext.ple import open_sidecar, open_table, write_sidecar
 from flashnext.synthetic import embedding_rows
 
+from ..seeding import current_test_rng
 from .reference import card_tensors, dequant64
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
@@ -31,8 +32,7 @@ def write_card_sidecar(root, fmt, shard_rows, rng, meta=None):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("meta", [None, "card"])
-def test_reads_sidecars_written_by_other_tools(tmp_path, fmt, meta):
-    rng = np.random.default_rng()
+def test_reads_sidecars_written_by_other_tools(tmp_path, fmt, meta, rng):
     sizes = [64, 64, 64, 23]
     card_meta = {"variant": f"ples_{fmt}", "shard_rows": 64, "group_size": 16, "built_from": "x"}
     shards = write_card_sidecar(tmp_path / fmt, fmt, sizes, rng, card_meta if meta else None)
@@ -54,8 +54,7 @@ def test_reads_sidecars_written_by_other_tools(tmp_path, fmt, meta):
         np.testing.assert_array_equal(got, expect.astype(np.float32))
 
 
-def test_writer_roundtrip_and_meta(tmp_path):
-    rng = np.random.default_rng()
+def test_writer_roundtrip_and_meta(tmp_path, rng):
     x = embedding_rows(1000, 160, rng)
     sc = write_sidecar(tmp_path / "t", "int4", x, 300, source={"k": 1})
     meta = json.loads((tmp_path / "t" / "META.json").read_text())
@@ -71,7 +70,7 @@ def test_writer_roundtrip_and_meta(tmp_path):
 
 
 def _good(tmp_path, fmt="int4", sizes=(50, 50, 50, 20)):
-    rng = np.random.default_rng()
+    rng = current_test_rng("_good")
     write_card_sidecar(tmp_path, fmt, list(sizes), rng)
     return rng
 
@@ -196,18 +195,17 @@ def test_two_files_for_one_shard(tmp_path):
         open_sidecar(tmp_path)
 
 
-def test_scalar_tensors_keep_shape_empty(tmp_path):
+def test_scalar_tensors_keep_shape_empty(tmp_path, rng):
     from safetensors import safe_open
 
-    x = np.random.default_rng().standard_normal((40, 160)).astype(np.float32)
+    x = rng.standard_normal((40, 160)).astype(np.float32)
     write_sidecar(tmp_path, "nvfp4", x, 16)
     for i in range(3):
         with safe_open(str(tmp_path / f"shard_{i}.safetensors"), "np") as f:
             assert f.get_slice("weight_scale_2").get_shape() == []  # the card: [] fp32
 
 
-def test_checksum_mismatch(tmp_path):
-    rng = np.random.default_rng()
+def test_checksum_mismatch(tmp_path, rng):
     write_sidecar(tmp_path, "fp8", embedding_rows(100, 160, rng), 40)
     path = tmp_path / "shard_1.safetensors"
     data = bytearray(path.read_bytes())

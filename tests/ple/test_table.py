@@ -5,15 +5,15 @@ from flashnext.errors import SidecarError
 from flashnext.ple import open_table, write_sidecar
 from flashnext.synthetic import embedding_rows
 
-from ..conftest import seeded_rng
+from ..seeding import seeded_rng
 from .reference import dequant64
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory):
-    rng = seeded_rng("tests/ple/test_table.py::tables")
+def tables(tmp_path_factory, request):
+    rng = seeded_rng(request.node.nodeid, request.fixturename)
     x = embedding_rows(1000, 160, rng)
     root = tmp_path_factory.mktemp("tables")
     for fmt in FORMATS:

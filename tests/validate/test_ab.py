@@ -23,12 +23,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from devtools.vllm_cpu import VllmServer
 from flashnext.records import check_record, make_record
 from flashnext.validate.ab import KIND, AbConfig, run_ab
 from flashnext.validate.ab_prompts import load_prompts
 from flashnext.validate.ab_report import write_ab
-
-from .conftest import VllmServer
 
 FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
 NOISE = (0.02, 0.3)  # relative to each tensor's RMS

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 from pathlib import Path
 
 import numpy as np
@@ -14,13 +13,6 @@ from flashnext.errors import ValidationError
 from flashnext.validate import ab_metrics as M
 from flashnext.validate.ab import Thresholds, summarize, teacher_forced, verdict
 from flashnext.validate.ab_prompts import fill_repeats, load_prompts
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = secrets.randbits(32)
-    print(f"seed {seed}")  # shown on failure: rerun with this seed to reproduce
-    return np.random.default_rng(seed)
 
 
 def _logsoftmax(x: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
+from devtools.vllm_cpu import free_port
 
 FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
 DROP_DAC = [

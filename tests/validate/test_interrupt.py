@@ -15,7 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from .conftest import VllmServer, free_port
+from devtools.vllm_cpu import VllmServer, free_port
+
 from .test_live_server import FLASHNEXT, by_name
 
 

