@@ -20,7 +20,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where one shell command ends and the next (not ours) begins.
 COMMAND_END = {"|", "&&", "||", ";", ">", "2>&1", "--"}
 # Documented ahead of landing on another branch; drop the entry once the command exists.
-PENDING = {"flashnext ple profile"}
+PENDING: set[str] = set()  # "flashnext GROUP CMD" documented ahead of its merge
 
 
 def code_spans(text: str) -> list[str]:
@@ -36,6 +36,10 @@ def invocations(span: str) -> list[list[str]]:
     for line in span.splitlines():
         words = line.split()
         for i, word in enumerate(words):
+            follows = words[i + 1] if i + 1 < len(words) else ""
+            # prose such as "flashnext plugin: ..." or "flashnext = module:fn" is not a call
+            if follows and not re.fullmatch(r"-.*|[a-z][a-z0-9-]*", follows):
+                continue
             if word.strip("'\"") == "flashnext" and (i == 0 or words[i - 1] not in ("pip", "-e")):
                 tail = []
                 for w in words[i + 1 :]:

@@ -132,7 +132,9 @@ def call_apply(experts, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     tokens = ids.shape[0]
-    hidden = torch.randn(tokens, experts.hidden_dim).to(torch.bfloat16)
+    # seeded from the ids, which the parent drew from the run's printed seed
+    gen = torch.Generator().manual_seed(int(ids.abs().sum()))
+    hidden = torch.randn(tokens, experts.hidden_dim, generator=gen).to(torch.bfloat16)
     output = torch.zeros(tokens, experts.hidden_dim, dtype=torch.bfloat16)
     experts.apply(
         output, hidden, torch.zeros(1), torch.zeros(1), weights, ids, MoEActivation.SILU,

@@ -193,8 +193,7 @@ def _wait_or_release(graph_staged, timeout_s=20.0):
 
 @needs_cuda
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt):
-    rng = np.random.default_rng()
+def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, rng):
     table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
     t = 24
     staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)

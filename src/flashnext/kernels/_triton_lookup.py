@@ -144,6 +144,8 @@ def launch_lookup(
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
+
+    Length: one keyword per kernel argument; splitting it would only move the list.
     """
     n = ids.numel()
     if n == 0:
