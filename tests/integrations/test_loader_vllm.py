@@ -20,13 +20,14 @@ import pytest
 
 from flashnext import __version__ as flashnext_version
 from flashnext.checkpoint import CheckpointTableSource, find_ple_tables
-from tests.checkpoint.builder import build_checkpoint, make_rng, rewrite
+from tests.checkpoint.builder import build_checkpoint, rewrite
 from tests.integrations.vllm_subprocess import (
     free_port,
     start_child,
     vllm_python_or_skip,
     wait_child,
 )
+from tests.seeding import seeded_rng
 
 CHILD = Path(__file__).with_name("loader_vllm_child.py")
 LAYER_ID = 2  # decoder layer number in ple_layer_ids; tensor index L = 1
@@ -78,10 +79,10 @@ def _bad_shape(root: Path, rng: np.random.Generator):
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory):
+def loaded(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
     """Checkpoints on disk, then one child per rank (world of one; world of two) loading all."""
     python = vllm_python_or_skip()
-    rng = make_rng()
+    rng = seeded_rng(request.node.nodeid, request.fixturename)
     base = tmp_path_factory.mktemp("loader")
     built = {}
     cases: dict[str, dict] = {}
