@@ -231,22 +231,14 @@ def _popcount(typingctx, word):  # type: ignore[no-untyped-def]
 
 @intrinsic
 def _copy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
-    """Copy ``nbytes`` from address ``src`` to ``dst`` inline: 8-byte words, then bytes (rows
-    are tens of bytes; a call to memcpy per row costs more than the copy)."""
+    """``memcpy(dst, src, nbytes)`` between integer addresses."""
     if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
         return None
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         d, s, n = args
-        for ty, first, count in (
-            (_I64, _I64(0), builder.lshr(n, _I64(3))),
-            (_I8, builder.and_(n, _I64(~7)), builder.and_(n, _I64(7))),
-        ):
-            to, fro = (builder.inttoptr(a, ir.PointerType(ty)) for a in (d, s))
-            with cgutils.for_range(builder, count) as loop:
-                at = builder.add(loop.index, builder.lshr(first, _I64(3 if ty is _I64 else 0)))
-                value = builder.load(builder.gep(fro, [at]), align=1)
-                builder.store(value, builder.gep(to, [at]), align=1)
+        to_ptr = [builder.inttoptr(a, cgutils.voidptr_t) for a in (d, s)]
+        cgutils.raw_memcpy(builder, to_ptr[0], to_ptr[1], n, 1)
         return context.get_dummy_value()
 
     return types.none(dst, src, nbytes), codegen
@@ -626,8 +618,6 @@ def gather_rows(ids, lo, hi, loc, scalars, dst0, dst1, pads, dst_scalars):  # ty
     padding)."""
     n_t = loc[6]
     fill = dst_scalars.size > 0
-    base0, step0, size0 = dst0.ctypes.data, dst0.strides[0], dst0.shape[1]
-    base1, step1, size1 = dst1.ctypes.data, dst1.strides[0], dst1.shape[1]
     where, bad = _start(ids, lo, hi, loc)
     if bad >= 0:
         return bad
@@ -637,23 +627,22 @@ def gather_rows(ids, lo, hi, loc, scalars, dst0, dst1, pads, dst_scalars):  # ty
             return bad
         for i in range(b0, min(b0 + BLOCK, hi)):
             slot = cur[i - b0]
-            _copy_row(base0 + i * step0, size0, slot[0], pads[0])
+            _copy_row(dst0, i, slot[0], pads[0])
             if n_t > 1:
-                _copy_row(base1 + i * step1, size1, slot[1], pads[1])
+                _copy_row(dst1, i, slot[1], pads[1])
             if fill:
                 dst_scalars[i] = 0.0 if slot[0] < 0 else scalars[slot[n_t]]
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def _copy_row(dst, nbytes, src, pad):  # type: ignore[no-untyped-def]
-    """``nbytes`` from address ``src`` to address ``dst``, or byte ``pad`` for padding (-1)."""
+def _copy_row(dst, i, src, pad):  # type: ignore[no-untyped-def]
+    row = dst[i]
     if src < 0:
-        row = numba.carray(_ptr(dst), nbytes, np.uint8)
-        for j in range(nbytes):
+        for j in range(row.size):
             row[j] = pad
     else:
-        _copy(dst, src, nbytes)
+        _copy(row.ctypes.data, src, row.size)
 
 
 #: Batches smaller than this run on the calling thread (a thread hand-off costs ~20 us).
