@@ -210,6 +210,11 @@ def quantize(
     if as_json:
         print_record("flashnext.ple.quantize", summary)
         return
+    _show_quantize_summary(summary)
+
+
+def _show_quantize_summary(summary: dict) -> None:
+    """The one-screen summary of `ple quantize` (the --json record's fields)."""
     done = "copied" if summary["conversion"] == "copy" else "quantized"
     table = Table(
         title=cell(f"{done} to {summary['format']}: {summary['destination']}"),

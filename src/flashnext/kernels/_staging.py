@@ -20,43 +20,11 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+# the address intrinsics of the CPU lookup kernels (one definition for both)
+from flashnext.ple.lookup_kernels import _prefetch, _ptr
 
 _AHEAD = 8  # rows prefetched ahead of the copy (page-cache reads are latency-bound)
-
-
-@intrinsic
-def _ptr(typingctx, address):  # type: ignore[no-untyped-def]
-    """An integer address as a ``void*`` for :func:`numba.carray`."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(address), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
-    """Ask the CPU to load the cache line at ``address`` (a hint: never faults)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return types.none(address), codegen
-
-
 POS_BITS = 21  # sort keys are (row << POS_BITS) | position: at most 2M ids per step
 
 

@@ -75,6 +75,11 @@ def _lookup_kernel(
     HAS_PERM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """Gather + dequant of BLOCK ids per program into bf16 rows (see ``launch_lookup``).
+
+    Length: one fused kernel (a Triton helper per format would not shorten it); 25 of its
+    lines are the parameter list.
+    """
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < n_ids
     gid = tl.load(ids_ptr + r, mask=rmask, other=-1).to(tl.int64)
