@@ -31,8 +31,6 @@ import asyncio
 import os
 import shutil
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,27 +42,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import say, spread  # noqa: E402  (bench/ is on the path)
+
+from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv  # noqa: E402
 from flashnext.records import dumps, make_record  # noqa: E402
 from flashnext.validate.ab import AbConfig, deployments, prompt_tokens, run_ab  # noqa: E402
 from flashnext.validate.ab_prompts import load_prompts  # noqa: E402
 from flashnext.validate.ab_server import Side  # noqa: E402
 from flashnext.validate.client import Client  # noqa: E402
-from tests.validate.conftest import HERE, VllmServer, ensure_vllm_venv  # noqa: E402
-
-
-def say(msg: str) -> None:
-    """Diagnostics go to stderr."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    """Median, min, max and the values themselves."""
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-        "values": [round(v, 3) for v in values],
-    }
 
 
 async def token_ids(cfg: AbConfig) -> tuple[str | None, list[list[int]]]:
@@ -189,8 +174,7 @@ def main() -> None:
             python = ensure_vllm_venv()
             work = Path(tempfile.mkdtemp(prefix="flashnext-bench-"))
             model = work / "tiny-qwen2"
-            subprocess.run([str(python), str(HERE / "build_tiny_model.py"), str(model)],
-                           check=True, capture_output=True)  # fmt: skip
+            build_tiny_model(python, model)
             server = VllmServer(python, model, work).start()
             say(f"server {server.url} up")
         results = measure(args.url or server.url, args)  # type: ignore[union-attr]

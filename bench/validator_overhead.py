@@ -48,15 +48,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import say, spread  # noqa: E402  (bench/ is on the path)
+
 from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv  # noqa: E402
 from flashnext.records import dumps, make_record  # noqa: E402
 
 GUIDELLM_PIN = "guidellm==0.8.1"
-
-
-def say(msg: str) -> None:
-    """Diagnostics go to stderr."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def guidellm_exe() -> tuple[Path | None, str]:
@@ -141,16 +138,6 @@ def run_guidellm(exe: Path, url: str, model: Path, n: int, conc: int, max_tokens
         "process_wall_s": round(wall, 3),
         "cpu_s": round(cpu, 3),
         "output_tokens_per_request": round(out_tokens / max(1, totals["successful"]), 1),
-    }
-
-
-def spread(values: list[float]) -> dict[str, Any]:
-    """Median, min, max and the values themselves."""
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-        "values": [round(v, 3) for v in values],
     }
 
 
