@@ -1,3 +1,6 @@
+import os
+import resource
+
 import numpy as np
 import pytest
 
@@ -172,3 +175,76 @@ def test_warm_reads_the_open_rows(tables):
     warming = table.warm(background=True, progress=seen.append)
     assert warming.wait(30) and warming.bytes_read == warming.total_bytes == sum(seen)
     assert warming.total_bytes == 800 * table.codec.bytes_per_row(160)
+
+
+def test_row_ranges_cover_the_rows_page_aligned_and_merged(tables, rng):
+    root, _ = tables
+    table = open_table(root / "int4", row_range=(100, 900))
+    rows = np.unique(rng.integers(100, 900, size=40))
+    ranges = table.row_ranges(rows, gap=0)
+    touched = set()
+    for row in rows.tolist():
+        shard = next(sh for sh in table._shards if sh.row_start <= row < sh.row_start + sh.rows)
+        for spec in table._row_specs:  # int4: codes and scales, each its own bytes
+            entry = shard.tensors[spec.name]
+            size = entry.nbytes // shard.rows
+            at = entry.offset + (row - shard.row_start) * size
+            assert any(p == shard.path and o <= at and at + size <= o + n for p, o, n in ranges)
+            touched.add((shard.path, spec.name))
+    assert all(o % 4096 == 0 and n > 0 for _, o, n in ranges)
+    # a gap bigger than any file: one range per shard tensor that holds rows
+    assert len(table.row_ranges(rows, gap=1 << 30)) == len(touched) <= len(ranges)
+
+
+def _mapped_kb(path):
+    """Rss of this process's mappings of ``path`` (kB), from /proc/self/smaps."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                current = line.rstrip().endswith(str(path))
+            elif current and line.startswith("Rss:"):
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_warm_maps_the_pages_so_lookups_take_no_faults(tmp_path, rng):
+    x = embedding_rows(20_000, 160, rng)
+    write_sidecar(tmp_path / "t", "int4", x, 5_000)
+    table = open_table(tmp_path / "t", "mmap")
+    files = sorted({p for p, _, _ in table.file_ranges()})
+    before = sum(_mapped_kb(p) for p in files)
+    table.warm(background=False)
+    after = sum(_mapped_kb(p) for p in files)
+    # every stored byte of the table is now mapped (Rss of the file maps), no lookup ran
+    assert after - before >= 20_000 * table.codec.bytes_per_row(160) // 1024 - 64
+    ids = rng.integers(0, 20_000, size=4096)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    got = table.lookup(ids)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 64  # out buffer only
+    np.testing.assert_array_equal(got, table.reference_lookup(ids))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
+    from flashnext.ple.preflight import page_cache_bytes
+
+    x = embedding_rows(40_000, 160, rng)
+    write_sidecar(tmp_path / "t", "int4", x, 10_000)
+    files = sorted((tmp_path / "t").glob("*.safetensors"))
+    for path in files:
+        with open(path, "rb") as fh:
+            os.fdatasync(fh.fileno()) if hasattr(os, "fdatasync") else None
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if sum(page_cache_bytes(p) for p in files):
+        pytest.skip("the page cache kept the files (eviction refused on this filesystem)")
+    hot = np.sort(rng.choice(40_000, size=300, replace=False))
+    major = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+    table = open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    # read() brought the tier's pages in; gathering through the maps would have taken a
+    # major fault per page (~300 here)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt - major < 30
+    assert sum(page_cache_bytes(p) for p in files) >= sum(n for _, _, n in table.row_ranges(hot))
+    np.testing.assert_array_equal(table.lookup(hot), table.reference_lookup(hot))

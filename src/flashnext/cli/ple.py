@@ -310,12 +310,13 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
             )
 
 
-def _warm(table: PLETable, disable: bool) -> Warming:
+def _warm(table: PLETable, disable: bool, populate: bool = True) -> Warming:
     """Read ``table``'s files into the page cache now, with a progress bar on stderr."""
     with _bar(disable=disable) as bar:
         total = sum(length for _, _, length in table.file_ranges())
         task = bar.add_task("warming", total=total, bytes_per_unit=1, unit="B")
-        return table.warm(background=False, progress=lambda n: bar.advance(task, n))
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        return table.warm(background=False, progress=advance, populate=populate)
 
 
 @ple.command()
@@ -331,7 +332,7 @@ def warm(directory: Path, as_json: bool) -> None:
         files = sorted({p for p, _, _ in table.file_ranges()})
         before = sum(page_cache_bytes(p) for p in files)
         t0 = time.perf_counter()
-        warming = _warm(table, disable=as_json)
+        warming = _warm(table, disable=as_json, populate=False)  # for another process
         seconds = time.perf_counter() - t0
     warming.wait()
     rate = warming.bytes_read / seconds if seconds > 0 else 0.0

@@ -159,9 +159,13 @@ def _e4m3(builder: ir.IRBuilder, codes: ir.Value) -> ir.Value:
     return builder.bitcast(builder.or_(bits, sign), _vt(_F32))
 
 
-def _store(builder: ir.IRBuilder, values: ir.Value, address: ir.Value, bf16: bool) -> None:
+def _store(
+    builder: ir.IRBuilder, values: ir.Value, address: ir.Value, bf16: bool, finite: bool = False
+) -> None:
     """Store ``<16 x float>`` at ``address`` as float32, or as bfloat16 rounded to nearest-even
-    the way ``astype(ml_dtypes.bfloat16)`` does (a NaN becomes the quiet NaN of its sign)."""
+    the way ``astype(ml_dtypes.bfloat16)`` does (a NaN becomes the quiet NaN of its sign).
+    ``finite``: the caller knows no lane is NaN (infinities round correctly either way), so
+    the NaN lanes' fix-up is left out: a quarter of the bfloat16 path's instructions."""
     if not bf16:
         builder.store(values, builder.inttoptr(address, ir.PointerType(values.type)), align=4)
         return
@@ -170,6 +174,10 @@ def _store(builder: ir.IRBuilder, values: ir.Value, address: ir.Value, bf16: boo
     rounded = builder.lshr(
         builder.add(builder.add(bits, _const(_I32, 0x7FFF)), lsb), _const(_I32, 16)
     )
+    if finite:
+        half = builder.trunc(rounded, _vt(_I16))
+        builder.store(half, builder.inttoptr(address, ir.PointerType(half.type)), align=2)
+        return
     magnitude = builder.and_(bits, _const(_I32, 0x7FFFFFFF))
     nan = builder.icmp_unsigned(">", magnitude, _const(_I32, 0x7F800000))
     sign = builder.and_(builder.lshr(bits, _const(_I32, 16)), _const(_I32, 0x8000))
@@ -244,45 +252,59 @@ def _copy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
     return types.none(dst, src, nbytes), codegen
 
 
-@intrinsic
-def _group_int4(typingctx, codes, scale, dst, out):  # type: ignore[no-untyped-def]
-    """16 int4 columns: ``(nibble - INT4_BIAS) * scale`` from 8 bytes at ``codes`` -> ``dst``."""
-    bf16 = _out_is_bf16(out)
-    if bf16 is None:
-        return None
+def _int4_group_intrinsic(finite: bool):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def group(typingctx, codes, scale, dst, out):  # type: ignore[no-untyped-def]
+        bf16 = _out_is_bf16(out)
+        if bf16 is None:
+            return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        codes_v, scale_v, dst_v, _ = args
-        # nibble - 8 is exact in float32, and so is its product with an fp16 scale.
-        q = builder.uitofp(_nibbles(builder, codes_v), _vt(_F32))
-        q = builder.fsub(q, _const(_F32, float(INT4_BIAS)))
-        _store(builder, builder.fmul(q, _splat(builder, scale_v)), dst_v, bf16)
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            codes_v, scale_v, dst_v, _ = args
+            # nibble - 8 is exact in float32, and so is its product with an fp16 scale.
+            q = builder.uitofp(_nibbles(builder, codes_v), _vt(_F32))
+            q = builder.fsub(q, _const(_F32, float(INT4_BIAS)))
+            _store(builder, builder.fmul(q, _splat(builder, scale_v)), dst_v, bf16, finite)
+            return context.get_dummy_value()
 
-    return types.none(types.int64, types.float32, types.int64, out), codegen
+        return types.none(types.int64, types.float32, types.int64, out), codegen
+
+    return group
 
 
-@intrinsic
-def _group_nvfp4(typingctx, codes, pairs, scale, scale_2, dst, out):  # type: ignore[no-untyped-def]
-    """16 nvfp4 columns: ``(e2m1 * scale) * scale_2`` -> ``dst``; ``pairs`` is the address of
-    the float32 [256, 2] table of each byte's two codes (the order of the numpy codec)."""
-    bf16 = _out_is_bf16(out)
-    if bf16 is None:
-        return None
+#: 16 int4 columns: ``(nibble - INT4_BIAS) * scale`` from 8 bytes at ``codes`` -> ``dst``;
+#: the ``_finite`` one for a finite ``scale`` (no NaN can come out).
+_group_int4 = _int4_group_intrinsic(finite=False)
+_group_int4_finite = _int4_group_intrinsic(finite=True)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        codes_v, pairs_v, scale_v, s2_v, dst_v, _ = args
-        packed = _load(builder, codes_v, _vt(_I8, _V // 2))
-        both = _gather(builder, pairs_v, packed, _I64)  # <8 x i64> = 16 float32, in order
-        q = builder.bitcast(both, _vt(_F32))
-        q = builder.fmul(q, _splat(builder, scale_v))  # exact: e2m1 x e4m3
-        _store(builder, builder.fmul(q, _splat(builder, s2_v)), dst_v, bf16)
-        return context.get_dummy_value()
 
-    return (
-        types.none(types.int64, types.int64, types.float32, types.float32, types.int64, out),
-        codegen,
-    )
+def _nvfp4_group_intrinsic(finite: bool):  # type: ignore[no-untyped-def]
+    @intrinsic
+    def group(typingctx, codes, pairs, scale, scale_2, dst, out):  # type: ignore[no-untyped-def]
+        bf16 = _out_is_bf16(out)
+        if bf16 is None:
+            return None
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            codes_v, pairs_v, scale_v, s2_v, dst_v, _ = args
+            packed = _load(builder, codes_v, _vt(_I8, _V // 2))
+            both = _gather(builder, pairs_v, packed, _I64)  # <8 x i64> = 16 float32, in order
+            q = builder.bitcast(both, _vt(_F32))
+            q = builder.fmul(q, _splat(builder, scale_v))  # exact: e2m1 x e4m3
+            _store(builder, builder.fmul(q, _splat(builder, s2_v)), dst_v, bf16, finite)
+            return context.get_dummy_value()
+
+        sig = types.none(types.int64, types.int64, types.float32, types.float32, types.int64, out)
+        return sig, codegen
+
+    return group
+
+
+#: 16 nvfp4 columns: ``(e2m1 * scale) * scale_2`` -> ``dst``; ``pairs`` is the address of the
+#: float32 [256, 2] table of each byte's two codes (the order of the numpy codec). The
+#: ``_finite`` one for finite ``scale`` and ``scale_2`` (no NaN can come out).
+_group_nvfp4 = _nvfp4_group_intrinsic(finite=False)
+_group_nvfp4_finite = _nvfp4_group_intrinsic(finite=True)
 
 
 @intrinsic
@@ -346,66 +368,69 @@ def hot_index(hot_rel, rows):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def _locate(row, loc, inv):  # type: ignore[no-untyped-def]
-    """(column of ``bases``, local row, open shard) of global ``row``; column -1/-2 = pad/bad.
-    ``inv`` is ``1 / rows_per_shard`` (float64)."""
-    if row < -1 or row >= loc[4]:
-        return _BAD, 0, 0
-    if row < loc[2] or row >= loc[3]:  # padding (-1) included: loc[2] >= 0
-        return _OUT, 0, 0
-    # row // rows_per_shard without an integer division (tens of cycles each): a float64
-    # product, exact after one correction either way for any row below 2**52.
-    per = loc[0]
-    q = np.int64(np.float64(row) * inv)
-    if q * per > row:
-        q -= 1
-    elif (q + 1) * per <= row:
-        q += 1
-    shard = q - loc[1]
-    if loc[7]:  # a hot tier: is the row in it, and where (bitmap + rank, no search)
-        rel = row - loc[2]
-        word = rel >> 6
-        bitmap = numba.carray(_ptr(loc[10]), word + 1, np.uint64)
-        bits = bitmap[word]
-        bit = np.uint64(1) << np.uint64(rel & 63)
-        if bits & bit:
-            j = numba.carray(_ptr(loc[11]), (rel >> _RANK_SHIFT) + 1, np.int64)[rel >> _RANK_SHIFT]
-            for w in range((rel >> _RANK_SHIFT) << (_RANK_SHIFT - 6), word):
-                j += _popcount(bitmap[w])
-            j += _popcount(bits & (bit - np.uint64(1)))
-            return loc[5], j, shard
-    return shard, row - loc[_HEAD + shard], shard
+def _hot_slot(rel, loc):  # type: ignore[no-untyped-def]
+    """Place in the hot copy of row ``rel`` (relative to row_range start), or -1 if it is not
+    hot: its bit in the bitmap, then the block's rank plus the set bits before it."""
+    word = rel >> 6
+    bitmap = numba.carray(_ptr(loc[10]), word + 1, np.uint64)
+    bits = bitmap[word]
+    bit = np.uint64(1) << np.uint64(rel & 63)
+    if not bits & bit:
+        return -1
+    j = numba.carray(_ptr(loc[11]), (rel >> _RANK_SHIFT) + 1, np.int64)[rel >> _RANK_SHIFT]
+    for w in range((rel >> _RANK_SHIFT) << (_RANK_SHIFT - 6), word):
+        j += _popcount(bitmap[w])
+    return j + _popcount(bits & (bit - np.uint64(1)))
 
 
 @numba.njit(nogil=True, cache=True)
 def _resolve(ids, b0, b1, loc, where):  # type: ignore[no-untyped-def]
     """Fill ``where[i - b0]`` = (address of each tensor's row..., open shard) for ids
     ``[b0, b1)`` and prefetch the rows, so the decode loop finds them in cache. Padding gets
-    address -1. Returns the first bad id's index or -1."""
+    address -1. Returns the first bad id's index or -1.
+
+    Plain integer arithmetic on ``loc`` and 2-D stores into ``where``: no array views or
+    calls per id, which cost more than the row's copy when the rows are already cached."""
     n_s, n_t = loc[5], loc[6]
     bases = _HEAD + n_s
     sizes = bases + n_t * (n_s + 1)
-    inv = 1.0 / np.float64(loc[0])
+    per, start, end = loc[0], loc[2], loc[3]
+    inv = 1.0 / np.float64(per)
     if loc[7]:  # the hot index's lines for the whole block first, so their misses overlap
         for i in range(b0, b1):
-            rel = ids[i] - loc[2]
-            if rel >= 0 and ids[i] < loc[3]:
+            rel = ids[i] - start
+            if rel >= 0 and ids[i] < end:
                 _prefetch(loc[10] + (rel >> 6) * 8)
                 _prefetch(loc[11] + (rel >> _RANK_SHIFT) * 8)
     for i in range(b0, b1):
-        col, local, shard = _locate(ids[i], loc, inv)
-        if col == _BAD:
-            return i
-        slot = where[i - b0]
-        slot[n_t] = shard
+        row = ids[i]
+        if row < start or row >= end:  # padding (-1) included: start >= 0
+            if row < -1 or row >= loc[4]:
+                return i
+            for t in range(n_t):
+                where[i - b0, t] = -1
+            continue
+        # row // rows_per_shard without an integer division (tens of cycles each): a float64
+        # product, exact after one correction either way for any row below 2**52.
+        q = np.int64(np.float64(row) * inv)
+        if q * per > row:
+            q -= 1
+        elif (q + 1) * per <= row:
+            q += 1
+        shard = q - loc[1]
+        col, local = shard, row - loc[_HEAD + shard]
+        if loc[7]:
+            j = _hot_slot(row - start, loc)
+            if j >= 0:
+                col, local = n_s, j
+        where[i - b0, n_t] = shard
         for t in range(n_t):
-            if col == _OUT:
-                slot[t] = -1
-                continue
             size = loc[sizes + t]
             address = loc[bases + t * (n_s + 1) + col] + local * size
-            slot[t] = address
-            for line in range(address & ~63, address + size, 64):  # every cache line of it
+            where[i - b0, t] = address
+            _prefetch(address)  # a row of <= 64 bytes spans at most these two lines
+            _prefetch(address + size - 1)
+            for line in range((address & ~63) + 64, address + size - 1, 64):  # wider rows
                 _prefetch(line)
     return -1
 
@@ -568,7 +593,10 @@ def lookup_int4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def]
             dst = base + i * step
             for g in range(groups):
                 s = fp16[scales[g]]
-                _group_int4(codes + g * (GROUP // 2), s, dst + itemsize * GROUP * g, out)
+                if s - s == 0:  # finite (the usual case)
+                    _group_int4_finite(codes + g * (GROUP // 2), s, dst + itemsize * GROUP * g, out)
+                else:
+                    _group_int4(codes + g * (GROUP // 2), s, dst + itemsize * GROUP * g, out)
     return -1
 
 
@@ -604,9 +632,11 @@ def lookup_nvfp4(ids, lo, hi, loc, scalars, out):  # type: ignore[no-untyped-def
             dst = base + i * step
             for g in range(groups):
                 s = e4m3[scales[g]]
-                _group_nvfp4(
-                    codes + g * (GROUP // 2), pairs, s, s2, dst + itemsize * GROUP * g, out
-                )
+                at, to = codes + g * (GROUP // 2), dst + itemsize * GROUP * g
+                if s - s == 0 and s2 - s2 == 0:  # both finite (the usual case)
+                    _group_nvfp4_finite(at, pairs, s, s2, to, out)
+                else:
+                    _group_nvfp4(at, pairs, s, s2, to, out)
     return -1
 
 
@@ -618,6 +648,8 @@ def gather_rows(ids, lo, hi, loc, scalars, dst0, dst1, pads, dst_scalars):  # ty
     padding)."""
     n_t = loc[6]
     fill = dst_scalars.size > 0
+    d0, s0 = dst0.ctypes.data, dst0.shape[1]
+    d1, s1 = dst1.ctypes.data, dst1.shape[1]
     where, bad = _start(ids, lo, hi, loc)
     if bad >= 0:
         return bad
@@ -626,23 +658,48 @@ def gather_rows(ids, lo, hi, loc, scalars, dst0, dst1, pads, dst_scalars):  # ty
         if bad >= 0:
             return bad
         for i in range(b0, min(b0 + BLOCK, hi)):
-            slot = cur[i - b0]
-            _copy_row(dst0, i, slot[0], pads[0])
+            src = cur[i - b0, 0]
+            if src < 0:
+                _fill(d0 + i * s0, s0, pads[0])
+                if n_t > 1:
+                    _fill(d1 + i * s1, s1, pads[1])
+                if fill:
+                    dst_scalars[i] = 0.0
+                continue
+            _copy_bytes(d0 + i * s0, src, s0)
             if n_t > 1:
-                _copy_row(dst1, i, slot[1], pads[1])
+                _copy_bytes(d1 + i * s1, cur[i - b0, 1], s1)
             if fill:
-                dst_scalars[i] = 0.0 if slot[0] < 0 else scalars[slot[n_t]]
+                dst_scalars[i] = scalars[cur[i - b0, n_t]]
     return -1
 
 
 @numba.njit(nogil=True, cache=True)
-def _copy_row(dst, i, src, pad):  # type: ignore[no-untyped-def]
-    row = dst[i]
-    if src < 0:
-        for j in range(row.size):
-            row[j] = pad
+def _copy_bytes(dst, src, n):  # type: ignore[no-untyped-def]
+    """``memcpy`` of ``n`` bytes; the row sizes of the released width (160 columns) are
+    spelled out so LLVM inlines them as a few vector moves instead of a libc call."""
+    if n == 80:  # int4 and nvfp4 codes
+        _copy(dst, src, 80)
+    elif n == 20:  # int4 fp16 scales
+        _copy(dst, src, 20)
+    elif n == 10:  # nvfp4 e4m3 scales
+        _copy(dst, src, 10)
+    elif n == 160:  # fp8 codes
+        _copy(dst, src, 160)
+    elif n == 4:  # fp8 row scale
+        _copy(dst, src, 4)
+    elif n == 320:  # bf16 rows
+        _copy(dst, src, 320)
     else:
-        _copy(row.ctypes.data, src, row.size)
+        _copy(dst, src, n)
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill(dst, n, byte):  # type: ignore[no-untyped-def]
+    """``n`` bytes at address ``dst`` set to ``byte`` (a padding row's pad bytes)."""
+    row = numba.carray(_ptr(dst), n, np.uint8)
+    for j in range(n):
+        row[j] = byte
 
 
 #: Batches smaller than this run on the calling thread (a thread hand-off costs ~20 us).

@@ -42,6 +42,10 @@ Residency = Literal["mmap", "resident"]
 HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
 PAD_ID = -1
 _NO_SCALARS = np.zeros(0, np.float32)
+_NO_ROWS = np.zeros((0, 0), np.uint8)
+_MADV_POPULATE_READ = getattr(
+    mmap, "MADV_POPULATE_READ", 22
+)  # Linux's value  # the absent second tensor of a one-tensor format
 _INT64 = np.dtype(np.int64)
 
 _KERNELS: dict[str, Callable[..., int]] = {
@@ -159,6 +163,7 @@ class PLETable:
                 f"a resident copy of {sidecar.path} ({self.format}, rows {start}..{end})",
                 memory=memory,
             )
+        self._maps: list[mmap.mmap] = []  # mmap residency: the shard maps, for populate_maps
         self._segments = self._open_segments(start, end)
         self._state: _Locator | None = self._locator({}, np.zeros(0, np.int64))
         hot_ids = self._hot_ids(hot_rows)
@@ -237,6 +242,13 @@ class PLETable:
         ]
         # pad byte per row tensor, and one for the absent second tensor of a one-tensor format
         self._pads = np.array([s.pad for s in self._row_specs] + [0], dtype=np.uint8)
+        # gather_raw without ``out``: the kernel writes bytes [n, row_bytes] per row tensor,
+        # handed back as views in the stored dtype (fewer numpy calls per decode-sized batch)
+        self._row_bytes = [
+            int(np.prod(tail, dtype=np.int64)) * np.dtype(dt).itemsize
+            for name, dt, tail in self._raw_layout
+            if name in self._row_names
+        ]
 
     def _map_shard(self, shard: Shard, lo: int, hi: int) -> _Segment:
         arrays = {}
@@ -245,6 +257,7 @@ class PLETable:
             handle = getattr(full, "_mmap", None)
             if self.residency == "mmap" and handle is not None and hasattr(handle, "madvise"):
                 handle.madvise(mmap.MADV_RANDOM)  # a row is ~100 bytes: no readahead
+                self._maps.append(handle)
             arrays[spec.name] = full.reshape(spec.shape(shard.rows, self.width))[lo:hi]
         return _Segment(shard.row_start + lo, hi - lo, arrays)
 
@@ -324,7 +337,12 @@ class PLETable:
         return np.unique(ids[(ids >= start) & (ids < end)])
 
     def _load_hot(self, hot_ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Copy rows ``hot_ids`` (sorted) out of the maps: one pass through the files in order."""
+        """Copy rows ``hot_ids`` (sorted) out of the maps.
+
+        The file ranges holding them are read first, in order and in large pieces: gathering
+        straight from the ``MADV_RANDOM`` maps would fault them in one 4 KiB page at a time
+        (a 4 KiB page holds ~40 int4 rows, so a 5% tier touches most pages of the files)."""
+        Warming(self.row_ranges(hot_ids)).run()
         raw = self.gather_raw(hot_ids)
         return {spec.name: raw[spec.name] for spec in self._row_specs}
 
@@ -427,23 +445,35 @@ class PLETable:
         state = self._state_or_raise()
         arr = self._as_ids(ids)
         n = arr.size
-        flat = arr.reshape(n)
-        result = self._raw_buffers(arr.shape, out)
-        dst = [result[name].reshape(n, -1).view(np.uint8) for name in self._row_names]
-        if len(dst) == 1:
-            dst.append(np.empty((n, 0), np.uint8))
-        scal = [result[s.name].reshape(n) for s in self._scalar_specs] or [_NO_SCALARS]
-        args = (state.loc, state.scalars, dst[0], dst[1], self._pads, scal[0])
+        flat = arr if arr.ndim == 1 else arr.reshape(n)
+        if out is None:
+            dst = [np.empty((n, size), np.uint8) for size in self._row_bytes]
+            scal = np.empty(n, np.float32) if self._scalar_specs else _NO_SCALARS
+        else:
+            given = self._raw_buffers(arr.shape, out)
+            dst = [given[name].reshape(n, -1).view(np.uint8) for name in self._row_names]
+            scal = _NO_SCALARS
+            if self._scalar_specs:
+                scal = given[self._scalar_specs[0].name].reshape(n)
+        second = dst[1] if len(dst) > 1 else _NO_ROWS
+        args = (state.loc, state.scalars, dst[0], second, self._pads, scal)
         bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
         if bad >= 0:
             self._raise_bad(arr, bad)
+        if out is not None:
+            return given
+        result = {}
+        rows = iter(dst)
+        for name, dtype, tail in self._raw_layout:
+            got = scal if name not in self._row_names else next(rows).view(dtype)
+            want = (*arr.shape, *tail)
+            result[name] = got if got.shape == want else got.reshape(want)
         return result
 
     def _raw_buffers(
-        self, shape: tuple[int, ...], out: Mapping[str, np.ndarray] | None
+        self, shape: tuple[int, ...], out: Mapping[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        if out is None:
-            return {name: np.empty((*shape, *tail), dt) for name, dt, tail in self._raw_layout}
+        """``out`` checked against the layout of ids of ``shape``."""
         result = {}
         for name, dtype, tail in self._raw_layout:
             want = (*shape, *tail)
@@ -493,18 +523,26 @@ class PLETable:
 
     # -- cold start ------------------------------------------------------------------------
     def warm(
-        self, background: bool = True, progress: Callable[[int], None] | None = None
+        self,
+        background: bool = True,
+        progress: Callable[[int], None] | None = None,
+        populate: bool = True,
     ) -> Warming:
         """Pull the open rows' bytes of every shard file into the page cache.
 
         Reads the files front to back in large pieces (after ``posix_fadvise(WILLNEED)``) into
         one reused buffer: no anonymous copy of the table. Lookups keep running meanwhile.
+        Then maps the cached pages into the process (:meth:`populate_maps`): the first
+        lookups after warming take no page faults, on huge pages where the kernel allows.
 
         Args:
             background: run in a daemon thread and return at once (``Warming.wait()`` joins).
             progress: called with the bytes read after each piece.
+            populate: map the pages afterwards (False for a process that only warms the cache
+                for another one, such as ``flashnext ple warm``).
         """
-        warming = Warming(self.file_ranges(), progress)
+        then = self.populate_maps if populate else None
+        warming = Warming(self.file_ranges(), progress, then=then)
         if background:
             warming.start()
         else:
@@ -524,11 +562,44 @@ class PLETable:
                 ranges.append((shard.path, entry.offset + lo * row_bytes, (hi - lo) * row_bytes))
         return ranges
 
+    def row_ranges(self, row_ids: np.ndarray, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
+        """``(file, offset, length)`` covering rows ``row_ids`` (int64 [n], sorted, open rows),
+        per shard and tensor, page-aligned, ranges closer than ``gap`` bytes merged."""
+        page = mmap.PAGESIZE
+        ranges = []
+        for shard in self._shards:
+            lo, hi = np.searchsorted(row_ids, [shard.row_start, shard.row_start + shard.rows])
+            local = row_ids[lo:hi] - shard.row_start
+            if not local.size:
+                continue
+            for spec in self._row_specs:
+                entry = shard.tensors[spec.name]
+                row_bytes = entry.nbytes // shard.rows
+                first = (entry.offset + local * row_bytes) // page * page
+                last = entry.offset + (local + 1) * row_bytes  # exclusive
+                cut = np.flatnonzero(first[1:] - last[:-1] > gap) + 1
+                starts, ends = first[np.r_[0, cut]], last[np.r_[cut - 1, local.size - 1]]
+                ranges += [(shard.path, int(a), int(b - a)) for a, b in zip(starts, ends)]
+        return ranges
+
+    def populate_maps(self) -> None:
+        """Map every cached page of the shard files into this process now
+        (``MADV_POPULATE_READ``, Linux >= 5.14), so lookups take no page faults; where the
+        page cache holds 2 MiB folios (large sequential reads on a filesystem with large
+        folios, e.g. ext4 on Linux >= 6.16, xfs) they are mapped as huge pages, so random rows
+        stop missing the TLB. A no-op where the kernel lacks the advice."""
+        for handle in self._maps:
+            try:
+                handle.madvise(_MADV_POPULATE_READ)
+            except (OSError, ValueError):  # an older kernel or another OS
+                return
+
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Drop the maps and copies (memory maps close when their last view is gone)."""
         self._state = None
         self._segments = []
+        self._maps = []
 
     def __enter__(self) -> PLETable:
         return self
@@ -550,9 +621,13 @@ class Warming:
     CHUNK = 16 << 20
 
     def __init__(
-        self, ranges: list[tuple[Path, int, int]], progress: Callable[[int], None] | None = None
+        self,
+        ranges: list[tuple[Path, int, int]],
+        progress: Callable[[int], None] | None = None,
+        then: Callable[[], None] | None = None,
     ):
         self.ranges = ranges
+        self._then = then
         self.total_bytes = sum(length for _, _, length in ranges)
         self.bytes_read = 0
         self.error: BaseException | None = None
@@ -593,6 +668,8 @@ class Warming:
                         self.bytes_read += got
                         if self._progress is not None:
                             self._progress(got)
+            if self._then is not None:
+                self._then()
         except BaseException as exc:  # reported by wait()
             self.error = exc
         finally:
