@@ -42,10 +42,9 @@ Residency = Literal["mmap", "resident"]
 HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
 PAD_ID = -1
 _NO_SCALARS = np.zeros(0, np.float32)
-_NO_ROWS = np.zeros((0, 0), np.uint8)
-_MADV_POPULATE_READ = getattr(
-    mmap, "MADV_POPULATE_READ", 22
-)  # Linux's value  # the absent second tensor of a one-tensor format
+_NO_ROWS = np.zeros((0, 0), np.uint8)  # the absent second tensor of a one-tensor format
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
+_HUGE_PAGE = 2 << 20  # a PMD page on x86-64 and arm64 with 4 KiB pages
 _INT64 = np.dtype(np.int64)
 
 _KERNELS: dict[str, Callable[..., int]] = {
@@ -530,8 +529,10 @@ class PLETable:
     ) -> Warming:
         """Pull the open rows' bytes of every shard file into the page cache.
 
-        Reads the files front to back in large pieces (after ``posix_fadvise(WILLNEED)``) into
-        one reused buffer: no anonymous copy of the table. Lookups keep running meanwhile.
+        Faults the files in front to back in large pieces through a temporary map advised
+        ``MADV_HUGEPAGE`` (2 MiB page-cache folios where the filesystem allows; elsewhere large
+        reads after ``posix_fadvise(WILLNEED)`` into one reused buffer): no anonymous copy of
+        the table. Lookups keep running meanwhile.
         Then maps the cached pages into the process (:meth:`populate_maps`): the first
         lookups after warming take no page faults, on huge pages where the kernel allows.
 
@@ -651,29 +652,75 @@ class Warming:
         return finished
 
     def run(self) -> None:
-        """Advise, then read every range in ``CHUNK`` pieces into one reused buffer."""
-        buf = bytearray(self.CHUNK)
+        """Bring every range into the page cache, in ``CHUNK`` pieces, then call ``then``."""
         try:
             for path, offset, length in self.ranges:
                 with open(path, "rb", buffering=0) as fh:
-                    if hasattr(os, "posix_fadvise"):
-                        os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
-                    fh.seek(offset)
-                    left = length
-                    while left > 0:
-                        got = fh.readinto(memoryview(buf)[: min(left, self.CHUNK)])
-                        if not got:
-                            break
-                        left -= got
-                        self.bytes_read += got
-                        if self._progress is not None:
-                            self._progress(got)
+                    if not self._fault_in(fh, offset, length):
+                        self._read(fh, offset, length)
             if self._then is not None:
                 self._then()
         except BaseException as exc:  # reported by wait()
             self.error = exc
         finally:
             self._done.set()
+
+    def _advance(self, got: int) -> None:
+        self.bytes_read += got
+        if self._progress is not None:
+            self._progress(got)
+
+    def _fault_in(self, fh: Any, offset: int, length: int) -> bool:
+        """Fault the range in through a temporary map advised ``MADV_HUGEPAGE``: the kernel
+        then reads it in 2 MiB folios (where the filesystem has large folios), which later
+        maps of the file, the table's included, get as huge pages. Plain reads build
+        folios up from small ones and reach 2 MiB only tens of MB into a file. False where
+        the kernel cannot (another OS, Linux < 5.14): the caller reads instead."""
+        if length <= 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+            return length <= 0
+        base = offset // _HUGE_PAGE * _HUGE_PAGE
+        end = offset + length
+        try:
+            view = mmap.mmap(fh.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
+        except (OSError, ValueError):
+            return False
+        try:
+            view.madvise(mmap.MADV_HUGEPAGE)
+            first = (offset - base) // mmap.PAGESIZE * mmap.PAGESIZE
+            # From the first 2 MiB boundary on, then the head: a page already cached in
+            # the head (the file's header, read at open) makes the kernel's first huge
+            # read fall back to small folios, and its readahead then stays small for the
+            # rest of the file.
+            split = min(_HUGE_PAGE, end - base)
+            started = False
+            for lo, hi in ((split, end - base), (first, split)):
+                for pos in range(lo, hi, self.CHUNK):
+                    step = min(self.CHUNK, hi - pos)
+                    try:
+                        view.madvise(_MADV_POPULATE_READ, pos, step)
+                    except OSError:
+                        if not started:
+                            return False  # nothing done yet: read instead
+                        raise
+                    started = True
+                    self._advance(pos + step - max(pos, offset - base))
+        finally:
+            view.close()
+        return True
+
+    def _read(self, fh: Any, offset: int, length: int) -> None:
+        """Advise, then read the range into one reused buffer (no anonymous copy)."""
+        buf = bytearray(min(self.CHUNK, length))
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
+        fh.seek(offset)
+        left = length
+        while left > 0:
+            got = fh.readinto(memoryview(buf)[: min(left, self.CHUNK)])
+            if not got:
+                break
+            left -= got
+            self._advance(got)
 
 
 def open_table(
