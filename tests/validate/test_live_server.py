@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from devtools.vllm_cpu import VllmServer, free_port
 from flashnext.records import check_record
 from flashnext.validate.probes import metric_value, parse_prometheus
@@ -208,8 +210,10 @@ def test_unreachable_at_start_without_ready_stage(tmp_path: Path) -> None:
     )
 
 
-def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: Path) -> None:
-    server: VllmServer = make_server(supervise=True)
+@pytest.mark.early_boot("supervised", supervise=True)
+def test_sigkill_mid_round_fails_stage_and_names_restart(early_boots, tmp_path: Path) -> None:
+    server: VllmServer = early_boots["supervised"]  # launched early under the supervisor
+    server.wait_healthy()
     cfg = Config(
         url=server.url,
         stages=("ready", "concurrency", "short"),
@@ -266,6 +270,8 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: 
 
 
 def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
+    # 8 KV blocks of 128 tokens for 16 requests of up to 200 tokens (2 blocks each): requests
+    # admitted on their prompt's block must be preempted to grow into a second one.
     # The validator starts first and waits in `ready` while the server boots.
     # The server also requires an API key: the key must work and never reach the report.
     key = "kv-test-secret-7d1f"
@@ -275,7 +281,7 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     out = tmp_path / "kv"
     p = subprocess.Popen(
         [*FLASHNEXT, "validate", "--url", server.url, "--stages", "ready,concurrency",
-         "--rounds", "1", "--max-tokens", "400", "--ready-timeout", "240", "--out", str(out),
+         "--rounds", "1", "--max-tokens", "200", "--ready-timeout", "240", "--out", str(out),
          "--api-key", key, "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
