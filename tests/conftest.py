@@ -116,6 +116,12 @@ def launched_early(
 @pytest.fixture
 def early_boots(
     request: pytest.FixtureRequest, launched_early: dict[tuple[str, str], VllmServer]
-) -> dict[str, VllmServer]:
-    """This test's early-launched servers by name (not yet known to be healthy)."""
-    return {n: s for (test, n), s in launched_early.items() if test == request.node.nodeid}
+) -> Iterator[dict[str, VllmServer]]:
+    """This test's early-launched servers by name (not yet known to be healthy); stopped after
+    the test."""
+    mine = {n: s for (test, n), s in launched_early.items() if test == request.node.nodeid}
+    try:
+        yield mine
+    finally:
+        for server in mine.values():
+            server.stop()
