@@ -5,14 +5,7 @@ Seeds (see seeding.py): ``FLASHNEXT_TEST_SEED=N`` repeats a run; without it a fr
 per run. The seed is printed in the report header and with every failure, and is Hypothesis's
 seed unless ``--hypothesis-seed`` is given. Each test's ``rng`` is seeded from (seed, test id),
 so a test draws the same numbers whichever tests run before it.
-
-Early boots: a test marked ``@pytest.mark.early_boot(NAME, *EXTRA_ARGS, supervise=False, env={})``
-gets from the ``early_boots`` fixture a ``VllmServer`` (tiny model, those arguments and
-environment variables) by NAME that
-was launched, without waiting, together with the first server the session starts (or when the
-test itself asks, if none did). A server start is mostly one core importing vLLM, so on a
-2-core machine several boots side by side cost little more than one; the test waits for health
-(or for the process to die) itself.
+Early boots (``@pytest.mark.early_boot``): see early_boots.py.
 """
 
 from __future__ import annotations
@@ -25,6 +18,7 @@ import pytest
 
 from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv
 
+from .early_boots import MARKER_HELP, EarlyBoots, any_marked
 from .seeding import SEED, SEED_ENV, seeded_rng
 
 
@@ -33,10 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Hypothesis's plugin reads its seed option in its own pytest_configure, after this one.
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(SEED)
-    config.addinivalue_line(
-        "markers", "early_boot(name, *extra_args, supervise=False, env={}): a vLLM server for this test, "
-        "launched early with the session's first server (see tests/conftest.py)",
-    )  # fmt: skip
+    config.addinivalue_line("markers", MARKER_HELP)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -91,35 +82,34 @@ def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="session")
-def launched_early(
+def early_boot_pool(
     request: pytest.FixtureRequest,
     vllm_python: Path,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[dict[tuple[str, str], VllmServer]]:
-    """Every selected test's ``early_boot`` servers, launched now: {(test id, name): server}."""
-    servers: dict[tuple[str, str], VllmServer] = {}
+) -> Iterator[EarlyBoots]:
+    """The selected tests' early boots (none launched yet); every one stopped at the end."""
+    pool = EarlyBoots(request.session.items, vllm_python, tiny_model, tmp_path_factory)
     try:
-        for item in request.session.items:
-            for mark in item.iter_markers("early_boot"):
-                name, *extra = mark.args
-                logs = tmp_path_factory.mktemp(f"early-{name}")
-                env = mark.kwargs.get("env")
-                server = VllmServer(vllm_python, tiny_model, logs, list(extra), env)
-                servers[item.nodeid, name] = server.launch(mark.kwargs.get("supervise", False))
-        yield servers
+        yield pool
     finally:
-        for server in servers.values():
-            server.stop()
+        pool.stop_all()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_start_boots(request: pytest.FixtureRequest) -> None:
+    """At the first test: launch the early boots marked ``at="session"``, if any is selected."""
+    if any_marked(request.session.items, "session"):
+        request.getfixturevalue("early_boot_pool").launch("session")
 
 
 @pytest.fixture
 def early_boots(
-    request: pytest.FixtureRequest, launched_early: dict[tuple[str, str], VllmServer]
+    request: pytest.FixtureRequest, early_boot_pool: EarlyBoots
 ) -> Iterator[dict[str, VllmServer]]:
     """This test's early-launched servers by name (not yet known to be healthy); stopped after
     the test."""
-    mine = {n: s for (test, n), s in launched_early.items() if test == request.node.nodeid}
+    mine = early_boot_pool.of_test(request.node.nodeid)
     try:
         yield mine
     finally:

