@@ -9,7 +9,7 @@ NAME, with those extra arguments and environment variables, launched without wai
 - ``at="session"``: at the session's first test, for a boot nobody waits on before its test (a
   boot meant to fail: it exits on its own and then costs nothing).
 
-Whatever was not launched yet is launched when a marked test asks for its servers. A start is
+A test's boots not launched yet are launched when it asks for its servers. A start is
 mostly one core importing vLLM, so boots side by side on a 2-core machine cost far less than one
 after another; the test itself waits for health (``wait_healthy``) or for the process to end.
 """
@@ -46,10 +46,10 @@ class EarlyBoots:
         self._python, self._model, self._tmp = python, model, tmp_path_factory
         self.servers: dict[tuple[str, str], VllmServer] = {}
 
-    def launch(self, at: str | None = None) -> None:
-        """Launch the pending boots marked ``at`` (every pending one when ``at`` is None)."""
+    def launch(self, at: str | None = None, test: str | None = None) -> None:
+        """Launch the pending boots marked ``at``, or those of test ``test``."""
         for key, (mark, when) in list(self._pending.items()):
-            if at is not None and when != at:
+            if (at is not None and when != at) or (test is not None and key[0] != test):
                 continue
             del self._pending[key]
             _, *extra = mark.args
@@ -60,8 +60,8 @@ class EarlyBoots:
             self.servers[key] = server.launch(mark.kwargs.get("supervise", False))
 
     def of_test(self, nodeid: str) -> dict[str, VllmServer]:
-        """The servers of test ``nodeid`` by name, launching whatever is still pending."""
-        self.launch()
+        """The servers of test ``nodeid`` by name, launching those still pending."""
+        self.launch(test=nodeid)
         return {name: s for (test, name), s in self.servers.items() if test == nodeid}
 
     def stop_all(self) -> None:
