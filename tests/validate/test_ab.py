@@ -6,7 +6,7 @@ here is the same tiny model with an untied random output layer (``lm_head``, log
 written as a real checkpoint; perturbed copies add Gaussian noise of a chosen size relative to
 each tensor's RMS. Servers: the A/B model twice (identical pair, then killed mid-run), once with
 KV blocks of 32 tokens, and two perturbed copies, all started side by side by one fixture (a start
-is mostly one core importing vLLM: together they keep both of a 2-core machine's cores busy).
+is mostly vLLM's single-threaded imports: together they keep a 2-core machine's cores busy).
 """
 
 from __future__ import annotations
@@ -121,12 +121,11 @@ def ab_servers(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, VllmServer]]:
     """Every server the selected tests of this module use, started together, by name."""
-    here = request.module.__name__
     wanted = {
         name
         for item in request.session.items
-        if item.module is not None and item.module.__name__ == here
-        for name in USES.get(item.originalname, ())
+        if getattr(item, "module", None) is request.module
+        for name in USES.get(getattr(item, "originalname", ""), ())
     }
     logs = tmp_path_factory.mktemp("ab-logs")
     servers = {
