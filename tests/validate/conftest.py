@@ -38,12 +38,10 @@ def make_server(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> Iterator
     """Factory for a dedicated server (fault tests); every server made is stopped afterwards."""
     made: list[VllmServer] = []
 
-    def factory(
-        extra: list[str] | None = None, supervise: bool = False, start: bool = True
-    ) -> VllmServer:
+    def factory(extra: list[str] | None = None, start: bool = True) -> VllmServer:
         server = VllmServer(vllm_python, tiny_model, tmp_path, extra)
         made.append(server)
-        return server.start(supervise=supervise) if start else server
+        return server.start() if start else server
 
     try:
         yield factory  # type: ignore[misc]
