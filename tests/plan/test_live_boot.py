@@ -10,20 +10,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from devtools.vllm_cpu import VllmServer
 from flashnext.plan.logs import explain
 from flashnext.plan.planner import PlanRequest, load_model, make_plan
 
 
-def test_real_kv_capacity_failure(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> None:
-    server = VllmServer(vllm_python, tiny_model, tmp_path, ["--kv-cache-memory-bytes", "200K"])
+@pytest.mark.early_boot("kv-200K", "--kv-cache-memory-bytes", "200K", at="session")
+def test_real_kv_capacity_failure(early_boots: dict[str, VllmServer], tiny_model: Path) -> None:
+    server = early_boots["kv-200K"]  # launched early; no health wait: it is meant to die
     try:
-        server._spawn()  # no health wait: this boot is meant to die at the KV check
         assert server.proc is not None
         assert server.proc.wait(timeout=540) != 0
     finally:
         server.stop()
-    log = (tmp_path / f"vllm-{server.port}-{server.starts}.log").read_text(errors="replace")
+    log = (server.log_dir / f"vllm-{server.port}-{server.starts}.log").read_text(errors="replace")
     events = {e.kind: e for e in explain(log.splitlines())}
     assert "kv_capacity_error" in events, log[-3000:]
     err = events["kv_capacity_error"]

@@ -4,8 +4,9 @@ The tiny test model ties its output layer to its input embeddings, which makes i
 input token whatever its weights (a perturbation changes nothing visible). The A/B model used
 here is the same tiny model with an untied random output layer (``lm_head``, logit spread ~2.4),
 written as a real checkpoint; perturbed copies add Gaussian noise of a chosen size relative to
-each tensor's RMS. Servers: the A/B model twice (identical pair, then killed mid-run) and two
-perturbed copies, started in pairs.
+each tensor's RMS. Servers: the A/B model twice (identical pair, then killed mid-run), once with
+KV blocks of 32 tokens, and two perturbed copies, all started side by side by one fixture (a start
+is mostly vLLM's single-threaded imports: together they keep a 2-core machine's cores busy).
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from devtools.vllm_cpu import VllmServer
+from devtools.vllm_cpu import VllmServer, start_all
 from flashnext.records import check_record, make_record
 from flashnext.validate.ab import KIND, AbConfig, run_ab
 from flashnext.validate.ab_prompts import load_prompts
@@ -95,24 +95,49 @@ class AbServer(VllmServer):
         super().wait_healthy(timeout_s)
 
 
-def start_all(servers: list[VllmServer]) -> list[VllmServer]:
-    """Start servers side by side (each start is mostly waiting on its own process)."""
-    with ThreadPoolExecutor(len(servers)) as pool:
-        return list(pool.map(lambda s: s.start(), servers))
+# The servers each test uses: (model key, extra server arguments) by server name.
+SERVERS = {
+    "base": ("base", []),
+    "same": ("base", []),
+    "block32": ("base", ["--block-size", "32"]),
+    **{f"noise-{rel}": (str(rel), []) for rel in NOISE},
+}
+USES = {
+    "test_same_model_twice_is_identical": ("base", "same"),
+    "test_attention_block_size_pair_is_reported_as_measured": ("base", "block32"),
+    "test_perturbed_weights_diverge_and_kl_grows_with_noise": (
+        "base",
+        *(f"noise-{r}" for r in NOISE),
+    ),
+    "test_candidate_killed_mid_run_is_a_recorded_failure": ("base", "same"),
+}
 
 
 @pytest.fixture(scope="module")
-def ab_pair(
-    vllm_python: Path, ab_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """Two servers of the same A/B model (the second is killed by the last test)."""
+def ab_servers(
+    request: pytest.FixtureRequest,
+    vllm_python: Path,
+    ab_models: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, VllmServer]]:
+    """Every server the selected tests of this module use, started together, by name."""
+    wanted = {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        for name in USES.get(getattr(item, "originalname", ""), ())
+    }
     logs = tmp_path_factory.mktemp("ab-logs")
-    pair = [AbServer(vllm_python, ab_models["base"], logs) for _ in range(2)]
+    servers = {
+        name: AbServer(vllm_python, ab_models[SERVERS[name][0]], logs, SERVERS[name][1])
+        for name in SERVERS
+        if name in wanted
+    }
     try:
-        start_all(pair)
-        yield pair[0], pair[1]
+        start_all(list(servers.values()))
+        yield servers
     finally:
-        for s in pair:
+        for s in servers.values():
             s.stop()
 
 
@@ -134,8 +159,8 @@ def run_cli(base: str, cand: str, prompts: Path, out: Path) -> tuple[int, dict]:
     return p.returncode, record
 
 
-def test_same_model_twice_is_identical(ab_pair, prompts_file, tmp_path):
-    base, same = ab_pair
+def test_same_model_twice_is_identical(ab_servers, prompts_file, tmp_path):
+    base, same = ab_servers["base"], ab_servers["same"]
     rc, record = run_cli(base.url, same.url + "/v1", prompts_file, tmp_path)
     assert rc == 0, record["verdict"]
     check_record(record, kind=KIND, schema_version=1)
@@ -144,7 +169,7 @@ def test_same_model_twice_is_identical(ab_pair, prompts_file, tmp_path):
         info = record[side]
         assert info["version"] == "0.32.0"
         assert info["max_model_len"] == 512
-        assert info["models"]["data"][0]["id"] == str(ab_pair[0].model)
+        assert info["models"]["data"][0]["id"] == str(base.model)
         assert info["teacher_forcing"] == "prompt_logprobs"
     rows = {r["id"]: r for r in record["prompts"]}
     assert set(rows) == {"code", "fr", "long"}
@@ -174,22 +199,18 @@ def test_same_model_twice_is_identical(ab_pair, prompts_file, tmp_path):
     assert "## Deployments" in md and f"--port: '{base.port}' -> '{same.port}'" in md
 
 
-def test_attention_block_size_pair_is_reported_as_measured(
-    vllm_python, ab_models, ab_pair, prompts_file, tmp_path
-):
+def test_attention_block_size_pair_is_reported_as_measured(ab_servers, prompts_file, tmp_path):
     """The KV-cache-dtype pair is not possible here: vllm-cpu 0.32 refuses --kv-cache-dtype fp8,
     fp8_e4m3 and fp8_e5m2 on this CPU ("FP8 KV cache on CPU requires x86 with AVX-512 or AMX").
     The attention setting it does offer: the KV block size, 32 tokens instead of the default 128
     (16 is refused: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so attention
     reads the same keys and values through four times as many blocks. Whether the answers stay
     the same is measured and reported, not assumed; the figures must agree with each other."""
-    base = ab_pair[0]
-    cand = AbServer(vllm_python, ab_models["base"], tmp_path, extra=["--block-size", "32"])
+    base, cand = ab_servers["base"], ab_servers["block32"]
     try:
-        cand.start()
         rc, record = run_cli(base.url, cand.url, prompts_file, tmp_path)
     finally:
-        cand.stop()
+        cand.stop()  # no later test uses it
     s, v = record["summary"], record["verdict"]
     print(f"block size 128 vs 32: {v['status']} KL mean {s['kl']['mean']} max {s['kl']['max']} "
           f"top-1 {s['top1_agreement']} tokens {s['token_agreement']} "
@@ -202,7 +223,6 @@ def test_attention_block_size_pair_is_reported_as_measured(
         assert (r["first_difference"] is None) == same_tokens
         assert 0.0 <= r["tf"]["kl"]["mean"] <= r["tf"]["kl"]["max"]
     assert (v["status"] == "identical") == (s["differing"] == 0 and s["kl"]["max"] == 0.0)
-    assert cand.proc.returncode is not None  # stopped: one extra server, started and gone
     diff = record["deployments"]["differences"]
     assert {c["name"] for c in diff if c["variable"]} == {"--port", "--block-size"}
     assert ("--block-size", None, "32") in [(c["name"], c["before"], c["after"]) for c in diff]
@@ -212,20 +232,17 @@ def test_attention_block_size_pair_is_reported_as_measured(
     assert not cache["cache_config block_size"]["variable"]
 
 
-def test_perturbed_weights_diverge_and_kl_grows_with_noise(
-    vllm_python, ab_models, ab_pair, prompts_file, tmp_path
-):
-    base = ab_pair[0]
-    noisy = [AbServer(vllm_python, ab_models[str(rel)], tmp_path) for rel in NOISE]
+def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_file, tmp_path):
+    base = ab_servers["base"]
+    noisy = [ab_servers[f"noise-{rel}"] for rel in NOISE]
     try:
-        start_all(noisy)
         runs = [
             run_cli(base.url, s.url, prompts_file, tmp_path / str(rel))
             for s, rel in zip(noisy, NOISE)
         ]
     finally:
         for s in noisy:
-            s.stop()
+            s.stop()  # no later test uses them
     (_, small), (rc_large, large) = runs
     kl_small, kl_large = small["summary"]["kl"]["mean"], large["summary"]["kl"]["mean"]
     for rel, rec in ((NOISE[0], small), (NOISE[1], large)):
@@ -245,8 +262,8 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(
     assert "FAIL" in md and "## Worst prompts" in md
 
 
-def test_candidate_killed_mid_run_is_a_recorded_failure(ab_pair, prompts_file, tmp_path):
-    base, victim = ab_pair
+def test_candidate_killed_mid_run_is_a_recorded_failure(ab_servers, prompts_file, tmp_path):
+    base, victim = ab_servers["base"], ab_servers["same"]
     cfg = AbConfig(base.url, victim.url, load_prompts(prompts_file), max_tokens=int(MAX_TOKENS))
 
     def kill_after_first(done: int, total: int, prompt_id: str) -> None:

@@ -1,7 +1,7 @@
 """End-to-end runs of ``flashnext validate`` against real vLLM servers on 127.0.0.1.
 
 The concurrency stage keeps the notes' shape (3 rounds of 16, temperature 0.8) with max_tokens
-scaled to the tiny model's max_model_len of 512.
+scaled to the tiny model's max_model_len of 512 (128: a quarter, so the rounds stay short).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from devtools.vllm_cpu import VllmServer, free_port
 from flashnext.records import check_record
 from flashnext.validate.probes import metric_value, parse_prometheus
@@ -23,7 +25,7 @@ from flashnext.validate.stages import Config, run_validation
 FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
 SCALED = [
     "--max-tokens",
-    "256",
+    "128",
     "--sustained-seconds",
     "6",
     "--sustained-max-tokens",
@@ -208,8 +210,10 @@ def test_unreachable_at_start_without_ready_stage(tmp_path: Path) -> None:
     )
 
 
-def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: Path) -> None:
-    server: VllmServer = make_server(supervise=True)
+@pytest.mark.early_boot("supervised", supervise=True)
+def test_sigkill_mid_round_fails_stage_and_names_restart(early_boots, tmp_path: Path) -> None:
+    server: VllmServer = early_boots["supervised"]  # launched early under the supervisor
+    server.wait_healthy()
     cfg = Config(
         url=server.url,
         stages=("ready", "concurrency", "short"),
@@ -266,6 +270,8 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(make_server, tmp_path: 
 
 
 def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
+    # 8 KV blocks of 128 tokens for 16 requests of up to 200 tokens (2 blocks each): requests
+    # admitted on their prompt's block must be preempted to grow into a second one.
     # The validator starts first and waits in `ready` while the server boots.
     # The server also requires an API key: the key must work and never reach the report.
     key = "kv-test-secret-7d1f"
@@ -275,7 +281,7 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
     out = tmp_path / "kv"
     p = subprocess.Popen(
         [*FLASHNEXT, "validate", "--url", server.url, "--stages", "ready,concurrency",
-         "--rounds", "1", "--max-tokens", "400", "--ready-timeout", "240", "--out", str(out),
+         "--rounds", "1", "--max-tokens", "200", "--ready-timeout", "240", "--out", str(out),
          "--api-key", key, "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

