@@ -58,8 +58,6 @@ from flashnext.ple.formats import (
     NIBBLE_MASK,
 )
 
-_OUT = -1  # padding or outside row_range: a zero row
-_BAD = -2  # not a row id of the table
 _HEAD = 12  # int64 slots of ``loc`` before seg_start
 _RANK_SHIFT = 9  # one rank entry per 512 rows: 8 bitmap words, one cache line
 

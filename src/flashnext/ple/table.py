@@ -676,8 +676,10 @@ class Warming:
         maps of the file, the table's included, get as huge pages. Plain reads build
         folios up from small ones and reach 2 MiB only tens of MB into a file. False where
         the kernel cannot (another OS, Linux < 5.14): the caller reads instead."""
-        if length <= 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
-            return length <= 0
+        if length <= 0:
+            return True  # nothing to bring in
+        if not hasattr(mmap, "MADV_HUGEPAGE"):
+            return False
         base = offset // _HUGE_PAGE * _HUGE_PAGE
         end = offset + length
         try:
