@@ -13,12 +13,19 @@ Each cold scenario first evicts the shard files from the page cache (``posix_fad
 (DONTNEED)``) and checks with ``mincore`` that no page is left. Scenarios, in each repeat:
 
 - resident: an anonymous copy of the table (the baseline after warming);
-- warm: memory-mapped, every page cached (the baseline of the cold start);
+- warm: memory-mapped, evicted, then ``table.warm()`` before the lookups, as a server that
+  warms its table at start (or whose page cache ``flashnext ple warm`` filled): every page
+  cached and mapped, on 2 MiB pages where the filesystem allows (the baseline of the cold
+  start);
 - cold: memory-mapped straight after eviction;
 - cold + hot tier: the same with the top 5% rows of the profile copied at open;
 - cold + warming: ``table.warm(background=True)`` started at open, lookups at once; then the
   time until fully warm, the lookups again, and anonymous memory (``/proc/self/smaps_rollup``)
   before opening and after warming.
+
+After the repeats, after-warming against resident is measured in pairs: a table warmed from
+cold while serving, and a resident copy beside it, run the workload ``--passes`` times each,
+alternating.
 
 Prints the median and spread (min..max) over repeats and the ratios cold / warm and
 after-warming / resident (targets: <= 2x with a hot tier of <= 5%, <= 1.1x after warming).
@@ -179,7 +186,7 @@ def run_lookups(table: object, work: Workload) -> Run:
 
 def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
     """Open the table as ``name`` says, run the lookups, close; see the module docstring."""
-    if name.startswith("cold"):
+    if name.startswith("cold") or name == "warm":
         left = evict(files)
         if left:
             raise SystemExit(f"eviction failed: {left} bytes of the shard files still cached")
@@ -215,6 +222,33 @@ def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
 SCENARIOS = ("resident", "warm", "cold", "cold+hot", "cold+warming")
 
 
+def after_warming_paired(
+    path: Path, files: list[Path], work: Workload, passes: int
+) -> dict[str, list[float]]:
+    """Start cold with ``warm(background=True)`` while the workload runs once (a server
+    serving as it warms), wait until warm, open a resident copy beside it, then run the
+    workload ``passes`` times on each, alternating which goes first: per-pass ratios
+    after-warming / resident (paired, so load on the machine hits both alike)."""
+    left = evict(files)
+    if left:
+        raise SystemExit(f"eviction failed: {left} bytes of the shard files still cached")
+    mapped = open_table(path, "mmap")
+    warming = mapped.warm(background=True)
+    run_lookups(mapped, work)
+    warming.wait()
+    resident = open_table(path, "resident")
+    ratios: dict[str, list[float]] = {"decode_s": [], "prefill_s": []}
+    for k in range(passes):
+        order = (mapped, resident) if k % 2 == 0 else (resident, mapped)
+        first, second = (run_lookups(t, work) for t in order)
+        on_map, on_copy = (first, second) if k % 2 == 0 else (second, first)
+        for key in ratios:
+            ratios[key].append(getattr(on_map, key) / getattr(on_copy, key))
+    mapped.close()
+    resident.close()
+    return ratios
+
+
 def median_spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -225,10 +259,15 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="Where to build the table (on disk)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=100, help="decode steps timed per scenario")
+    ap.add_argument(
+        "--passes", type=int, default=20, help="paired passes, after warming vs resident"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     rng = np.random.default_rng()
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(corpus_files())
     eos = tok.token_to_id(EOS)
     config = flash_next_config(tok.get_vocab_size(), eos, ngram_vocab_size_base=args.base)
@@ -246,10 +285,12 @@ def main() -> None:
             for name in SCENARIOS:
                 runs[name].append(scenario(name, path, files, work))
                 log(f"repeat {rep + 1}/{args.repeats} {name}: {runs[name][-1]}")
-    report(args, geo, work, table_bytes, len(files), runs)
+        log(f"after warming vs resident: {args.passes} paired passes")
+        paired = after_warming_paired(path, files, work, args.passes)
+    report(args, geo, work, table_bytes, len(files), runs, paired)
 
 
-def report(args, geo, work, table_bytes, shards, runs) -> None:  # type: ignore[no-untyped-def]
+def report(args, geo, work, table_bytes, shards, runs, paired) -> None:  # type: ignore[no-untyped-def]
     def med(name: str, key: str) -> tuple[float, float, float]:
         vals = [getattr(r, key) if hasattr(r, key) else r.extra[key] for r in runs[name]]
         return median_spread(vals)
@@ -282,9 +323,12 @@ def report(args, geo, work, table_bytes, shards, runs) -> None:  # type: ignore[
         "steps": args.steps,
         "repeats": args.repeats,
         "rows": rows,
+        # median of the paired per-pass ratios, then their 10th and 90th percentiles
         "after_warming_vs_resident": {
-            k: after[k][0] / med("resident", k)[0] for k in ("decode_s", "prefill_s")
+            k: [float(np.median(v)), *np.percentile(v, [10, 90]).tolist()]
+            for k, v in paired.items()
         },
+        "passes": args.passes,
         "after_warming_ms": {k: [v * 1e3 for v in after[k]] for k in after},
         "fully_warm_s": median_spread([r.extra["fully_warm_s"] for r in warmed]),
         "open_s": {n: median_spread([r.extra["open_s"] for r in runs[n]]) for n in SCENARIOS},
@@ -318,7 +362,9 @@ def print_table(out: dict) -> None:  # type: ignore[type-arg]
           "the shard files cached; resident copy "
           f"{op['resident'][0]:.2f} s")  # fmt: skip
     a = out["after_warming_vs_resident"]
-    print(f"after warming / resident: decode {a['decode_s']:.2f}x, prefill {a['prefill_s']:.2f}x")
+    print(f"after warming / resident ({out['passes']} paired passes, median (p10-p90)): "
+          f"decode {a['decode_s'][0]:.2f}x ({a['decode_s'][1]:.2f}-{a['decode_s'][2]:.2f}), "
+          f"prefill {a['prefill_s'][0]:.2f}x ({a['prefill_s'][1]:.2f}-{a['prefill_s'][2]:.2f})")  # fmt: skip
     fw = out["fully_warm_s"]
     cached = min(1.0, min(out["cached_after_warming_bytes"]) / t["bytes"])
     print(f"fully warm after {fw[0]:.2f} s ({fw[1]:.2f}..{fw[2]:.2f}); {cached:.0%} of the "

@@ -1,5 +1,6 @@
 import os
 import resource
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,6 +226,95 @@ def test_warm_maps_the_pages_so_lookups_take_no_faults(tmp_path, rng):
     got = table.lookup(ids)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 64  # out buffer only
     np.testing.assert_array_equal(got, table.reference_lookup(ids))
+
+
+def _smaps_fields(match):
+    """Per mapping whose header line satisfies ``match(line)``: its smaps fields (kB)."""
+    maps, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:
+                current = {} if match(line.rstrip()) else None
+                if current is not None:
+                    maps.append(current)
+            elif current is not None and head and head[0].endswith(":") and len(head) >= 2:
+                current[head[0][:-1]] = int(head[1]) if head[1].isdigit() else head[1]
+    return maps
+
+
+def _evict(files):
+    for path in files:
+        with open(path, "rb") as fh:
+            os.fdatasync(fh.fileno())
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _file_huge_pages_work(path):
+    """Whether this kernel and filesystem map a file's pages 2 MiB at a time (large
+    page-cache folios, Linux >= 6.16 on ext4): a 4 MiB file faulted in through a huge-advised
+    map, then checked in smaps."""
+    import mmap
+
+    path.write_bytes(os.urandom(4 << 20))
+    _evict([path])
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        view.madvise(mmap.MADV_HUGEPAGE)
+        view.madvise(22)  # MADV_POPULATE_READ
+    except (AttributeError, OSError):
+        return False
+    found = _smaps_fields(lambda line: line.endswith(str(path)))
+    view.close()
+    return any(m.get("FilePmdMapped", 0) for m in found)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_warm_maps_each_file_once_on_huge_pages(tmp_path, rng):
+    if not _file_huge_pages_work(tmp_path / "probe.bin"):
+        pytest.skip("this kernel/filesystem keeps file pages at 4 KiB (no large folios)")
+    rows = 60_000  # int4: 6 MB per shard file, 2 whole 2 MiB pieces and a tail
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(2 * rows, 160, rng), rows)
+    files = sorted((tmp_path / "t").glob("*.safetensors"))
+    _evict(files)
+    table = open_table(tmp_path / "t", "mmap")  # reads the headers: small folios at the head
+    # lookups before warming fault single 4 KiB pages in all over the files (MADV_RANDOM)
+    table.lookup(rng.integers(0, 2 * rows, size=2048))
+    table.warm(background=False)
+    for path in files:
+        maps = _smaps_fields(lambda line, p=path: line.endswith(str(p)))
+        # one map for the file's tensors: a map per tensor leaves the 2 MiB piece where
+        # they meet on 4 KiB pages
+        assert len(maps) == 1, f"{path.name}: {len(maps)} maps"
+        whole_pieces = path.stat().st_size // (2 << 20)
+        # every whole 2 MiB piece on a huge page, those holding the header or rows
+        # looked up before warming included
+        assert maps[0]["FilePmdMapped"] == whole_pieces * 2048, (path.name, maps[0])
+    ids = rng.integers(-1, 2 * rows, size=2048)
+    np.testing.assert_array_equal(table.lookup(ids), table.reference_lookup(ids))
+
+
+def test_hot_index_is_exact_and_on_huge_pages(rng):
+    from flashnext.ple import lookup_kernels as kern
+
+    rows = 20_000_000  # a 2.5 MB bitmap
+    hot = np.unique(rng.integers(0, rows, size=200_000))
+    bitmap, rank = kern.hot_index(hot, rows)
+    want = np.zeros(bitmap.size * 64, bool)
+    want[hot] = True
+    np.testing.assert_array_equal(np.unpackbits(bitmap.view(np.uint8), bitorder="little"), want)
+    per_block = want.reshape(-1, 512).sum(axis=1)
+    np.testing.assert_array_equal(rank, np.concatenate([[0], np.cumsum(per_block)[:-1]]))
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+
+        def holds_bitmap(line):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            return lo <= bitmap.ctypes.data < hi
+
+        maps = _smaps_fields(holds_bitmap)
+        assert maps and maps[0]["AnonHugePages"] >= 2048, maps
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")

@@ -35,10 +35,12 @@ them for the duration of a call.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import ml_dtypes
 import numba
@@ -220,6 +222,18 @@ def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def _peek(typingctx, address):  # type: ignore[no-untyped-def]
+    """The int64 at ``address``: no array struct to build, unlike a :func:`numba.carray`."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.load(builder.inttoptr(args[0], _I64.as_pointer()))
+
+    return types.int64(address), codegen
+
+
+@intrinsic
 def _popcount(typingctx, word):  # type: ignore[no-untyped-def]
     """Set bits of a uint64."""
     if not isinstance(word, types.Integer):
@@ -342,8 +356,7 @@ def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
 # -- finding rows ------------------------------------------------------------------------------
 
 
-@numba.njit(nogil=True, cache=True)
-def hot_index(hot_rel, rows):  # type: ignore[no-untyped-def]
+def hot_index(hot_rel: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """The hot tier's index over ``rows`` rows: ``(bitmap, rank)``.
 
     ``hot_rel`` int64 [H]: hot rows relative to the first open row, sorted, unique. ``bitmap``
@@ -352,33 +365,70 @@ def hot_index(hot_rel, rows):  # type: ignore[no-untyped-def]
     the hot copy is ``rank[r // 512]`` plus the set bits before it in its 512-row block.
     """
     blocks = (rows + (1 << _RANK_SHIFT) - 1) >> _RANK_SHIFT
-    bitmap = np.zeros(blocks << (_RANK_SHIFT - 6), np.uint64)
-    rank = np.zeros(blocks, np.int64)
+    bitmap = _huge_zeros(blocks << (_RANK_SHIFT - 6), np.uint64)
+    rank = _huge_zeros(blocks, np.int64)
+    _fill_hot_index(hot_rel, bitmap, rank)
+    return bitmap, rank
+
+
+#: A PMD page on x86-64 and arm64 with 4 KiB pages.
+HUGE_PAGE = 2 << 20
+
+
+def _huge_zeros(count: int, dtype: Any) -> np.ndarray:
+    """Zeros ``[count]`` in private anonymous memory advised onto 2 MiB pages: every lookup
+    reads the hot index at a random place, and on 4 KiB pages (numba's and small numpy
+    allocations) that costs a TLB miss per id. Plain ``np.zeros`` where the OS lacks the
+    advice."""
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.zeros(count, dtype)
+    # a multiple of 2 MiB, so the kernel places the map on a 2 MiB boundary
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    anon = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anon.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(anon, dtype, count)
+
+
+@numba.njit(nogil=True, cache=True)
+def _fill_hot_index(hot_rel, bitmap, rank):  # type: ignore[no-untyped-def]
     for j in range(hot_rel.size):
         r = hot_rel[j]
         bitmap[r >> 6] |= np.uint64(1) << np.uint64(r & 63)
     total = 0
-    for b in range(blocks):
+    for b in range(rank.size):
         rank[b] = total
         for w in range(b << (_RANK_SHIFT - 6), (b + 1) << (_RANK_SHIFT - 6)):
             total += _popcount(bitmap[w])
-    return bitmap, rank
 
 
 @numba.njit(nogil=True, cache=True)
 def _hot_slot(rel, loc):  # type: ignore[no-untyped-def]
     """Place in the hot copy of row ``rel`` (relative to row_range start), or -1 if it is not
-    hot: its bit in the bitmap, then the block's rank plus the set bits before it."""
+    hot: its bit in the bitmap, then the block's rank plus the set bits before it. (int64
+    words throughout: the bit operations are the same, and numba turns int64/uint64 mixes
+    into floats.)"""
     word = rel >> 6
-    bitmap = numba.carray(_ptr(loc[10]), word + 1, np.uint64)
-    bits = bitmap[word]
-    bit = np.uint64(1) << np.uint64(rel & 63)
+    bits = _peek(loc[10] + word * 8)
+    bit = np.int64(1) << (rel & 63)
     if not bits & bit:
         return -1
-    j = numba.carray(_ptr(loc[11]), (rel >> _RANK_SHIFT) + 1, np.int64)[rel >> _RANK_SHIFT]
+    j = _peek(loc[11] + (rel >> _RANK_SHIFT) * 8)
     for w in range((rel >> _RANK_SHIFT) << (_RANK_SHIFT - 6), word):
-        j += _popcount(bitmap[w])
-    return j + _popcount(bits & (bit - np.uint64(1)))
+        j += _popcount(_peek(loc[10] + w * 8))
+    return j + _popcount(bits & (bit - 1))
+
+
+@numba.njit(nogil=True, cache=True)
+def _prefetch_hot(ids, b0, b1, loc):  # type: ignore[no-untyped-def]
+    """Prefetch the hot index's bitmap word and rank of ids ``[b0, b1)``: which address a
+    row is read from depends on them, so they are asked for a block before they are needed."""
+    start, end = loc[2], loc[3]
+    for i in range(b0, b1):
+        rel = ids[i] - start
+        if rel >= 0 and ids[i] < end:
+            _prefetch(loc[10] + (rel >> 6) * 8)
+            _prefetch(loc[11] + (rel >> _RANK_SHIFT) * 8)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -394,12 +444,8 @@ def _resolve(ids, b0, b1, loc, where):  # type: ignore[no-untyped-def]
     sizes = bases + n_t * (n_s + 1)
     per, start, end = loc[0], loc[2], loc[3]
     inv = 1.0 / np.float64(per)
-    if loc[7]:  # the hot index's lines for the whole block first, so their misses overlap
-        for i in range(b0, b1):
-            rel = ids[i] - start
-            if rel >= 0 and ids[i] < end:
-                _prefetch(loc[10] + (rel >> 6) * 8)
-                _prefetch(loc[11] + (rel >> _RANK_SHIFT) * 8)
+    if loc[7]:  # the next block's hot-index lines: in cache when that block is resolved
+        _prefetch_hot(ids, b1, min(b1 + BLOCK, ids.size), loc)
     for i in range(b0, b1):
         row = ids[i]
         if row < start or row >= end:  # padding (-1) included: start >= 0
@@ -449,6 +495,8 @@ BLOCK = 32
 def _start(ids, lo, hi, loc):  # type: ignore[no-untyped-def]
     """Slots for two blocks, the first resolved: ``(where [2, BLOCK, T + 1], bad index or -1)``."""
     where = np.empty((2, BLOCK, loc[6] + 1), np.int64)
+    if loc[7]:
+        _prefetch_hot(ids, lo, min(lo + BLOCK, hi), loc)
     bad = _resolve(ids, lo, min(lo + BLOCK, hi), loc, where[0]) if lo < hi else -1
     return where, bad
 

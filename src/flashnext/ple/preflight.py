@@ -21,7 +21,6 @@ Everything is read from a root directory (``/`` on a live host; a fixture tree i
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from flashnext.errors import FlashnextError
+from flashnext.ple.mapping import cached_pages
 
 GIB = 1024**3
 #: What we leave free beyond the table: the worker's own allocations and the kernel's.
@@ -384,24 +384,15 @@ def page_cache_bytes(path: str | os.PathLike[str]) -> int:
     Raises:
         OSError: the file cannot be opened or mapped, or ``mincore`` fails.
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
-    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     size = os.path.getsize(path)
     if size == 0:
         return 0
     with open(path, "rb") as fh:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fh.fileno(), 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+        view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
-            raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-        return min(size, sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE)
+        pages = cached_pages(view)
     finally:
-        libc.munmap(ctypes.c_void_p(addr), size)
+        view.close()
+    if pages is None:
+        raise OSError(f"mincore of {path} failed or is not available here")
+    return min(size, int(pages.sum()) * mmap.PAGESIZE)

@@ -31,10 +31,10 @@ import numpy as np
 from flashnext.errors import RowIdError, SidecarError
 from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
+from flashnext.ple.mapping import advise, cached_pages
 from flashnext.ple.preflight import HostMemory, check_fits
 from flashnext.ple.profile import PROFILE_NAME, HotRowProfile, load_profile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
-from flashnext.safetensors_file import read_tensor
 
 Residency = Literal["mmap", "resident"]
 #: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
@@ -44,7 +44,6 @@ PAD_ID = -1
 _NO_SCALARS = np.zeros(0, np.float32)
 _NO_ROWS = np.zeros((0, 0), np.uint8)  # the absent second tensor of a one-tensor format
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
-_HUGE_PAGE = 2 << 20  # a PMD page on x86-64 and arm64 with 4 KiB pages
 _INT64 = np.dtype(np.int64)
 
 _KERNELS: dict[str, Callable[..., int]] = {
@@ -162,7 +161,8 @@ class PLETable:
                 f"a resident copy of {sidecar.path} ({self.format}, rows {start}..{end})",
                 memory=memory,
             )
-        self._maps: list[mmap.mmap] = []  # mmap residency: the shard maps, for populate_maps
+        # mmap residency: each shard file's map, for populate_maps and warming
+        self._maps: dict[Path, mmap.mmap] = {}
         self._segments = self._open_segments(start, end)
         self._state: _Locator | None = self._locator({}, np.zeros(0, np.int64))
         hot_ids = self._hot_ids(hot_rows)
@@ -248,15 +248,30 @@ class PLETable:
             for name, dt, tail in self._raw_layout
             if name in self._row_names
         ]
+        # ... and how each result comes out of them: (name, index into the byte buffers or -1
+        # for the per-shard scalar, dtype to view the bytes as or None, shape after the ids',
+        # whether 1-D ids need a reshape: fp8's scale [n, 4] bytes -> float32 [n])
+        self._raw_views: list[tuple[str, int, np.dtype | None, tuple[int, ...], bool]] = []
+        for name, dt, tail in self._raw_layout:
+            k = self._row_names.index(name) if name in self._row_names else -1
+            view = None if k < 0 or dt == np.uint8 else np.dtype(dt)
+            self._raw_views.append((name, k, view, tail, k >= 0 and not tail))
 
     def _map_shard(self, shard: Shard, lo: int, hi: int) -> _Segment:
+        # One map of the whole file, the tensors views into it: a map per tensor would leave
+        # the 2 MiB pieces where one tensor ends and the next begins on 4 KiB pages (a page
+        # table entry must cover 2 MiB of one map), a quarter of a 20 MB shard.
+        with open(shard.path, "rb") as fh:
+            whole = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        if self.residency == "mmap":
+            if hasattr(whole, "madvise"):
+                whole.madvise(mmap.MADV_RANDOM)  # a row is ~100 bytes: no readahead
+            self._maps[shard.path] = whole
         arrays = {}
         for spec in self._row_specs:
-            full = read_tensor(shard.tensors[spec.name], shard.path, mmap=True)
-            handle = getattr(full, "_mmap", None)
-            if self.residency == "mmap" and handle is not None and hasattr(handle, "madvise"):
-                handle.madvise(mmap.MADV_RANDOM)  # a row is ~100 bytes: no readahead
-                self._maps.append(handle)
+            entry = shard.tensors[spec.name]
+            count = int(np.prod(entry.shape, dtype=np.int64))
+            full = np.frombuffer(whole, dtype=entry.dtype, count=count, offset=entry.offset)
             arrays[spec.name] = full.reshape(spec.shape(shard.rows, self.width))[lo:hi]
         return _Segment(shard.row_start + lo, hi - lo, arrays)
 
@@ -341,7 +356,7 @@ class PLETable:
         The file ranges holding them are read first, in order and in large pieces: gathering
         straight from the ``MADV_RANDOM`` maps would fault them in one 4 KiB page at a time
         (a 4 KiB page holds ~40 int4 rows, so a 5% tier touches most pages of the files)."""
-        Warming(self.row_ranges(hot_ids)).run()
+        Warming(self.row_ranges(hot_ids), maps=self._maps).run()
         raw = self.gather_raw(hot_ids)
         return {spec.name: raw[spec.name] for spec in self._row_specs}
 
@@ -417,7 +432,10 @@ class PLETable:
             else:
                 arr_flat = arr
             args = (state.loc, state.scalars, bits)
-            bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
+            if n < kern.PARALLEL_MIN_IDS:  # a decode step: skip run_split's checks
+                bad = int(self._kernel(arr_flat, 0, n, *args))
+            else:
+                bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return out
@@ -456,17 +474,23 @@ class PLETable:
                 scal = given[self._scalar_specs[0].name].reshape(n)
         second = dst[1] if len(dst) > 1 else _NO_ROWS
         args = (state.loc, state.scalars, dst[0], second, self._pads, scal)
-        bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
+        if n < kern.PARALLEL_MIN_IDS:  # a decode step: skip run_split's checks
+            bad = int(kern.gather_rows(flat, 0, n, *args))
+        else:
+            bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
         if bad >= 0:
             self._raise_bad(arr, bad)
         if out is not None:
             return given
+        lead = arr.shape if arr.ndim != 1 else None
         result = {}
-        rows = iter(dst)
-        for name, dtype, tail in self._raw_layout:
-            got = scal if name not in self._row_names else next(rows).view(dtype)
-            want = (*arr.shape, *tail)
-            result[name] = got if got.shape == want else got.reshape(want)
+        for name, k, view, tail, flatten in self._raw_views:
+            got = scal if k < 0 else dst[k] if view is None else dst[k].view(view)
+            if lead is not None:
+                got = got.reshape(*lead, *tail)
+            elif flatten:
+                got = got.reshape(n)
+            result[name] = got
         return result
 
     def _raw_buffers(
@@ -543,7 +567,7 @@ class PLETable:
                 for another one, such as ``flashnext ple warm``).
         """
         then = self.populate_maps if populate else None
-        warming = Warming(self.file_ranges(), progress, then=then)
+        warming = Warming(self.file_ranges(), progress, then=then, maps=self._maps)
         if background:
             warming.start()
         else:
@@ -589,9 +613,9 @@ class PLETable:
         page cache holds 2 MiB folios (large sequential reads on a filesystem with large
         folios, e.g. ext4 on Linux >= 6.16, xfs) they are mapped as huge pages, so random rows
         stop missing the TLB. A no-op where the kernel lacks the advice."""
-        for handle in self._maps:
+        for handle in self._maps.values():
             try:
-                handle.madvise(_MADV_POPULATE_READ)
+                advise(handle, _MADV_POPULATE_READ)
             except (OSError, ValueError):  # an older kernel or another OS
                 return
 
@@ -600,7 +624,7 @@ class PLETable:
         """Drop the maps and copies (memory maps close when their last view is gone)."""
         self._state = None
         self._segments = []
-        self._maps = []
+        self._maps = {}
 
     def __enter__(self) -> PLETable:
         return self
@@ -626,9 +650,11 @@ class Warming:
         ranges: list[tuple[Path, int, int]],
         progress: Callable[[int], None] | None = None,
         then: Callable[[], None] | None = None,
+        maps: Mapping[Path, mmap.mmap] | None = None,
     ):
         self.ranges = ranges
         self._then = then
+        self._maps = dict(maps or {})  # the table's maps of these files, by path
         self.total_bytes = sum(length for _, _, length in ranges)
         self.bytes_read = 0
         self.error: BaseException | None = None
@@ -675,40 +701,75 @@ class Warming:
         then reads it in 2 MiB folios (where the filesystem has large folios), which later
         maps of the file, the table's included, get as huge pages. Plain reads build
         folios up from small ones and reach 2 MiB only tens of MB into a file. False where
-        the kernel cannot (another OS, Linux < 5.14): the caller reads instead."""
+        the kernel cannot (another OS, Linux < 5.14): the caller reads instead.
+
+        Pieces already cached in part (the header read at open, rows that lookups faulted in
+        meanwhile) hold small folios and are dropped and read again first. The map is also
+        advised ``MADV_RANDOM``: no readahead beyond the 2 MiB asked for, which would fill
+        the next such piece with small folios (and a piece under I/O cannot be dropped)."""
         if length <= 0:
             return True  # nothing to bring in
         if not hasattr(mmap, "MADV_HUGEPAGE"):
             return False
-        base = offset // _HUGE_PAGE * _HUGE_PAGE
+        huge = kern.HUGE_PAGE
+        base = offset // huge * huge
         end = offset + length
+        # the map reaches to the end of the last 2 MiB piece the range touches, so that a
+        # piece it shares with the next range is seen whole by _partly_cached
+        reach = min(-(-end // huge) * huge, os.fstat(fh.fileno()).st_size)
         try:
-            view = mmap.mmap(fh.fileno(), end - base, access=mmap.ACCESS_READ, offset=base)
+            view = mmap.mmap(fh.fileno(), reach - base, access=mmap.ACCESS_READ, offset=base)
         except (OSError, ValueError):
             return False
         try:
             view.madvise(mmap.MADV_HUGEPAGE)
+            view.madvise(mmap.MADV_RANDOM)
             first = (offset - base) // mmap.PAGESIZE * mmap.PAGESIZE
-            # From the first 2 MiB boundary on, then the head: a page already cached in
-            # the head (the file's header, read at open) makes the kernel's first huge
-            # read fall back to small folios, and its readahead then stays small for the
-            # rest of the file.
-            split = min(_HUGE_PAGE, end - base)
             started = False
-            for lo, hi in ((split, end - base), (first, split)):
-                for pos in range(lo, hi, self.CHUNK):
-                    step = min(self.CHUNK, hi - pos)
-                    try:
-                        view.madvise(_MADV_POPULATE_READ, pos, step)
-                    except OSError:
-                        if not started:
-                            return False  # nothing done yet: read instead
-                        raise
-                    started = True
-                    self._advance(pos + step - max(pos, offset - base))
+            try:
+                for piece in self._partly_cached(view):
+                    self._reread(fh, view, base, piece)
+            except OSError:
+                return False  # nothing populated yet: read instead
+            for pos in range(first, end - base, self.CHUNK):
+                step = min(self.CHUNK, end - base - pos)
+                try:
+                    advise(view, _MADV_POPULATE_READ, pos, step)
+                except OSError:
+                    if not started:
+                        return False  # nothing done yet: read instead
+                    raise
+                started = True
+                self._advance(pos + step - max(pos, offset - base))
         finally:
             view.close()
         return True
+
+    @staticmethod
+    def _partly_cached(view: mmap.mmap) -> list[int]:
+        """Offsets in ``view`` of its 2 MiB pieces of which some but not all pages are
+        cached: a 2 MiB folio is cached whole or not at all, so these hold small folios and
+        would stay on 4 KiB pages. The file's last piece, when it is not a whole 2 MiB, is
+        left out: it cannot be huge. Empty where ``mincore`` is unavailable."""
+        huge = kern.HUGE_PAGE
+        cached = cached_pages(view)
+        if cached is None:
+            return []
+        per = huge // mmap.PAGESIZE
+        counts = [int(cached[k * per : (k + 1) * per].sum()) for k in range(len(view) // huge)]
+        return [k * huge for k, n in enumerate(counts) if 0 < n < per]
+
+    def _reread(self, fh: Any, view: mmap.mmap, base: int, piece: int) -> None:
+        """Drop the 2 MiB piece at offset ``piece`` of ``view`` (file offset ``base +
+        piece``) from the page cache and fault it in again as one folio. The table's own
+        map of the file lets go of the piece first, as the kernel keeps pages that are
+        mapped; a lookup meanwhile faults them back from the page cache."""
+        huge = kern.HUGE_PAGE
+        table_map = self._maps.get(Path(fh.name))
+        if table_map is not None:
+            table_map.madvise(mmap.MADV_DONTNEED, base + piece, huge)
+        os.posix_fadvise(fh.fileno(), base + piece, huge, os.POSIX_FADV_DONTNEED)
+        advise(view, _MADV_POPULATE_READ, piece, huge)
 
     def _read(self, fh: Any, offset: int, length: int) -> None:
         """Advise, then read the range into one reused buffer (no anonymous copy)."""
