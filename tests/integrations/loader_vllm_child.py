@@ -76,6 +76,17 @@ def load_case(case: dict, config: dict, layer_index: int) -> tuple[object, set[s
     return rows.float().numpy(), loaded  # unquantized: dequantize returns the bf16 rows
 
 
+def keep_gloo() -> None:
+    """Keep vLLM's TP group on plain gloo, as on a CPU whose vLLM build lacks the
+    shared-memory communicator (``torch.ops._C.init_shm_manager``). Where the build has it,
+    vLLM 0.32 agrees on a shared-memory group name through a collective and a variable its
+    CPU worker sets (``VLLM_DIST_IDENT``); these hand-built worlds have no worker, and what
+    they test is the loader, not vLLM's shared memory."""
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False  # type: ignore[method-assign]
+
+
 def init_world(world_size: int, rank: int, port: int):
     """Join a gloo world; returns the current-config context to close in :func:`leave_world`."""
     from vllm.config import EngramConfig, VllmConfig, set_current_vllm_config
@@ -89,6 +100,7 @@ def init_world(world_size: int, rank: int, port: int):
     vllm_config.parallel_config.tensor_parallel_size = world_size  # the ETP group's size
     ctx = set_current_vllm_config(vllm_config)
     ctx.__enter__()  # layers read the current config while they are built
+    keep_gloo()
     init_distributed_environment(
         world_size=world_size,
         rank=rank,

@@ -167,6 +167,9 @@ def join(spec: dict, world: int, rank: int) -> None:
 
     with set_current_vllm_config(VllmConfig()):
         port = spec["ports"][str(world)]
+        from loader_vllm_child import keep_gloo  # this script's folder is on sys.path
+
+        keep_gloo()
         init_distributed_environment(world, rank, f"tcp://127.0.0.1:{port}", rank, backend="gloo")
         ensure_model_parallel_initialized(world, 1)
 

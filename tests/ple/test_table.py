@@ -250,13 +250,13 @@ def _evict(files):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _file_huge_pages_work(path):
+def _file_huge_pages_work(path, rng):
     """Whether this kernel and filesystem map a file's pages 2 MiB at a time (large
     page-cache folios, Linux >= 6.16 on ext4): a 4 MiB file faulted in through a huge-advised
     map, then checked in smaps."""
     import mmap
 
-    path.write_bytes(os.urandom(4 << 20))
+    path.write_bytes(rng.integers(0, 256, size=4 << 20, dtype=np.uint8).tobytes())
     _evict([path])
     with open(path, "rb") as fh:
         view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
@@ -272,7 +272,7 @@ def _file_huge_pages_work(path):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
 def test_warm_maps_each_file_once_on_huge_pages(tmp_path, rng):
-    if not _file_huge_pages_work(tmp_path / "probe.bin"):
+    if not _file_huge_pages_work(tmp_path / "probe.bin", rng):
         pytest.skip("this kernel/filesystem keeps file pages at 4 KiB (no large folios)")
     rows = 60_000  # int4: 6 MB per shard file, 2 whole 2 MiB pieces and a tail
     write_sidecar(tmp_path / "t", "int4", embedding_rows(2 * rows, 160, rng), rows)
