@@ -62,6 +62,8 @@ from flashnext.ple.formats import (
 
 _HEAD = 12  # int64 slots of ``loc`` before seg_start
 _RANK_SHIFT = 9  # one rank entry per 512 rows: 8 bitmap words, one cache line
+#: A PMD page on x86-64 and arm64 with 4 KiB pages.
+HUGE_PAGE = 2 << 20
 
 # -- decode tables (from the dtypes and codes formats.py names) ------------------------------
 _E4M3_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
@@ -369,10 +371,6 @@ def hot_index(hot_rel: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     rank = _huge_zeros(blocks, np.int64)
     _fill_hot_index(hot_rel, bitmap, rank)
     return bitmap, rank
-
-
-#: A PMD page on x86-64 and arm64 with 4 KiB pages.
-HUGE_PAGE = 2 << 20
 
 
 def _huge_zeros(count: int, dtype: Any) -> np.ndarray:
