@@ -75,6 +75,12 @@ def evict(files: list[Path]) -> int:
     return sum(page_cache_bytes(p) for p in files)
 
 
+def evict_or_exit(files: list[Path]) -> None:
+    left = evict(files)
+    if left:
+        raise SystemExit(f"eviction failed: {left} bytes of the shard files still cached")
+
+
 def anonymous_bytes() -> int:
     """This process's anonymous memory (``Anonymous`` of /proc/self/smaps_rollup)."""
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
@@ -187,9 +193,7 @@ def run_lookups(table: object, work: Workload) -> Run:
 def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
     """Open the table as ``name`` says, run the lookups, close; see the module docstring."""
     if name.startswith("cold") or name == "warm":
-        left = evict(files)
-        if left:
-            raise SystemExit(f"eviction failed: {left} bytes of the shard files still cached")
+        evict_or_exit(files)
     anon0 = anonymous_bytes()
     t0 = time.perf_counter()
     residency = "resident" if name == "resident" else "mmap"
@@ -229,9 +233,7 @@ def after_warming_paired(
     serving as it warms), wait until warm, open a resident copy beside it, then run the
     workload ``passes`` times on each, alternating which goes first: per-pass ratios
     after-warming / resident (paired, so load on the machine hits both alike)."""
-    left = evict(files)
-    if left:
-        raise SystemExit(f"eviction failed: {left} bytes of the shard files still cached")
+    evict_or_exit(files)
     mapped = open_table(path, "mmap")
     warming = mapped.warm(background=True)
     run_lookups(mapped, work)
@@ -266,7 +268,11 @@ def main() -> None:
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     rng = np.random.default_rng()
+    if args.passes < 1:
+        ap.error(f"--passes must be at least 1, found {args.passes}")
     if args.dir is not None:
+        if args.dir.exists() and not args.dir.is_dir():
+            ap.error(f"--dir {args.dir} is a file; give a directory to build the table in")
         args.dir.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(corpus_files())
     eos = tok.token_to_id(EOS)
@@ -375,4 +381,8 @@ def print_table(out: dict) -> None:  # type: ignore[type-arg]
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the temporary table is gone with its directory by now
+        print("coldstart: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -197,37 +197,6 @@ def test_row_ranges_cover_the_rows_page_aligned_and_merged(tables, rng):
     assert len(table.row_ranges(rows, gap=1 << 30)) == len(touched) <= len(ranges)
 
 
-def _mapped_kb(path):
-    """Rss of this process's mappings of ``path`` (kB), from /proc/self/smaps."""
-    total, current = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if head and "-" in head[0] and ":" not in head[0]:
-                current = line.rstrip().endswith(str(path))
-            elif current and line.startswith("Rss:"):
-                total += int(head[1])
-    return total
-
-
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
-def test_warm_maps_the_pages_so_lookups_take_no_faults(tmp_path, rng):
-    x = embedding_rows(20_000, 160, rng)
-    write_sidecar(tmp_path / "t", "int4", x, 5_000)
-    table = open_table(tmp_path / "t", "mmap")
-    files = sorted({p for p, _, _ in table.file_ranges()})
-    before = sum(_mapped_kb(p) for p in files)
-    table.warm(background=False)
-    after = sum(_mapped_kb(p) for p in files)
-    # every stored byte of the table is now mapped (Rss of the file maps), no lookup ran
-    assert after - before >= 20_000 * table.codec.bytes_per_row(160) // 1024 - 64
-    ids = rng.integers(0, 20_000, size=4096)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    got = table.lookup(ids)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 64  # out buffer only
-    np.testing.assert_array_equal(got, table.reference_lookup(ids))
-
-
 def _smaps_fields(match):
     """Per mapping whose header line satisfies ``match(line)``: its smaps fields (kB)."""
     maps, current = [], None
@@ -248,6 +217,29 @@ def _evict(files):
         with open(path, "rb") as fh:
             os.fdatasync(fh.fileno())
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _mapped_kb(path):
+    """Rss of this process's mappings of ``path`` (kB), from /proc/self/smaps."""
+    return sum(m["Rss"] for m in _smaps_fields(lambda line: line.endswith(str(path))))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_warm_maps_the_pages_so_lookups_take_no_faults(tmp_path, rng):
+    x = embedding_rows(20_000, 160, rng)
+    write_sidecar(tmp_path / "t", "int4", x, 5_000)
+    table = open_table(tmp_path / "t", "mmap")
+    files = sorted({p for p, _, _ in table.file_ranges()})
+    before = sum(_mapped_kb(p) for p in files)
+    table.warm(background=False)
+    after = sum(_mapped_kb(p) for p in files)
+    # every stored byte of the table is now mapped (Rss of the file maps), no lookup ran
+    assert after - before >= 20_000 * table.codec.bytes_per_row(160) // 1024 - 64
+    ids = rng.integers(0, 20_000, size=4096)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    got = table.lookup(ids)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 64  # out buffer only
+    np.testing.assert_array_equal(got, table.reference_lookup(ids))
 
 
 def _file_huge_pages_work(path, rng):
@@ -324,10 +316,7 @@ def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
     x = embedding_rows(40_000, 160, rng)
     write_sidecar(tmp_path / "t", "int4", x, 10_000)
     files = sorted((tmp_path / "t").glob("*.safetensors"))
-    for path in files:
-        with open(path, "rb") as fh:
-            os.fdatasync(fh.fileno()) if hasattr(os, "fdatasync") else None
-            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    _evict(files)
     if sum(page_cache_bytes(p) for p in files):
         pytest.skip("the page cache kept the files (eviction refused on this filesystem)")
     hot = np.sort(rng.choice(40_000, size=300, replace=False))

@@ -1,4 +1,8 @@
-"""What Python's ``mmap`` module lacks: which pages of a map are in the page cache (``mincore``; Linux and macOS, ``None`` elsewhere)."""
+"""What Python's ``mmap`` module lacks: which pages of a map are in the page cache
+(``mincore``), and ``madvise`` without holding the GIL (``mmap.madvise`` holds it, so a
+``MADV_POPULATE_READ`` that reads 16 MiB from disk stalls every other Python thread, the
+lookups' callers included). Linux and macOS; elsewhere ``cached_pages`` gives None and
+``advise`` falls back to ``mmap.madvise``."""
 
 from __future__ import annotations
 
@@ -51,9 +55,11 @@ def advise(view: mmap.mmap, advice: int, offset: int = 0, length: int | None = N
         OSError: the kernel refused the advice (e.g. ``EINVAL`` for an advice it lacks).
     """
     size = len(view) - offset if length is None else min(length, len(view) - offset)
+    if size <= 0:
+        return
     libc = _libc()
-    if libc is None or size <= 0:
-        view.madvise(advice, offset, max(size, 0))
+    if libc is None:
+        view.madvise(advice, offset, size)
         return
     if libc.madvise(ctypes.c_void_p(_address(view) + offset), size, advice) != 0:
         errno = ctypes.get_errno()

@@ -432,10 +432,7 @@ class PLETable:
             else:
                 arr_flat = arr
             args = (state.loc, state.scalars, bits)
-            if n < kern.PARALLEL_MIN_IDS:  # a decode step: skip run_split's checks
-                bad = int(self._kernel(arr_flat, 0, n, *args))
-            else:
-                bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
+            bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return out
@@ -474,10 +471,7 @@ class PLETable:
                 scal = given[self._scalar_specs[0].name].reshape(n)
         second = dst[1] if len(dst) > 1 else _NO_ROWS
         args = (state.loc, state.scalars, dst[0], second, self._pads, scal)
-        if n < kern.PARALLEL_MIN_IDS:  # a decode step: skip run_split's checks
-            bad = int(kern.gather_rows(flat, 0, n, *args))
-        else:
-            bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
+        bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
         if bad >= 0:
             self._raise_bad(arr, bad)
         if out is not None:
@@ -682,7 +676,7 @@ class Warming:
         try:
             for path, offset, length in self.ranges:
                 with open(path, "rb", buffering=0) as fh:
-                    if not self._fault_in(fh, offset, length):
+                    if not self._fault_in(fh, offset, length, self._maps.get(path)):
                         self._read(fh, offset, length)
             if self._then is not None:
                 self._then()
@@ -696,7 +690,9 @@ class Warming:
         if self._progress is not None:
             self._progress(got)
 
-    def _fault_in(self, fh: Any, offset: int, length: int) -> bool:
+    def _fault_in(
+        self, fh: Any, offset: int, length: int, table_map: mmap.mmap | None = None
+    ) -> bool:
         """Fault the range in through a temporary map advised ``MADV_HUGEPAGE``: the kernel
         then reads it in 2 MiB folios (where the filesystem has large folios), which later
         maps of the file, the table's included, get as huge pages. Plain reads build
@@ -706,7 +702,8 @@ class Warming:
         Pieces already cached in part (the header read at open, rows that lookups faulted in
         meanwhile) hold small folios and are dropped and read again first. The map is also
         advised ``MADV_RANDOM``: no readahead beyond the 2 MiB asked for, which would fill
-        the next such piece with small folios (and a piece under I/O cannot be dropped)."""
+        the next such piece with small folios (and a piece under I/O cannot be dropped).
+        ``table_map``: the table's own map of the file, which lets go of those pieces."""
         if length <= 0:
             return True  # nothing to bring in
         if not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -728,7 +725,7 @@ class Warming:
             started = False
             try:
                 for piece in self._partly_cached(view):
-                    self._reread(fh, view, base, piece)
+                    self._reread(fh, view, base, piece, table_map)
             except OSError:
                 return False  # nothing populated yet: read instead
             for pos in range(first, end - base, self.CHUNK):
@@ -756,16 +753,19 @@ class Warming:
         if cached is None:
             return []
         per = huge // mmap.PAGESIZE
-        counts = [int(cached[k * per : (k + 1) * per].sum()) for k in range(len(view) // huge)]
-        return [k * huge for k, n in enumerate(counts) if 0 < n < per]
+        whole = len(view) // huge
+        counts = cached[: whole * per].reshape(whole, per).sum(axis=1, dtype=np.int64)
+        return [int(k) * huge for k in np.flatnonzero((counts > 0) & (counts < per))]
 
-    def _reread(self, fh: Any, view: mmap.mmap, base: int, piece: int) -> None:
+    @staticmethod
+    def _reread(
+        fh: Any, view: mmap.mmap, base: int, piece: int, table_map: mmap.mmap | None
+    ) -> None:
         """Drop the 2 MiB piece at offset ``piece`` of ``view`` (file offset ``base +
-        piece``) from the page cache and fault it in again as one folio. The table's own
-        map of the file lets go of the piece first, as the kernel keeps pages that are
-        mapped; a lookup meanwhile faults them back from the page cache."""
+        piece``) from the page cache and fault it in again as one folio. ``table_map`` lets
+        go of the piece first, as the kernel keeps pages that are mapped; a lookup meanwhile
+        faults them back from the page cache."""
         huge = kern.HUGE_PAGE
-        table_map = self._maps.get(Path(fh.name))
         if table_map is not None:
             table_map.madvise(mmap.MADV_DONTNEED, base + piece, huge)
         os.posix_fadvise(fh.fileno(), base + piece, huge, os.POSIX_FADV_DONTNEED)
