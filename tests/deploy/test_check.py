@@ -19,6 +19,7 @@ from flashnext.deploy.check import (
 from flashnext.deploy.gpu import GpuSpecError, parse_gpu
 from flashnext.deploy.serve_args import ServeArgsError, parse_serve_args
 from flashnext.records import check_record
+from flashnext.status import STATUSES
 from tests.checkpoint.builder import build_checkpoint
 from tests.seeding import current_test_rng
 
@@ -80,7 +81,7 @@ def checks_for(root, argv, gpu=SM120, host=None, env=None, version="0.33.0"):
 def test_clean_b12x_plan_has_no_blocking_failure(tmp_path):
     rows, _ = checks_for(model(tmp_path), ["--moe-backend", "flashinfer_b12x"], host=64 << 30)
     assert not blocking_failures(list(rows.values())), rows
-    assert rows["b12x-gpu"].status == "ok" and rows["b12x-formats"].status == "ok"
+    assert rows["b12x-gpu"].status == "pass" and rows["b12x-formats"].status == "pass"
     assert "modelopt/NVFP4" in rows["b12x-formats"].why
 
 
@@ -120,7 +121,7 @@ def test_b12x_with_unquantized_mtp_draft_fails_with_vllms_message(tmp_path):
     assert rows["b12x-mtp"].status == "fail"
     assert B12X_UNQUANTIZED_MESSAGE in rows["b12x-mtp"].why
     rows, _ = checks_for(model(tmp_path / "q", mtp_fmt="nvfp4"), argv)
-    assert rows["b12x-mtp"].status == "ok"
+    assert rows["b12x-mtp"].status == "pass"
 
 
 def test_sparse_attention_layers_offer_the_override(tmp_path):
@@ -134,15 +135,15 @@ def test_sparse_attention_layers_offer_the_override(tmp_path):
     assert "flashnext checkpoint override" in rows["sparse-attention"].fix
     fixed = json.dumps({"layer_types": ["linear_attention", "full_attention"] * 3})
     rows, _ = checks_for(root, ["--hf-overrides", fixed])
-    assert rows["sparse-attention"].status == "ok"
+    assert rows["sparse-attention"].status == "pass"
 
 
 @pytest.mark.parametrize(
     ("argv", "rope", "status"),
     [
-        (["--max-model-len", "131072"], None, "ok"),
+        (["--max-model-len", "131072"], None, "pass"),
         (["--max-model-len", "300000"], None, "fail"),
-        (["--max-model-len", "500000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "ok"),
+        (["--max-model-len", "500000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "pass"),
         (["--max-model-len", "600000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "fail"),
     ],
 )  # fmt: skip
@@ -160,11 +161,11 @@ def test_ple_table_against_host_memory_per_worker(tmp_path):
         and "pinned host RAM" in rows["ple-host-memory"].why
     )
     rows, _ = checks_for(root, [], host=64 << 30)
-    assert rows["ple-host-memory"].status == "ok"
+    assert rows["ple-host-memory"].status == "pass"
     rows, _ = checks_for(root, ["--engram-config", '{"cpu_offload": false}'], host=1 << 20)
-    assert rows["ple-host-memory"].status == "ok" and "GPU memory" in rows["ple-host-memory"].why
+    assert rows["ple-host-memory"].status == "pass" and "GPU memory" in rows["ple-host-memory"].why
     rows, _ = checks_for(root, [], host=1 << 20, env={"FLASHNEXT_PLE_SIDECAR": "/sc"})
-    assert rows["ple-host-memory"].status == "ok" and "sidecar" in rows["ple-host-memory"].why
+    assert rows["ple-host-memory"].status == "pass" and "sidecar" in rows["ple-host-memory"].why
 
 
 def test_expandable_segments_with_ple_offload_uses_the_probe(tmp_path):
@@ -215,12 +216,15 @@ def test_cli_exit_code_table_and_json_record(tmp_path):
     record = check_record(json.loads(fine.stdout), kind="flashnext.deploy.check")
     assert record["passed"] is True
     assert {c["name"] for c in record["checks"]} >= {"b12x-gpu", "expandable-segments"}
+    # the one set of statuses (flashnext.status): check's old "ok" is no longer written
+    assert {c["status"] for c in record["checks"]} <= set(STATUSES)
+    assert "pass" in {c["status"] for c in record["checks"]}
 
 
 def test_memory_plan_comes_from_the_planner(tmp_path):
     root = model(tmp_path)
     rows, _ = checks_for(root, ["--max-model-len", "8192", "--max-num-seqs", "4"], gpu=SM120)
-    assert rows["memory-plan"].status == "ok", rows["memory-plan"]
+    assert rows["memory-plan"].status == "pass", rows["memory-plan"]
     small = parse_gpu("sm120,2GiB,cuda13.0")
     rows, _ = checks_for(root, ["--max-model-len", "262144", "--max-num-seqs", "64"], gpu=small)
     assert rows["memory-plan"].status == "fail" and "flashnext plan" in rows["memory-plan"].fix

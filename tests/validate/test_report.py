@@ -51,7 +51,7 @@ def make_result(
         ),
         StageResult(
             "multimodal",
-            "skipped",
+            "skip",
             "not a multimodal model (server: HTTP 400: no | pipes)",
             2.0,
             2.1,
@@ -137,7 +137,7 @@ def test_markdown_of_a_passing_run() -> None:
     assert "| ready | pass | 1.2 | time_to_ready_s 1.2, model m |" in lines
     # a "|" inside a reason would break the table
     assert (
-        "| multimodal | skipped: not a multimodal model (server: HTTP 400: no / pipes) | 0.1 |  |"
+        "| multimodal | skip: not a multimodal model (server: HTTP 400: no / pipes) | 0.1 |  |"
     ) in lines
     assert (
         "| concurrency | pass | 6.5 | completed 48/48, ttft_p90_s 0.25, output_tok_s 120, "
@@ -171,8 +171,9 @@ def test_markdown_and_record_of_an_interrupted_run() -> None:
 
 def test_write_then_load_round_trip(tmp_path: Path) -> None:
     report = build_report(make_result(), ARGV)
-    paths = write_report(report, tmp_path, png=True)
-    assert [p.name for p in paths] == ["report.json", "report.md", "report.png"]
+    written = write_report(report, tmp_path, png=True)
+    assert [p.name for p in written.paths] == ["report.json", "report.md", "report.png"]
+    assert written.failed == [] and written.notes == []
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "report.md").read_text() == render_markdown(report)
     assert load_report(tmp_path / "report.json") == report
