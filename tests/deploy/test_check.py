@@ -230,3 +230,26 @@ def test_memory_plan_comes_from_the_planner(tmp_path):
     assert rows["memory-plan"].status == "fail" and "flashnext plan" in rows["memory-plan"].fix
     rows, _ = checks_for(root, [], gpu=parse_gpu("sm120"))
     assert rows["memory-plan"].status == "skip"
+
+
+def test_check_does_not_load_numba(tmp_path):
+    """`flashnext check` reads headers and configs: the PLE table's numba kernels (seconds to
+    import) are never loaded, also when the checkpoint holds a PLE table."""
+    root = model(tmp_path)
+    code = (
+        "import sys\n"
+        "from flashnext.cli import main\n"
+        "try:\n"
+        f"    main(['check', '--model', {str(root)!r}, '--gpu', 'sm120,96GiB,cuda13.0',\n"
+        "          '--host-memory', '64GiB', '--vllm-version', '0.33.0', '--json'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'numba')\n"
+        "assert not loaded, loaded[:5]\n"
+        "assert 'flashnext.ple.geometry' in sys.modules  # the check did read the PLE geometry\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    record = check_record(json.loads(p.stdout), kind="flashnext.deploy.check")
+    rows = {c["name"]: c for c in record["checks"]}
+    assert record["passed"] is True and rows["ple-host-memory"]["status"] == "pass", rows

@@ -712,7 +712,7 @@ def write_sidecar(
     """Quantize float32 ``rows`` [num_rows, width] to ``fmt`` and write a whole sidecar.
 
     Convenience for tables that fit in memory (tests, the demo); large tables stream through
-    :func:`flashnext.ple.quantize.quantize_sidecar`.
+    :func:`flashnext.ple.quantize.quantize_table`.
     """
     rows = np.asarray(rows)
     writer = SidecarWriter(
