@@ -1,8 +1,6 @@
 """flashnext check: one case per rule, on real checkpoints written at test time."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -22,6 +20,8 @@ from flashnext.records import check_record
 from flashnext.status import STATUSES
 from tests.checkpoint.builder import build_checkpoint
 from tests.seeding import current_test_rng
+
+from ..cli.runner import run
 
 SM120 = parse_gpu("sm120,96GiB,cuda13.0")
 PUBLISHED = Path(__file__).parents[1] / "plan" / "fixtures" / "qwen4exp-published.config.json"
@@ -204,14 +204,11 @@ def test_bad_inputs_are_named():
 
 def test_cli_exit_code_table_and_json_record(tmp_path):
     root = model(tmp_path)
-    base = [sys.executable, "-m", "flashnext", "check", "--model", str(root), "--gpu", "sm90,cuda13.0",
-            "--vllm-version", "0.33.0"]  # fmt: skip
-    blocked = subprocess.run([*base, "--", "--moe-backend", "b12x"], capture_output=True, text=True)
+    base = ["check", "--model", root, "--gpu", "sm90,cuda13.0", "--vllm-version", "0.33.0"]
+    blocked = run(*base, "--", "--moe-backend", "b12x")
     assert blocked.returncode == 1, blocked.stderr
     assert "b12x-gpu" in blocked.stdout and "fail" in blocked.stdout
-    fine = subprocess.run(
-        [*base, "--json", "--", "--max-model-len", "8192"], capture_output=True, text=True
-    )
+    fine = run(*base, "--json", "--", "--max-model-len", "8192")
     assert fine.returncode == 0, fine.stderr
     record = check_record(json.loads(fine.stdout), kind="flashnext.deploy.check")
     assert record["passed"] is True

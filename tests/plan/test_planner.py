@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from flashnext import records
-from flashnext.cli import main
 from flashnext.plan import vllm_kv
 from flashnext.plan.planner import ModelInput, PlanRequest, make_plan
 from flashnext.plan.sizes import parse_size
+
+from ..cli.runner import run_in_process
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN4 = FIXTURES / "qwen4exp-published.config.json"
@@ -83,10 +84,8 @@ def test_published_config_plan_lists_assumptions(capsys: pytest.CaptureFixture[s
             "0.92", "--max-model-len", "131072", "--max-num-seqs", "16",
             "--num-speculative-tokens", "1", "--host-memory", "64GB", "--ple-format", "int4",
             "--ple-placement", "mmap"]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 0, err
     for needle in (
         "weights estimated from config.json",
         "headroom 4.00 GiB",
@@ -114,10 +113,9 @@ def test_mamba_block_limit_and_options() -> None:
 def test_does_not_fit_gives_ordered_options(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", str(QWEN4), "--gpu-memory", "76GiB", "--max-model-len", "262144",
             "--num-speculative-tokens", "1", "--json"]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 3
-    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.plan")
+    code, out, _ = run_in_process(argv, capsys)
+    assert code == 3
+    rec = records.check_record(json.loads(out), kind="flashnext.plan")
     assert not rec["fits"]
     changes = [o["change"] for o in rec["suggestions"]]
     assert changes[0].startswith("--max-model-len ")
@@ -130,9 +128,7 @@ def test_from_log_calibrates_headroom(tmp_path: Path, capsys: pytest.CaptureFixt
     log.write_text("INFO [gpu_worker.py:760] Available KV cache memory: 6.79 GiB\n")
     argv = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB", "--gpu-memory-utilization",
             "0.948", "--max-model-len", "131072", "--from-log", str(log), "--json"]  # fmt: skip
-    with pytest.raises(SystemExit):
-        main(argv)
-    rec = json.loads(capsys.readouterr().out)
+    rec = json.loads(run_in_process(argv, capsys)[1])
     assert abs(rec["kv"]["available_bytes"] - 6.79 * GIB) < 1
     assert any("calibrated" in a for a in rec["assumptions"])
 
@@ -148,18 +144,17 @@ def test_explain_with_model_replans(tmp_path: Path, capsys: pytest.CaptureFixtur
     argv = ["explain", str(log), "--model", str(QWEN4), "--gpu-memory", "96GiB",
             "--gpu-memory-utilization", "0.948", "--num-speculative-tokens", "1",
             "--mamba-ssm-cache-dtype", "float32", "--json"]  # fmt: skip
-    main(argv)
-    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.explain")
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 0, err
+    rec = records.check_record(json.loads(out), kind="flashnext.explain")
     (plan,) = rec["plans"]
     assert plan["kv"]["available_bytes"] == pytest.approx(6.79 * GIB, abs=1)
     assert plan["kv"]["max_model_len"] == 245760
 
 
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--model", str(QWEN4), "--gpu-memory", "96 gigs"])
-    assert exit_info.value.code == 1
-    err = capsys.readouterr().err
+    code, _, err = run_in_process(["plan", "--model", QWEN4, "--gpu-memory", "96 gigs"], capsys)
+    assert code == 1
     assert err.startswith("error: --gpu-memory '96 gigs': expected a number with a unit")
     assert err.count("\n") == 1
 
