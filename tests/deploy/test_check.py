@@ -1,6 +1,8 @@
 """flashnext check: one case per rule, on real checkpoints written at test time."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
