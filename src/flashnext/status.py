@@ -37,7 +37,7 @@ STYLES: dict[Status, Style] = {
     "warn": Style("yellow", "!", "tab:orange"),
     "fail": Style("red", "✗", "tab:red"),
     "skip": Style("dim", "-", "tab:gray"),
-    "interrupted": Style("magenta", "⏸", "tab:purple"),
+    "interrupted": Style("magenta", "‖", "tab:purple"),
 }
 
 
@@ -56,6 +56,7 @@ def read_status(word: object) -> Status:
     raise ValueError(f"status {word!r}: expected one of {', '.join(STATUSES)}")
 
 
-def style(status: Status) -> Style:
-    """The display style of ``status`` (every status has one)."""
-    return STYLES[status]
+def label(status: Status) -> str:
+    """``status`` with its symbol in front (``✓ pass``), for terminal tables: the symbol
+    still tells the status apart where colour is lost (a log, a pipe)."""
+    return f"{STYLES[status].symbol} {status}"

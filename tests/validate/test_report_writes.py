@@ -70,7 +70,7 @@ def test_validate_on_a_full_disk_prints_the_record_and_names_each_file(
 
     p = run("validate", "--url", vllm_server.url, "--stages", "ready", "--out", full_dir)
     assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert "PASSED" in p.stdout and "│ ready │ pass" in p.stdout  # the summary table
+    assert "PASSED" in p.stdout and "│ ready │ ✓ pass" in p.stdout  # the summary table
     assert f"error: {full_dir / 'report.json'}: cannot write (No space left" in p.stderr
 
 

@@ -335,7 +335,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from flashnext.status import STYLES
+    from flashnext.status import STYLES, label
     from flashnext.validate.report import key_text
 
     console = out_console
@@ -348,7 +348,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     for col in ("stage", "status", "s", "key numbers"):
         table.add_column(col)
     for s in report["stages"]:
-        status = s["status"] + (f": {s['reason']}" if s["status"] == "skip" else "")
+        status = label(s["status"]) + (f": {s['reason']}" if s["status"] == "skip" else "")
         table.add_row(
             Text(s["name"]),
             Text(status, style=STYLES[s["status"]].colour),
