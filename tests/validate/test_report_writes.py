@@ -116,7 +116,9 @@ def test_an_undecodable_out_path_works(vllm_server: VllmServer, tmp_path: Path) 
             "--max-tokens", "4", "--out", ab_out)  # fmt: skip
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert sorted(os.listdir(os.fsencode(ab_out))) == [b"ab.json", b"ab.md", b"ab.png"]
-    assert (ab_out / "ab.md").read_bytes().decode("utf-8").startswith("# flashnext validate ab")
+    md = (ab_out / "ab.md").read_bytes().decode("utf-8")
+    assert md.startswith("# flashnext validate ab: IDENTICAL") and "ab-r\\udcff\\udcfeport" in md
+    assert p.stdout.rstrip("\n") == md.rstrip("\n")  # stdout is the same valid UTF-8
 
 
 def test_ab_out_checked_before_the_run(tmp_path: Path) -> None:

@@ -449,7 +449,7 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds
     from flashnext.validate.ab_prompts import load_prompts
     from flashnext.validate.ab_report import AB_FILES, render_markdown, write_ab
-    from flashnext.validate.output import check_writable
+    from flashnext.validate.output import check_writable, printable
 
     cfg = AbConfig(
         baseline_url=o["baseline"],
@@ -475,7 +475,7 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
         sys.stdout.write(dumps(record, indent=None))
         sys.stdout.flush()
     else:
-        click.echo(render_markdown(record))
+        click.echo(printable(render_markdown(record)))
     _tell_written(written)
     stop = record["interrupted"]
     if stop:

@@ -47,7 +47,7 @@ def write_files(out_dir: Path, files: dict[str, Render]) -> Written:
             done.notes.append(f"{name} skipped: {exc}")
             continue
         if isinstance(data, str):
-            data = data.encode("utf-8", "backslashreplace")
+            data = printable(data).encode("utf-8")
         try:
             with atomic_write(path) as fh:
                 fh.write(data)
@@ -83,6 +83,12 @@ def check_writable(out_dir: Path, names: Sequence[str]) -> None:
         raise ValidationError(
             f"--out {out_dir}: cannot write a report there ({_why(exc)})"
         ) from None
+
+
+def printable(text: str) -> str:
+    """``text`` as valid UTF-8: characters that stand for undecodable bytes of a path or an
+    argument (surrogates) become backslash escapes, as in the files written."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _why(exc: OSError) -> str:
