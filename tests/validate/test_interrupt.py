@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -213,3 +215,27 @@ def test_ab_interrupted_writes_the_finished_prompts(
         assert stdout.startswith(f"# flashnext validate ab: INTERRUPTED ({sig.name})")
     with urllib.request.urlopen(vllm_server.url + "/health", timeout=30) as r:
         assert r.status == 200
+
+
+def test_a_signal_while_the_report_is_written_waits_for_it(tmp_path: Path) -> None:
+    """Once the run is over, a SIGINT or SIGTERM cannot cut the report short: it is held back
+    until the files are written (a fresh interpreter: signals go to its only thread)."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from flashnext.validate.interrupts import deferred\n"
+        "sig = getattr(signal, sys.argv[1])\n"
+        "try:\n"
+        "    with deferred():\n"
+        "        os.kill(os.getpid(), sig)\n"
+        "        time.sleep(0.2)\n"
+        "        open(sys.argv[2], 'w').write('complete')\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted after the block')\n"
+    )
+    for name, status in (("SIGINT", 0), ("SIGTERM", -signal.SIGTERM)):
+        done = tmp_path / name
+        p = subprocess.run([sys.executable, "-c", code, name, str(done)], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert p.returncode == status, p.stderr
+        assert done.read_text() == "complete"
+        assert p.stdout == ("interrupted after the block\n" if name == "SIGINT" else "")

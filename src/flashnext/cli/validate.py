@@ -238,6 +238,7 @@ def _config(opts: dict[str, Any]) -> Config:
 
 def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     """Build the config from parsed flags, run, write and print; return the exit status."""
+    from flashnext.validate.interrupts import deferred
     from flashnext.validate.report import build_report, check_out_dir, write_report
 
     cfg = _config(opts)
@@ -249,14 +250,15 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     probe = deployment_probe(cfg.api_key, cfg.container)
     result = asyncio.run(_run_with_progress(cfg, probe))
     report = build_report(result, argv)
-    written = write_report(report, out_dir, png=not opts["no_png"])
-    # stdout first: a report that could not be written (a full disk) still reaches the user.
-    if opts["as_json"]:
-        sys.stdout.write(dumps(report, indent=None))
-        sys.stdout.flush()
-    else:
-        _print_summary(report)
-    _tell_written(written)
+    with deferred():  # a signal now would leave the report half written
+        written = write_report(report, out_dir, png=not opts["no_png"])
+        # stdout either way: a report that could not be written (a full disk) still shows.
+        if opts["as_json"]:
+            sys.stdout.write(dumps(report, indent=None))
+            sys.stdout.flush()
+        else:
+            _print_summary(report)
+        _tell_written(written)
     if result.interrupted is not None:
         stop = result.interrupted
         done = sum(s.status in ("pass", "fail") for s in result.stages)
@@ -449,6 +451,7 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds
     from flashnext.validate.ab_prompts import load_prompts
     from flashnext.validate.ab_report import AB_FILES, render_markdown, write_ab
+    from flashnext.validate.interrupts import deferred
     from flashnext.validate.output import check_writable, printable
 
     cfg = AbConfig(
@@ -470,13 +473,14 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     check_writable(o["out_dir"], AB_FILES if not o["no_png"] else AB_FILES[:2])
     payload = _run_ab_with_progress(cfg)
     record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
-    written = write_ab(record, o["out_dir"], png=not o["no_png"])
-    if o["as_json"]:
-        sys.stdout.write(dumps(record, indent=None))
-        sys.stdout.flush()
-    else:
-        click.echo(printable(render_markdown(record)))
-    _tell_written(written)
+    with deferred():  # a signal now would leave the report half written
+        written = write_ab(record, o["out_dir"], png=not o["no_png"])
+        if o["as_json"]:
+            sys.stdout.write(dumps(record, indent=None))
+            sys.stdout.flush()
+        else:
+            click.echo(printable(render_markdown(record)))
+        _tell_written(written)
     stop = record["interrupted"]
     if stop:
         click.echo(

@@ -17,6 +17,21 @@ from typing import Any
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for the block (writing and printing a finished report), so
+    a signal then cannot leave the report half written; one that arrived acts at the end."""
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    except (AttributeError, ValueError, OSError):  # no sigmask here: nothing to hold back
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 class Interrupts:
     """While :meth:`installed`, the first SIGINT/SIGTERM sets :attr:`signal`, calls
     :meth:`on_interrupt` and cancels :attr:`task` (the work in progress, when one is set)."""
