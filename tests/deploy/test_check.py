@@ -192,6 +192,25 @@ def test_unknown_vllm_version_warns(tmp_path):
     assert rows["vllm-version"].status == "warn" and "0.40.1" in rows["vllm-version"].why
 
 
+def test_vllm_versions_are_the_plugins_list(tmp_path):
+    """check and the plugin read one list: 0.32.1 is not 0.32.0, and the plugin refuses it."""
+    root = model(tmp_path)
+    rows, _ = checks_for(root, [], version="0.32.0+cpu")
+    assert rows["vllm-version"].status == "ok"
+    rows, _ = checks_for(root, [], version="0.32.1")
+    row = rows["vllm-version"]
+    assert row.status == "warn" and not row.blocking
+    assert "(0.32.0, 0.33.0)" in row.why and "0.32.," not in row.why
+    on = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path)}
+    rows, _ = checks_for(root, [], env=on, version="0.32.1")
+    row = rows["vllm-version"]
+    assert row.status == "fail" and row.blocking and "plugin refuses" in row.why
+    assert "ple_sidecar" in row.why and "FLASHNEXT_ALLOW_UNTESTED_VLLM=1" in row.fix
+    allowed = {**on, "FLASHNEXT_ALLOW_UNTESTED_VLLM": "1"}
+    rows, _ = checks_for(root, [], env=allowed, version="0.32.1")
+    assert rows["vllm-version"].status == "warn"
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(GpuSpecError, match="'h200'"):
         parse_gpu("sm90,h200")

@@ -32,14 +32,14 @@ from flashnext.deploy.gpu import GpuSpec
 from flashnext.deploy.quant_layout import config_quant, layer_formats
 from flashnext.deploy.serve_args import ServeArgs
 from flashnext.errors import FlashnextError
+from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.versions import checked_text, is_checked
 
 Status = Literal["ok", "warn", "fail", "skip"]
 B12X_BACKENDS = ("flashinfer_b12x", "b12x")
 B12X_CAPABILITIES = ((12, 0), (12, 1))
 B12X_FORMATS = ("nvfp4", "mxfp4")
 NATIVE_CONTEXT = 262_144
-#: vLLM releases whose PLE classes and MoE backends these rules were checked against.
-CHECKED_VLLM = ("0.32.", "0.33.0")
 B12X_UNQUANTIZED_MESSAGE = (
     "moe_backend='flashinfer_b12x' is not supported for unquantized MoE. Expected one of "
     "['triton', 'flashinfer_trtllm', 'flashinfer_cutlass', 'aiter']"
@@ -120,19 +120,41 @@ def installed_vllm() -> str | None:
 
 
 def check_vllm_version(ctx: CheckContext) -> Check:
+    """The vLLM release against the one checked list the plugin reads (``versions.CHECKED``).
+
+    An unchecked release fails (blocking) when the planned environment switches a plugin part on
+    without ``FLASHNEXT_ALLOW_UNTESTED_VLLM=1``, because the plugin then refuses at boot; it
+    warns otherwise.
+    """
     v = ctx.vllm_version
     if v is None:
         return Check(
             "vllm-version", "skip", "no vLLM installed here and none given",
             "pass --vllm-version of the runtime you will boot", blocking=False,
         )  # fmt: skip
-    if v.startswith(CHECKED_VLLM):
+    if is_checked(v):  # the plugin's own list: check and plugin agree on every version
         return Check("vllm-version", "ok", f"vLLM {v}: these rules were checked against it")
+    why = f"vLLM {v}: not a release flashnext was checked against ({checked_text()})"
+    plugin = _plugin_settings(ctx.args.env)
+    if plugin is not None and plugin.parts and not plugin.allow_untested_vllm:
+        return Check(
+            "vllm-version", "fail", f"{why}; the flashnext plugin refuses to apply on it "
+            f"({', '.join(plugin.parts)} switched on by FLASHNEXT_* variables)",
+            f"use vLLM {checked_text()}, or set FLASHNEXT_ALLOW_UNTESTED_VLLM=1 at your risk",
+        )  # fmt: skip
     return Check(
-        "vllm-version", "warn", f"vLLM {v}: not a release these rules were checked against "
-        f"({', '.join(CHECKED_VLLM)}x); PLE classes and MoE backends may differ",
+        "vllm-version", "warn", f"{why}; PLE classes and MoE backends may differ",
         "boot once with `flashnext validate` before trusting this report", blocking=False,
     )  # fmt: skip
+
+
+def _plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
+    """The plugin's switches in the planned environment (None when they do not parse: the
+    plugin would refuse them itself, and check reports the version alone)."""
+    try:
+        return PluginSettings.from_env(env)
+    except FlashnextError:
+        return None
 
 
 def check_b12x_gpu(ctx: CheckContext) -> Check:
