@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flashnext.errors import PluginError
@@ -39,7 +41,7 @@ def test_additional_config_section_is_read(tmp_path):
 
 def test_command_line_switches_a_part_on_at_startup(tmp_path):
     """vLLM calls the plugin before it has a config: the serve command's JSON is what it sees."""
-    section = '{"flashnext": {"ple_sidecar": "%s", "ple_placement": "staged"}}' % tmp_path
+    section = json.dumps({"flashnext": {"ple_sidecar": str(tmp_path), "ple_placement": "staged"}})
     for argv in (
         ["vllm", "serve", "/m", "--additional-config", section],
         ["vllm", "serve", "/m", f"--additional-config={section}"],

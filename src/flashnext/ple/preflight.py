@@ -39,7 +39,6 @@ _UNLIMITED = 1 << 60
 OVERCOMMIT_NEVER = 2
 
 
-
 class PreflightError(FlashnextError, MemoryError):
     """The host does not have the memory a resident table (or hot tier) needs."""
 
