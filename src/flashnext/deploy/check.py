@@ -357,7 +357,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
             num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
-            ple_placement="host" if a.ple_cpu_offload else "device",
+            ple_placement="pinned" if a.ple_cpu_offload else "device",
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
