@@ -118,13 +118,14 @@ class PlacementChoice:
 
 
 def choose_placement(
-    setting: str, device: str, table_bytes: int, device_free: int | None = None
+    setting: str, device: Any, table_bytes: int, device_free: int | None = None
 ) -> PlacementChoice:
     """Pick the serving path for ``table_bytes`` of records (this rank's rows).
 
     Args:
         setting: ``auto``, ``device``, ``pinned`` or ``staged`` (:data:`PLACEMENT_SETTINGS`).
-        device: the device the model is built on, as torch spells it (``cuda:0``, ``cpu``).
+        device: the device the model is built on: a torch device or its name (``cuda:0``,
+            ``cpu``); only its name is read.
         table_bytes: bytes of this rank's per-row records.
         device_free: free GPU bytes, or None when unknown (``device`` is then not refused).
 
@@ -141,7 +142,7 @@ def choose_placement(
 
     if setting not in PLACEMENT_SETTINGS:
         raise PluginError(f"placement {setting!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
-    if device.split(":", 1)[0] == "cpu":
+    if str(device).split(":", 1)[0] == "cpu":
         return PlacementChoice("cpu", "a CPU device: PLETable.lookup on the host")
     what = f"{table_bytes / 2**30:.2f} GiB of PLE rows"
     if setting == "device":
@@ -261,6 +262,6 @@ def open_rows(
     check_geometry(sidecar, prefix, shape[0], shape[1], geometry)
     record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
     table_bytes = (row_range[1] - row_range[0]) * record_bytes
-    choice = choose_placement(setting, str(device), table_bytes, device_free)
+    choice = choose_placement(setting, device, table_bytes, device_free)
     table = open_table(sidecar, host_residency(choice, setting), row_range=row_range)
     return SidecarRows(table, choice, device, max_ids), sidecar
