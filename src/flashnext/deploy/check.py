@@ -336,6 +336,48 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     )
 
 
+def check_ple_sidecar(ctx: CheckContext) -> Check:
+    """The sidecars ``FLASHNEXT_PLE_SIDECAR`` names, checked as the plugin will at boot.
+
+    One per PLE layer (``DIR/layer_L`` or ``DIR`` itself), its rows, width and hashing geometry
+    against this model's config, with the plugin's own policy (:mod:`flashnext.kernels.serving`).
+    """
+    from flashnext.kernels import serving
+
+    plugin = _plugin_settings(ctx.args.env)
+    root = plugin.ple_sidecar if plugin is not None else None
+    if root is None:
+        return Check("ple-sidecar", "skip", "no FLASHNEXT_PLE_SIDECAR in the environment",
+                     blocking=False)  # fmt: skip
+    layer_ids = sorted(set(ctx.text_config.get("ple_layer_ids") or []))
+    if not layer_ids:
+        return Check(
+            "ple-sidecar", "fail", f"FLASHNEXT_PLE_SIDECAR={root}, but config.json has no "
+            "ple_layer_ids: this model has no PLE table", "unset FLASHNEXT_PLE_SIDECAR",
+        )  # fmt: skip
+    try:
+        for layer_id in layer_ids:
+            _check_layer_sidecar(serving, root, ctx.text_config, layer_id)
+    except FlashnextError as exc:
+        return Check(
+            "ple-sidecar", "fail", str(exc),
+            "quantize each PLE layer's table for this model: flashnext ple quantize MODEL "
+            f"{root}/layer_L --layer N (flashnext checkpoint ple MODEL lists L and N)",
+        )  # fmt: skip
+    where = ", ".join(f"layers.{i - 1}" for i in layer_ids)
+    return Check("ple-sidecar", "ok", f"{root}: a sidecar of this model's geometry for {where}")
+
+
+def _check_layer_sidecar(serving: Any, root: Path, config: dict[str, Any], layer_id: int) -> None:
+    """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM."""
+    from flashnext.ple.sidecar import open_sidecar
+
+    prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
+    geometry = serving.layer_geometry(config, prefix)
+    sidecar = open_sidecar(serving.sidecar_dir_for(root, prefix))
+    serving.check_geometry(sidecar, prefix, geometry.num_rows, geometry.width, geometry)
+
+
 def check_memory_plan(ctx: CheckContext) -> Check:
     """The planner's verdict for these flags on this GPU (KV capacity, state blocks, headroom)."""
     from flashnext.plan.planner import PlanRequest, load_model, make_plan
@@ -431,6 +473,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_sparse_attention,
     check_context_length,
     check_ple_host_memory,
+    check_ple_sidecar,
     check_memory_plan,
 )
 
