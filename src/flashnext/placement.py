@@ -29,15 +29,13 @@ from __future__ import annotations
 from typing import Literal, cast
 
 Placement = Literal["device", "pinned", "staged"]
-PlacementSetting = Literal["auto", "device", "pinned", "staged"]
+PlacementSetting = Literal["auto"] | Placement
 Residency = Literal["mmap", "resident"]
 
 #: Every placement, in order of GPU memory taken (most first).
 PLACEMENTS: tuple[Placement, ...] = ("device", "pinned", "staged")
-#: The choice that lets the host decide (see the module docstring).
-AUTO = "auto"
 #: What a setting or flag may ask for: a placement or ``auto``.
-PLACEMENT_SETTINGS: tuple[PlacementSetting, ...] = ("auto", "device", "pinned", "staged")
+PLACEMENT_SETTINGS: tuple[PlacementSetting, ...] = ("auto", *PLACEMENTS)
 #: Every residency.
 RESIDENCIES: tuple[Residency, ...] = ("mmap", "resident")
 
@@ -49,16 +47,6 @@ OLD_PLAN_WORDS: dict[str, tuple[Placement, Residency | None]] = {
     "mmap": ("staged", "mmap"),
     "resident": ("staged", "resident"),
 }
-
-
-def is_placement(word: str) -> bool:
-    """True for ``device``, ``pinned`` or ``staged``."""
-    return word in PLACEMENTS
-
-
-def is_residency(word: str) -> bool:
-    """True for ``mmap`` or ``resident``."""
-    return word in RESIDENCIES
 
 
 def as_placement(word: str) -> Placement:

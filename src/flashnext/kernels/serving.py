@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from flashnext.errors import PluginError
-from flashnext.placement import PLACEMENT_SETTINGS, Residency
+from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
 
 if TYPE_CHECKING:
     from flashnext.ple.geometry import PLEGeometry
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 #: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: The serving path: a placement on a GPU, or ``cpu`` (host lookups on a CPU device).
-ServingPath = Literal["cpu", "device", "pinned", "staged"]
+ServingPath = Placement | Literal["cpu"]
 
 
 # -- where the rows come from --------------------------------------------------------------
