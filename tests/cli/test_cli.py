@@ -1,6 +1,11 @@
 """The console script end to end, as a user runs it (real subprocesses, real files)."""
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,7 +13,7 @@ from flashnext.ple import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..seeding import seeded_rng
-from .runner import run, run_ok
+from .runner import BASE_ENV, run, run_ok
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +110,24 @@ def test_demo_runs_and_measures(demo_run):
     for row in result["rows"]:
         assert row["decode_us"]["mmap"] > 0 and row["prefill_ms"]["resident"] > 0
     assert (out_dir / "ple_nvfp4" / "META.json").exists()
+
+
+def test_readme_demo_command_runs_as_written(tmp_path):
+    """The README's main-job command, defaults included (no --out, --base or --json): its
+    temporary tables are removed at the end and the summary names every format."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    setup = next(c for c in re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S) if "demo" in c)
+    command = setup.split("&&")[-1].split()  # after the venv set-up: `.venv/bin/flashnext demo`
+    assert command == [".venv/bin/flashnext", "demo"], setup
+    script = Path(sys.executable).parent / "flashnext"  # this venv's console script
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [str(script), *command[1:]], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, **BASE_ENV, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line.split("│")[1].strip() for line in proc.stdout.splitlines() if "│" in line]
+    assert table == ["bf16", "fp8", "int4", "nvfp4"], proc.stdout
+    assert "base 20,000" in proc.stdout  # the default geometry, not a test's smaller one
+    assert list(tmp.iterdir()) == []  # the default output directory is gone
