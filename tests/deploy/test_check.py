@@ -251,15 +251,26 @@ def test_memory_plan_comes_from_the_planner(tmp_path):
 
 
 def test_check_does_not_load_numba(tmp_path):
-    """`flashnext check` reads headers and configs: the PLE table's numba kernels (seconds to
-    import) are never loaded, also when the checkpoint holds a PLE table."""
+    """`flashnext check` reads headers, configs and sidecar headers: the PLE table's numba
+    kernels (seconds to import) are never loaded, also for a checkpoint with a PLE table served
+    from a sidecar."""
+    from flashnext.ple.geometry import PLEGeometry
+    from flashnext.ple.sidecar import write_sidecar
+
     root = model(tmp_path)
+    config = json.loads((root / "config.json").read_text())
+    (layer_id,) = config["ple_layer_ids"]
+    geo = PLEGeometry.from_config(config, layer_id=layer_id)
+    table = current_test_rng("sidecar").standard_normal((geo.num_rows, geo.width))
+    write_sidecar(tmp_path / "ple" / f"layer_{layer_id - 1}", "int4", table.astype(np.float32),
+                  geo.shard_rows(), geometry=geo.to_dict())  # fmt: skip
     code = (
         "import sys\n"
         "from flashnext.cli import main\n"
         "try:\n"
         f"    main(['check', '--model', {str(root)!r}, '--gpu', 'sm120,96GiB,cuda13.0',\n"
-        "          '--host-memory', '64GiB', '--vllm-version', '0.33.0', '--json'])\n"
+        "          '--host-memory', '64GiB', '--vllm-version', '0.33.0', '--json',\n"
+        f"          '--env', 'FLASHNEXT_PLE_SIDECAR={tmp_path / 'ple'}'])\n"
         "except SystemExit as exc:\n"
         "    assert exc.code in (0, None), exc.code\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'numba')\n"
@@ -270,7 +281,8 @@ def test_check_does_not_load_numba(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     record = check_record(json.loads(p.stdout), kind="flashnext.deploy.check")
     rows = {c["name"]: c for c in record["checks"]}
-    assert record["passed"] is True and rows["ple-host-memory"]["status"] == "pass", rows
+    assert record["passed"] is True, rows
+    assert rows["ple-host-memory"]["status"] == rows["ple-sidecar"]["status"] == "pass", rows
 
 
 def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
