@@ -133,8 +133,11 @@ class StagedTable:
         self._src = row_source(table.stored(), self.layout)
         self._slot_bytes = self._offsets(self.max_ids, self.max_ids)[-1]
         pin = self.device.type != "cpu"
+        # device="cpu" spelled out: vLLM builds layers under `with torch.device("cuda")`, which
+        # would otherwise put these host slots on the GPU ("Only dense CPU tensors can be pinned").
         self._host = [
-            torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)
+            torch.empty(self._slot_bytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            for _ in range(buffers)
         ]
         self._host_np = [h.numpy() for h in self._host]
         self._dev = [
