@@ -70,7 +70,6 @@ DEPS = [
     "pyzmq==27.3.0",
     "sniffio==1.3.1",
     "starlette==1.10.0",
-    "transformers==5.19.0",  # the image's 5.17 may predate Qwen4ExpTextConfig
     "truststore==0.10.5",
     "typing_inspection==0.4.5",
     "xgrammar==0.2.8",
@@ -108,9 +107,11 @@ def download(cache: Path) -> tuple[Path, list[Path]]:
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     subprocess.run([*cmd, VLLM, *DEPS], check=True)
+    wanted = {d.split("==")[0].lower().replace("-", "_") + "-" + d.split("==")[1] for d in DEPS}
     wheels = sorted(cache.glob("*.whl"))
     (vllm,) = [w for w in wheels if w.name.startswith("vllm-0.32.0-")]
-    return vllm, [w for w in wheels if w != vllm]
+    deps = [w for w in wheels if "-".join(w.name.split("-")[:2]).lower() in wanted]
+    return vllm, deps
 
 
 def zip_python_tree(wheel: Path, out: Path) -> int:
