@@ -22,6 +22,13 @@ A sidecar is a directory holding one PLE layer's table, split by rows:
 
   META.json holds no timestamp, so the same input always gives byte-identical files.
 
+  A *partial* sidecar (``flashnext ple slice``: some tensor-parallel ranks' rows) adds
+  ``"rows_present": [a, b]`` (on shard bounds) and ``"sliced_for": {"tp", "ranks", "rows"}``;
+  it holds exactly shards ``a // S`` .. ``ceil(b / S) - 1``, byte-identical to the full
+  sidecar's, and ``num_rows``/``num_shards`` stay the whole table's (so ``row_start`` and
+  ``table_rows`` in each shard still check). ``Sidecar.rows_present`` says which rows a
+  directory holds; tables refuse row ranges outside it.
+
   Readers ignore unknown fields and accept the alternative key names other tools use
   (``shard_rows``, ``total_rows``, ``variant``). Where META.json gives ``rows_per_shard``,
   ``num_rows``, ``num_shards`` or ``width``, every shard is checked against it.
