@@ -39,6 +39,35 @@ from typing import Any
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 
+# Record kinds, ``flashnext.<area>.<what>``: defined here once and imported everywhere else, so
+# that a writer and its readers cannot drift apart by a retyped string.
+CHECKPOINT_OVERRIDE = "flashnext.checkpoint.override"
+CHECKPOINT_PLAN = "flashnext.checkpoint.plan"
+CHECKPOINT_PLE = "flashnext.checkpoint.ple"
+CHECKPOINT_VERIFY = "flashnext.checkpoint.verify"
+CLI_ERROR = "flashnext.cli.error"
+DEMO_RUN = "flashnext.demo.run"
+DEPLOY_CHECK = "flashnext.deploy.check"
+DEPLOY_RECORD = "flashnext.deploy.record"
+DEPLOY_RECORD_DIFF = "flashnext.deploy.record_diff"
+PLAN_EXPLAIN = "flashnext.plan.explain"
+PLAN_MEMORY = "flashnext.plan.memory"
+PLE_INFO = "flashnext.ple.info"
+PLE_LOOKUP = "flashnext.ple.lookup"
+PLE_PREFLIGHT = "flashnext.ple.preflight"
+PLE_PROFILE = "flashnext.ple.profile"
+PLE_PROFILE_SUMMARY = "flashnext.ple.profile_summary"
+PLE_QUANTIZE = "flashnext.ple.quantize"
+PLE_QUANTIZE_STATE = "flashnext.ple.quantize_state"
+PLE_WARM = "flashnext.ple.warm"
+VALIDATE_AB = "flashnext.validate.ab"
+VALIDATE_COMPARE = "flashnext.validate.compare"
+VALIDATE_REPORT = "flashnext.validate.report"
+#: Every kind above; a kind outside this set was retyped somewhere (tests/test_records.py).
+KINDS = frozenset(
+    v for k, v in dict(globals()).items() if k.isupper() and str(v).startswith("flashnext.")
+)
+
 ENVELOPE_KEYS = ("schema_version", "kind", "environment")
 REDACTED = "<redacted>"
 #: Flag and environment-variable names whose values are secrets.
@@ -147,7 +176,7 @@ def make_record(
     Raises:
         RecordError: ``kind`` is not ``flashnext.<area>...`` or the payload uses an envelope key.
     """
-    if not re.fullmatch(r"flashnext(\.[a-z0-9_]+)+", kind):
+    if not re.fullmatch(r"flashnext(\.[a-z0-9_]+){2,}", kind):
         raise RecordError(f"record kind {kind!r} is not of the form flashnext.<area>.<what>")
     body = to_jsonable(payload)
     if not isinstance(body, dict):

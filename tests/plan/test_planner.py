@@ -117,7 +117,7 @@ def test_does_not_fit_gives_ordered_options(capsys: pytest.CaptureFixture[str]) 
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 3
-    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.plan")
+    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.plan.memory")
     assert not rec["fits"]
     changes = [o["change"] for o in rec["suggestions"]]
     assert changes[0].startswith("--max-model-len ")
@@ -149,7 +149,7 @@ def test_explain_with_model_replans(tmp_path: Path, capsys: pytest.CaptureFixtur
             "--gpu-memory-utilization", "0.948", "--num-speculative-tokens", "1",
             "--mamba-ssm-cache-dtype", "float32", "--json"]  # fmt: skip
     main(argv)
-    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.explain")
+    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.plan.explain")
     (plan,) = rec["plans"]
     assert plan["kv"]["available_bytes"] == pytest.approx(6.79 * GIB, abs=1)
     assert plan["kv"]["max_model_len"] == 245760

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, out_console
+from flashnext.records import DEPLOY_CHECK
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -72,7 +73,7 @@ def check(
     checks = run_checks(ctx)
     failed = blocking_failures(checks)
     if as_json:
-        record = make_record("flashnext.deploy.check", as_payload(ctx, checks))
+        record = make_record(DEPLOY_CHECK, as_payload(ctx, checks))
         sys.stdout.write(dumps(record))
     else:
         _print_table(checks)

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, human_bytes, out_console
+from flashnext.records import CHECKPOINT_PLAN
 
 
 @click.command("plan")
@@ -47,7 +48,7 @@ def plan(
             "hf_download": command,
             "notes": result.notes,
         }
-        sys.stdout.write(dumps(make_record("flashnext.checkpoint.plan", payload)))
+        sys.stdout.write(dumps(make_record(CHECKPOINT_PLAN, payload)))
     else:
         for f in result.files:
             size = "not on disk" if f.size is None else human_bytes(f.size)

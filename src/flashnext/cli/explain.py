@@ -47,7 +47,7 @@ def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
             "failures": sum(e.failure for e in events),
             "plans": [{"line": e.line, **p.to_dict()} for e, p in plans],
         }
-        click.echo(records.dumps(records.make_record("flashnext.explain", payload)), nl=False)
+        click.echo(records.dumps(records.make_record(records.PLAN_EXPLAIN, payload)), nl=False)
         return
     click.echo(events_text(events))
     for e, p in plans:

@@ -168,7 +168,9 @@ def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> Non
         )
     result = plan_with_options(model, req, notes)
     if as_json:
-        click.echo(records.dumps(records.make_record("flashnext.plan", result.to_dict())), nl=False)
+        click.echo(
+            records.dumps(records.make_record(records.PLAN_MEMORY, result.to_dict())), nl=False
+        )
     else:
         click.echo(plan_text(result))
     sys.exit(0 if result.fits else 3)

@@ -47,6 +47,14 @@ from flashnext.ple.profile import (
 from flashnext.ple.quantize import quantize_table
 from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import PLETable, Warming, open_table
+from flashnext.records import (
+    PLE_INFO,
+    PLE_LOOKUP,
+    PLE_PREFLIGHT,
+    PLE_PROFILE_SUMMARY,
+    PLE_QUANTIZE,
+    PLE_WARM,
+)
 
 
 @contextlib.contextmanager
@@ -84,7 +92,7 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     problems = found.problems
     resident_bytes, memory = found.resident_bytes, found.memory
     if as_json:
-        print_record("flashnext.ple.info", record)
+        print_record(PLE_INFO, record)
     else:
         table = Table(show_header=False, box=None)
         for key in (
@@ -208,7 +216,7 @@ def quantize(
         )
     summary = result.summary(source, dst)
     if as_json:
-        print_record("flashnext.ple.quantize", summary)
+        print_record(PLE_QUANTIZE, summary)
         return
     _show_quantize_summary(summary)
 
@@ -280,7 +288,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
         raise SidecarError(f"--ids: {exc}") from None
     if as_json:
         print_record(
-            "flashnext.ple.lookup",
+            PLE_LOOKUP,
             {
                 "format": table.format,
                 "ids": row_ids.tolist(),
@@ -349,7 +357,7 @@ def warm(directory: Path, as_json: bool) -> None:
         "cached_after_bytes": after,
     }
     if as_json:
-        print_record("flashnext.ple.warm", record)
+        print_record(PLE_WARM, record)
         return
     say(
         f"warmed {directory}: read {human_bytes(warming.bytes_read)} in {seconds:.1f} s "
@@ -417,7 +425,7 @@ def preflight(
     )
     if as_json:
         extra = {"format": sidecar.format, "hot_rows": hot, "hot_rows_profile": profile_path}
-        print_record("flashnext.ple.preflight", {**verdict.to_dict(), **extra})
+        print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra})
     else:
         _show_preflight(verdict, hot)
     if not verdict.ok:
@@ -518,7 +526,7 @@ def profile(
     target = write_profile(out or sidecar_dir / PROFILE_NAME, found)
     summary = _profile_summary(found, target, sidecar.num_rows)
     if as_json:
-        print_record("flashnext.ple.profile_summary", summary)
+        print_record(PLE_PROFILE_SUMMARY, summary)
         return
     _show_profile(summary)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, out_console
+from flashnext.records import DEPLOY_RECORD, DEPLOY_RECORD_DIFF
 
 
 @click.group("record")
@@ -65,7 +66,7 @@ def _load(path: Path) -> dict:
         raise click.BadParameter(f"{path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
         raise click.BadParameter(f"{path}: not JSON ({exc})") from None
-    return check_record(data, kind="flashnext.deploy.record", source=str(path))
+    return check_record(data, kind=DEPLOY_RECORD, source=str(path))
 
 
 @record.command("diff")
@@ -88,7 +89,7 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
     if as_json:
         payload = {"a": str(a), "b": str(b), "changes": changes, "variables_changed": n,
                    "warning": warning}  # fmt: skip
-        sys.stdout.write(dumps(make_record("flashnext.deploy.record_diff", payload)))
+        sys.stdout.write(dumps(make_record(DEPLOY_RECORD_DIFF, payload)))
     else:
         for group in GROUPS:
             rows = [c for c in changes if c.group == group]

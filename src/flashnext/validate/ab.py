@@ -34,12 +34,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flashnext.records import VALIDATE_AB
 from flashnext.validate import ab_metrics as M
 from flashnext.validate.ab_prompts import Prompt, fill_repeats
 from flashnext.validate.ab_server import RequestFailed, Side
 from flashnext.validate.client import Client
 
-KIND = "flashnext.validate.ab"
+KIND = VALIDATE_AB
 SCHEMA_VERSION = 1
 #: Room left for the chat template's own tokens when filling long prompts.
 _TEMPLATE_SLACK = 16

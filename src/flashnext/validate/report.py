@@ -42,6 +42,8 @@ from flashnext.atomic import atomic_write
 from flashnext.errors import ValidationError
 from flashnext.records import (
     REDACTED,
+    VALIDATE_COMPARE,
+    VALIDATE_REPORT,
     RecordError,
     check_record,
     dumps,
@@ -52,9 +54,9 @@ from flashnext.records import (
 )
 from flashnext.validate.stages.result import ValidationResult
 
-REPORT_KIND = "flashnext.validate.report"
+REPORT_KIND = VALIDATE_REPORT
 SCHEMA_VERSION = 2
-COMPARE_KIND = "flashnext.validate.compare"
+COMPARE_KIND = VALIDATE_COMPARE
 REPORT_FILES = ("report.json", "report.md", "report.png")
 
 
