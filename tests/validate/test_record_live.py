@@ -63,7 +63,7 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     first.wait_healthy()
     second.wait_healthy()
     out_a = tmp_path / "a.json"
-    run = _cli("record", "capture", "--url", first.url, "--out", str(out_a),
+    run = _cli("record", "capture", "--url", first.url, "--output", str(out_a),
                env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
     assert run.returncode == 0, run.stderr
     outputs = [run.stdout, run.stderr]

@@ -18,6 +18,7 @@ from flashnext.cli._common import (
     cell,
     human_bytes,
     note,
+    old_spelling,
     out_console,
     print_record,
     progress,
@@ -481,8 +482,10 @@ def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
     default=None,
     help="PLE layer ordinal to hash for [default: the sidecar's geometry's].",
 )
+@old_spelling("--out", "--output", "out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
-    "--out",
+    "--output",
+    "out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help=f"Profile file [default: SIDECAR_DIR/{PROFILE_NAME}].",

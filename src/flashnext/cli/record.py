@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, out_console
+from flashnext.cli._common import err_console, old_spelling, out_console
 from flashnext.records import DEPLOY_RECORD, DEPLOY_RECORD_DIFF
 
 
@@ -29,7 +29,13 @@ def record() -> None:
     help="Server log with the plugin's lines (default: a local process's stdout/stderr files).",
 )
 @click.option("--api-key", envvar="FLASHNEXT_API_KEY", help="Bearer key (or FLASHNEXT_API_KEY).")
-@click.option("--out", type=click.Path(path_type=Path), help="Write the record here (else stdout).")
+@old_spelling("--out", "--output", "out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--output",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the record to this file (else stdout).",
+)
 def capture(
     url: str, container: str | None, pid: int | None, model_dir: Path | None, log: Path | None,
     api_key: str | None, out: Path | None,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from flashnext.cli._common import OutputDir, err_console, out_console, show
+from flashnext.cli._common import OutputDir, err_console, old_spelling, out_console, show
 from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
@@ -57,7 +57,10 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     help="Server root, e.g. http://127.0.0.1:8000 (an OpenAI route such as /v1 or "
     "/v1/chat/completions is dropped).",
 )
-@click.option("--model", default=None, help="Served model name (default: the first served).")
+@old_spelling("--model", "--served-model", "model")
+@click.option(
+    "--served-model", "model", default=None, help="Served model name (default: the first served)."
+)
 @click.option(
     "--api-key",
     default=None,
