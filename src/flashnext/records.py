@@ -223,3 +223,59 @@ def check_record(
             "written by another flashnext version"
         )
     return data
+
+
+#: The type(s) a field of :func:`check_fields`'s spec must have.
+Types = type | tuple[type, ...]
+_ABSENT = object()
+
+
+def check_fields(
+    data: Mapping[str, Any], spec: Mapping[str, Types], source: str = "record"
+) -> None:
+    """Check a parsed record's payload against ``spec`` before any reader trusts it.
+
+    ``spec`` maps a field path to the type(s) its value must have. ``a.b`` is field ``b`` of
+    mapping ``a``; ``a[]`` is every item of list ``a``; ``a{}`` every value of mapping ``a``.
+    An absent field counts as None, so ``type(None)`` among the types makes it optional. List
+    parents before their children: a path below an absent, None or mistyped parent is skipped
+    (the parent's own entry reports it). ``bool`` is not an ``int`` here, nor an int a float.
+
+    Raises:
+        RecordError: ``source: field a.b[2]: expected str, found int 7`` for the first mismatch.
+    """
+    for path, types in spec.items():
+        wanted = types if isinstance(types, tuple) else (types,)
+        for where, value in _field_values(data, path):
+            found = None if value is _ABSENT else value
+            if not _is_a(found, wanted):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in wanted)
+                what = "nothing" if value is _ABSENT else f"{type(found).__name__} {found!r:.40}"
+                raise RecordError(f"{source}: field {where}: expected {names}, found {what}")
+
+
+def _is_a(value: Any, wanted: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in wanted
+    return isinstance(value, wanted)
+
+
+def _field_values(data: Mapping[str, Any], path: str) -> list[tuple[str, Any]]:
+    """(printable path, value) for every field ``path`` names in ``data`` (see check_fields)."""
+    found: list[tuple[str, Any]] = [("", data)]
+    for step in path.split("."):
+        name, each = (step[:-2], step[-2:]) if step.endswith(("[]", "{}")) else (step, "")
+        nxt: list[tuple[str, Any]] = []
+        for where, parent in found:
+            if not isinstance(parent, Mapping):
+                continue  # absent, None or mistyped: reported by the parent's own entry
+            here = f"{where}.{name}" if where else name
+            child = parent.get(name, _ABSENT)
+            if each == "[]" and isinstance(child, list):
+                nxt += [(f"{here}[{i}]", v) for i, v in enumerate(child)]
+            elif each == "{}" and isinstance(child, Mapping):
+                nxt += [(f"{here}.{k}", v) for k, v in child.items()]
+            elif not each:
+                nxt.append((here, child))
+        found = nxt
+    return found

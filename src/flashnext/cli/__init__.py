@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     """
     args = sys.argv[1:] if argv is None else list(argv)
     if not wants_json(args):
-        sys.exit(_run(args))
+        _exit(_run(args))
+        return
     watch = _Watch(sys.stdout, sys.stderr)
     sys.stdout, sys.stderr = watch.stdout, watch.stderr
     try:
@@ -93,7 +94,13 @@ def main(argv: list[str] | None = None) -> None:
         payload = {"error": error, "exit_code": code, "command": _command_path(args)}
         sys.stdout.write(dumps(make_record(CLI_ERROR, payload)))
         sys.stdout.flush()
-    sys.exit(code)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    # Success returns, so that a caller of main() in-process goes on (tests, scripts).
+    if code != 0:
+        sys.exit(code)
 
 
 def wants_json(args: list[str]) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, old_spelling, out_console
-from flashnext.records import DEPLOY_RECORD, DEPLOY_RECORD_DIFF
+from flashnext.records import DEPLOY_RECORD_DIFF
 
 
 @click.group("record")
@@ -64,7 +64,7 @@ def capture(
 
 
 def _load(path: Path) -> dict:
-    from flashnext.records import check_record
+    from flashnext.deploy.record_diff import check_deployment_record
 
     try:
         data = json.loads(path.read_text())
@@ -72,7 +72,7 @@ def _load(path: Path) -> dict:
         raise click.BadParameter(f"{path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
         raise click.BadParameter(f"{path}: not JSON ({exc})") from None
-    return check_record(data, kind=DEPLOY_RECORD, source=str(path))
+    return check_deployment_record(data, source=str(path))
 
 
 @record.command("diff")

@@ -45,6 +45,7 @@ from flashnext.records import (
     VALIDATE_COMPARE,
     VALIDATE_REPORT,
     RecordError,
+    check_fields,
     check_record,
     dumps,
     make_record,
@@ -354,7 +355,7 @@ def load_report(path: Path) -> dict[str, Any]:
             raise ValidationError(
                 f"{path}: not a flashnext validate report (no {', '.join(missing)})"
             )
-        return _from_v1(data)
+        return _checked_fields(_from_v1(data), path)
     try:
         check_record(data, kind=REPORT_KIND, source=str(path))
     except RecordError as exc:
@@ -362,7 +363,36 @@ def load_report(path: Path) -> dict[str, Any]:
     missing = [k for k in ("server", "stages", "target", "passed", "probes") if k not in data]
     if missing:
         raise ValidationError(f"{path}: not a flashnext validate report (no {', '.join(missing)})")
-    return data
+    return _checked_fields(data, path)
+
+
+_OPT = type(None)
+#: The fields :func:`compare` reads, and their types (checked when a report is read).
+REPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "environment": dict,
+    "environment.created": (str, _OPT),
+    "target": dict,
+    "target.url": str,
+    "passed": bool,
+    "interrupted": (dict, _OPT),
+    "interrupted.signal": (str, int, _OPT),
+    "server": dict,
+    "server.gpu": (dict, _OPT),
+    "server.cache_config_info": (dict, _OPT),
+    "stages": list,
+    "stages[]": dict,
+    "stages[].name": str,
+    "stages[].status": str,
+    "stages[].key": (dict, _OPT),
+}
+
+
+def _checked_fields(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    try:
+        check_fields(report, REPORT_FIELDS, str(path))
+    except RecordError as exc:
+        raise ValidationError(str(exc)) from None
+    return report
 
 
 def _server_changes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
