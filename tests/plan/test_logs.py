@@ -115,7 +115,7 @@ def test_explain_reads_stdin(monkeypatch, capsys) -> None:
 
     from flashnext.cli import main
 
-    monkeypatch.setattr("sys.stdin", io.StringIO(MAMBA_ERROR + "\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((MAMBA_ERROR + "\n").encode())))
     main(["explain", "-"])
     out = capsys.readouterr().out
     assert "mamba_blocks_error" in out and "--max-num-seqs 598" in out

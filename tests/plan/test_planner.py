@@ -19,6 +19,7 @@ import pytest
 from flashnext import records
 from flashnext.cli import main
 from flashnext.plan import vllm_kv
+from flashnext.plan.model import PlanError
 from flashnext.plan.planner import ModelInput, PlanRequest, make_plan
 from flashnext.plan.sizes import parse_size
 
@@ -168,7 +169,10 @@ def test_parse_size_units() -> None:
     assert parse_size("96GiB") == 96 * GIB
     assert parse_size("64GB") == 64 * 10**9
     assert parse_size("1.5 GiB") == int(1.5 * GIB)
-    assert parse_size("4096") == 4096
+    assert parse_size("4096B") == 4096
+    for bare in ("96", "4096", " 8 "):  # GiB? GB? bytes? a bare number plans nonsense
+        with pytest.raises(PlanError, match="a number without a unit; write"):
+            parse_size(bare, "--gpu-memory")
 
 
 def test_binary_search_matches_a_linear_scan(rng: np.random.Generator) -> None:

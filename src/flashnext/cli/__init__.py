@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout = watch.stdout.inner
         if sys.stderr is watch.stderr:
             sys.stderr = watch.stderr.inner
-    if code != 0 and not watch.stdout.written:
+    if code not in (0, None) and not watch.stdout.written:
         error = watch.stderr.last_error or ("interrupted" if code == 130 else f"exit status {code}")
         payload = {"error": error, "exit_code": code, "command": _command_path(args)}
         sys.stdout.write(dumps(make_record(CLI_ERROR, payload)))
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     _exit(code)
 
 
-def _exit(code: int) -> None:
-    # Success returns, so that a caller of main() in-process goes on (tests, scripts).
-    if code != 0:
+def _exit(code: int | None) -> None:
+    # A command that returned normally returns; one that exited (even with 0) exits.
+    if code is not None:
         sys.exit(code)
 
 
@@ -123,8 +123,9 @@ def _command_path(args: list[str]) -> str:
     return " ".join(path)
 
 
-def _run(args: list[str]) -> int:
-    """Run the command; the exit status, after printing the one ``error:`` line of a failure."""
+def _run(args: list[str]) -> int | None:
+    """Run the command; the exit status, after printing the one ``error:`` line of a failure
+    (None: the command returned without choosing one)."""
     try:
         rv = cli.main(args=args, prog_name="flashnext", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
@@ -151,7 +152,7 @@ def _run(args: list[str]) -> int:
     except (click.exceptions.Exit, SystemExit) as exc:
         code = exc.exit_code if isinstance(exc, click.exceptions.Exit) else exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
-    return rv if isinstance(rv, int) else 0
+    return rv if isinstance(rv, int) else None
 
 
 class _Stream:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from flashnext.errors import SidecarError
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
 from flashnext.ple.preflight import (
+    COMMAND_LINE,
     GIB,
     Preflight,
     host_memory,
@@ -246,14 +248,17 @@ def _show_quantize_summary(summary: dict) -> None:
 
 
 def _parse_ids(text: str) -> np.ndarray:
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        values = []
-    if not values:
+    items = [v.strip() for v in text.split(",")]
+    # An empty item ("1,,2", "1,") is a typo, not a row to drop silently.
+    bad = next((i for i, v in enumerate(items) if not re.fullmatch(r"[+-]?\d+", v)), None)
+    if bad is not None:
+        what = "an empty item" if not items[bad] else repr(items[bad])
         raise click.BadParameter(
-            f"expected integers separated by commas, found {text!r}", param_hint="--ids"
+            f"expected integers separated by commas, found {what} at position {bad + 1} of "
+            f"{text!r}",
+            param_hint="--ids",
         )
+    values = [int(v) for v in items]
     wide = [v for v in values if not -1 <= v <= np.iinfo(np.int64).max]
     if wide:
         raise click.BadParameter(
@@ -422,7 +427,8 @@ def preflight(
         residency,  # type: ignore[arg-type]
         f"{directory} ({sidecar.format})",
         hot_bytes=hot * per_row,
-        memory=host_memory(host_root),
+        memory=host_memory(host_root, COMMAND_LINE),
+        fixes=COMMAND_LINE,
     )
     if as_json:
         extra = {"format": sidecar.format, "hot_rows": hot, "hot_rows_profile": profile_path}
