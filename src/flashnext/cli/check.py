@@ -68,7 +68,7 @@ def check(
         if not eq or not name:
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
         env[name] = value
-    args = parse_serve_args(serve_args, env)
+    args = parse_serve_args(serve_args, env, strict=True)
     ctx = load_context(model_dir, args, parse_gpu(gpu), host_memory, vllm_version)
     checks = run_checks(ctx)
     failed = blocking_failures(checks)

@@ -29,6 +29,13 @@ HUMAN_READABLE = {
     "--max-num-batched-tokens", "--max-num-scheduled-tokens", "--kv-cache-memory-bytes",
     "--safetensors-prefetch-block-size", "--max-num-queued-tokens", "--max-model-len",
 }  # fmt: skip
+#: vLLM 0.32's own lower bounds (pydantic ``Field(ge=...)`` in vllm/config/) for the integer
+#: flags a check may read; ``--kv-cache-memory-bytes`` has none there.
+MINIMUM = {
+    "--max-num-seqs": 1, "--max-num-batched-tokens": 1, "--tensor-parallel-size": 1,
+    "--pipeline-parallel-size": 1, "--data-parallel-size": 1, "--block-size": 1,
+    "--kv-cache-memory-bytes": 0,
+}  # fmt: skip
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -145,11 +152,17 @@ def vllm_int(flag: str, value: str) -> int:
         raise ServeArgsError(f"{flag} {value!r}: expected an integer{suffix}") from None
 
 
-def parse_serve_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServeArgs:
+def parse_serve_args(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, strict: bool = False
+) -> ServeArgs:
     """Read ``vllm serve`` arguments (with or without the leading ``vllm serve MODEL``).
 
+    ``strict``: also refuse, before any check runs, an integer flag vLLM would refuse
+    (:data:`MINIMUM`, ``--max-model-len``); a recorded launch is read without it.
+
     Raises:
-        ServeArgsError: a flag that needs a value is last on the line.
+        ServeArgsError: a flag that needs a value is last on the line; with ``strict``, a value
+            vLLM refuses.
     """
     args = list(argv)
     if args[:2] == ["vllm", "serve"]:
@@ -176,4 +189,9 @@ def parse_serve_args(argv: Sequence[str], env: Mapping[str, str] | None = None) 
             flags[name] = args[i + 1]
             i += 1
         i += 1
-    return ServeArgs(tuple(argv), flags, dict(env or {}))
+    args = ServeArgs(tuple(argv), flags, dict(env or {}))
+    if strict:
+        for flag, minimum in MINIMUM.items():
+            args.int_flag(flag, minimum)
+        _ = args.max_model_len
+    return args
