@@ -189,9 +189,9 @@ def parse_serve_args(
             flags[name] = args[i + 1]
             i += 1
         i += 1
-    args = ServeArgs(tuple(argv), flags, dict(env or {}))
+    parsed = ServeArgs(tuple(argv), flags, dict(env or {}))
     if strict:
         for flag, minimum in MINIMUM.items():
-            args.int_flag(flag, minimum)
-        _ = args.max_model_len
-    return args
+            parsed.int_flag(flag, minimum)
+        _ = parsed.max_model_len
+    return parsed
