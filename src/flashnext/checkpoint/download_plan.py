@@ -224,7 +224,8 @@ def check_sidecar(
             )
     except FlashnextError as exc:
         return cover(model.num_rows, False, str(exc))
-    what = "geometry" if geometry_check is not None and sidecar.geometry is not None else "rows"
+    whole = geometry_check is not None and sidecar.geometry is not None
+    what = "geometry" if whole else "row count (its META.json records no geometry)"
     return cover(model.num_rows, True, f"{sidecar.path}: {sidecar.format}, {sidecar.num_rows} "
                  f"rows; its {what} matches config.json ({layer}); replaces that layer's "
                  "table")  # fmt: skip
