@@ -13,7 +13,8 @@ import pytest
 
 from flashnext.deploy.record import HEAD_BYTES, TAIL_BYTES, read_bounded
 
-from ..cli_inputs import closed_port, run_in_process
+from .inputs import closed_port
+from .runner import run_in_process
 from .servers import openai_server
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from flashnext.records import DEPLOY_RECORD, dumps, make_record
 
-from ..cli_inputs import closed_port, run_in_process
+from .inputs import closed_port
+from .runner import run_in_process
 from .servers import openai_server
 
 KEY = "sk-capture-test-4711"

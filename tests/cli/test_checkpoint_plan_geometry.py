@@ -13,7 +13,7 @@ from flashnext.ple.sidecar import write_sidecar
 
 from ..checkpoint.builder import build_checkpoint
 from ..checkpoint.test_download_plan import split_ple_into_own_file
-from ..cli_inputs import run_in_process
+from .runner import run_in_process
 
 
 @pytest.fixture(scope="module")

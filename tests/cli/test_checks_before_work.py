@@ -10,7 +10,8 @@ import pytest
 
 from flashnext.ple.sidecar import write_sidecar
 
-from ..cli_inputs import closed_port, run_in_process
+from .inputs import closed_port
+from .runner import run_in_process
 
 
 @pytest.fixture(scope="module")

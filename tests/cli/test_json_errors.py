@@ -20,7 +20,8 @@ import pytest
 
 from flashnext.records import CLI_ERROR, check_record
 
-from ..cli_inputs import closed_port, has_option, leaf_commands, run_in_process
+from .inputs import closed_port, has_option, leaf_commands
+from .runner import run_in_process
 
 
 def _url() -> str:

@@ -8,7 +8,8 @@ import json
 import click
 import pytest
 
-from ..cli_inputs import build_profile_inputs, closed_port, leaf_commands, run_in_process
+from .inputs import build_profile_inputs, closed_port, leaf_commands
+from .runner import run_in_process
 
 
 def _options(flag: str) -> list[tuple[str, click.Option]]:

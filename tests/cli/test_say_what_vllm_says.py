@@ -13,7 +13,8 @@ import shutil
 
 import pytest
 
-from ..cli_inputs import PLAN_FIXTURES, run_in_process
+from .inputs import PLAN_FIXTURES
+from .runner import run_in_process
 
 QWEN4 = PLAN_FIXTURES / "qwen4exp-published.config.json"
 TINY_LOG = PLAN_FIXTURES / "vllm-cpu-tiny-qwen2-kv-capacity-error.log"

@@ -11,7 +11,7 @@ import pytest
 
 from flashnext.records import DEPLOY_RECORD, dumps, make_record
 
-from ..cli_inputs import run_in_process
+from .runner import run_in_process
 
 LAUNCH = {"source": "container", "cwd": "/srv", "env": {"VLLM_X": "1"},
           "argv": ["vllm", "serve", "/m", "--port", "8000"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from ..cli_inputs import run_in_process
+from .runner import run_in_process
 from .servers import openai_server
 
 KEY = "sk-url-credentials-1234"

@@ -15,12 +15,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from flashnext.errors import CheckpointError, FlashnextError, SidecarError
-
-if TYPE_CHECKING:  # the ple package loads numba: only when a sidecar is checked
-    from flashnext.ple.geometry import PLEGeometry
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Tensors of a PLE table (any layout) and its geometry buffers: a sidecar replaces them all.
@@ -157,30 +154,6 @@ class SidecarCover:
 GeometryCheck = Callable[[Any, str, int, int, Any], None]
 
 
-def check_geometry_fields(
-    sidecar: Any, prefix: str, num_rows: int, width: int, model: PLEGeometry | None
-) -> None:
-    """The fields the serving plugin compares (``check_geometry``: shape, head count, sizes,
-    offsets, multipliers), for where the plugin's module cannot be imported (no torch).
-
-    Raises:
-        SidecarError: naming the field, the sidecar's value and the model's.
-    """
-    if (sidecar.num_rows, sidecar.width) != (num_rows, width):
-        raise SidecarError(
-            f"sidecar {sidecar.path} holds {sidecar.num_rows} rows x {sidecar.width}, but the "
-            f"model's {prefix} is {num_rows} rows x {width}: not this checkpoint's table"
-        )
-    ours = sidecar.geometry
-    for name in ("num_heads", "width", "num_rows", "sizes", "offsets", "multipliers"):
-        if model is not None and ours is not None and getattr(ours, name) != getattr(model, name):
-            raise SidecarError(
-                f"sidecar {sidecar.path} was made for another PLE geometry than {prefix}: "
-                f"{name} is {getattr(ours, name)} in its META.json, {getattr(model, name)} "
-                "from config.json"
-            )
-
-
 def check_sidecar(
     plan: DownloadPlan,
     sidecar_dir: str | os.PathLike[str],
@@ -188,8 +161,8 @@ def check_sidecar(
 ) -> SidecarCover:
     """Does ``sidecar_dir`` fit the checkpoint's PLE table (geometry from config.json)?
 
-    ``geometry_check`` is the serving plugin's check (passed in: the plugin sits above this
-    module); it compares the whole geometry (rows, width, head sizes, offsets, multipliers)
+    ``geometry_check`` is the serving policy's check (``flashnext.kernels.serving``, passed in:
+    kernels sit above this module); it compares the whole geometry (rows, width, head sizes, offsets, multipliers)
     of the layer the sidecar's META.json names. Without it, only the row count is compared.
 
     Raises:

@@ -6,13 +6,10 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import cast
 
 import click
 
-from flashnext.checkpoint.download_plan import GeometryCheck, check_geometry_fields
 from flashnext.cli._common import err_console, human_bytes, out_console
-from flashnext.errors import MissingExtraError
 from flashnext.records import CHECKPOINT_PLAN
 
 
@@ -35,11 +32,13 @@ def plan(
     """List a checkpoint's files from model.safetensors.index.json (no hub access) and print
     the `hf download` command that skips files holding only PLE table tensors."""
     from flashnext.checkpoint.download_plan import check_sidecar, plan_download
+
+    # The plugin's own check (vLLM-free), so that "ok" here means the plugin will serve it.
+    from flashnext.kernels.serving import check_geometry
     from flashnext.records import dumps, make_record
 
     result = plan_download(index_or_dir, repo_id)
-    check = _plugin_geometry_check()
-    covers = [check_sidecar(result, s, check) for s in sidecars]
+    covers = [check_sidecar(result, s, check_geometry) for s in sidecars]
     command = result.hf_download_command(local_dir)
     if as_json:
         payload = {
@@ -69,20 +68,3 @@ def plan(
         out_console.print(shlex.join(command), markup=False, highlight=False)
     if any(not c.ok for c in covers):
         sys.exit(1)
-
-
-def _plugin_geometry_check() -> GeometryCheck:
-    """The plugin's own geometry check, so that "ok" here means the plugin will serve it.
-
-    It moves to the vLLM-free ``flashnext.kernels.serving`` (issue 21); until then it lives in
-    the plugin's module, which needs torch. Without either, the same comparison of the fields
-    the plugin compares. TODO(merge): keep only the kernels.serving import once it is on main.
-    """
-    try:
-        from flashnext.kernels.serving import check_geometry  # type: ignore[attr-defined]
-    except ImportError:
-        try:
-            from flashnext.integrations.vllm.sidecar_rows import check_geometry
-        except (ImportError, MissingExtraError):
-            return check_geometry_fields
-    return cast(GeometryCheck, check_geometry)
