@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +19,7 @@ import pytest
 from flashnext.records import CLI_ERROR, check_record
 
 from .inputs import closed_port, has_option, leaf_commands
-from .runner import run_in_process
+from .runner import popen, run_in_process
 
 
 def _url() -> str:
@@ -88,11 +86,7 @@ def test_interrupt_prints_a_record_and_exits_130(tmp_path):
     """A real SIGINT while `plan` waits to open its --model (a FIFO nobody writes)."""
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flashnext", "plan", "--model", str(fifo), "--gpu-memory", "8GiB",
-         "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = popen("plan", "--model", fifo, "--gpu-memory", "8GiB", "--json")
     wchan = Path(f"/proc/{proc.pid}/wchan")
     deadline = time.monotonic() + 120
     while wchan.read_text() != "wait_for_partner" and time.monotonic() < deadline:
