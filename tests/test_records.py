@@ -1,6 +1,7 @@
 """The record envelope: every machine-readable output has the same shape."""
 
 import json
+import re
 
 import pytest
 
@@ -12,6 +13,8 @@ from flashnext.records import (
     make_record,
     redact_argv,
 )
+
+KIND_PATTERN = r"flashnext\.[a-z0-9_]+\.[a-z0-9_]+"
 
 
 def test_record_has_envelope_and_payload():
@@ -46,3 +49,24 @@ def test_redact_argv_hides_secret_flags_env_and_url_credentials():
     assert out[3] == REDACTED and "--port" in out and "8000" in out
     counts = ["--max-tokens", "24", "--max-num-batched-tokens=8192", "--tokenizer", "t"]
     assert redact_argv(counts) == counts
+
+
+def test_record_kinds_are_defined_once():
+    """Every kind follows flashnext.<area>.<what> and no module outside records.py retypes one."""
+    import ast
+    from pathlib import Path
+
+    from flashnext import records
+
+    assert records.KINDS and all(re.fullmatch(KIND_PATTERN, k) for k in records.KINDS)
+    src = Path(records.__file__).parent
+    old = {"flashnext.demo", "flashnext.plan", "flashnext.explain"}
+    retyped = []
+    for path in sorted(src.rglob("*.py")):
+        if path == Path(records.__file__):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            value = getattr(node, "value", None) if isinstance(node, ast.Constant) else None
+            if isinstance(value, str) and (value in records.KINDS or value in old):
+                retyped.append(f"{path.relative_to(src)}:{node.lineno}: {value}")
+    assert not retyped, "import the kind from flashnext.records instead:\n" + "\n".join(retyped)

@@ -39,6 +39,35 @@ from typing import Any
 from flashnext import __version__
 from flashnext.errors import FlashnextError
 
+# Record kinds, ``flashnext.<area>.<what>``: defined here once and imported everywhere else, so
+# that a writer and its readers cannot drift apart by a retyped string.
+CHECKPOINT_OVERRIDE = "flashnext.checkpoint.override"
+CHECKPOINT_PLAN = "flashnext.checkpoint.plan"
+CHECKPOINT_PLE = "flashnext.checkpoint.ple"
+CHECKPOINT_VERIFY = "flashnext.checkpoint.verify"
+CLI_ERROR = "flashnext.cli.error"
+DEMO_RUN = "flashnext.demo.run"
+DEPLOY_CHECK = "flashnext.deploy.check"
+DEPLOY_RECORD = "flashnext.deploy.record"
+DEPLOY_RECORD_DIFF = "flashnext.deploy.record_diff"
+PLAN_EXPLAIN = "flashnext.plan.explain"
+PLAN_MEMORY = "flashnext.plan.memory"
+PLE_INFO = "flashnext.ple.info"
+PLE_LOOKUP = "flashnext.ple.lookup"
+PLE_PREFLIGHT = "flashnext.ple.preflight"
+PLE_PROFILE = "flashnext.ple.profile"
+PLE_PROFILE_SUMMARY = "flashnext.ple.profile_summary"
+PLE_QUANTIZE = "flashnext.ple.quantize"
+PLE_QUANTIZE_STATE = "flashnext.ple.quantize_state"
+PLE_WARM = "flashnext.ple.warm"
+VALIDATE_AB = "flashnext.validate.ab"
+VALIDATE_COMPARE = "flashnext.validate.compare"
+VALIDATE_REPORT = "flashnext.validate.report"
+#: Every kind above; a kind outside this set was retyped somewhere (tests/test_records.py).
+KINDS = frozenset(
+    v for k, v in dict(globals()).items() if k.isupper() and str(v).startswith("flashnext.")
+)
+
 ENVELOPE_KEYS = ("schema_version", "kind", "environment")
 REDACTED = "<redacted>"
 #: Flag and environment-variable names whose values are secrets.
@@ -147,7 +176,7 @@ def make_record(
     Raises:
         RecordError: ``kind`` is not ``flashnext.<area>...`` or the payload uses an envelope key.
     """
-    if not re.fullmatch(r"flashnext(\.[a-z0-9_]+)+", kind):
+    if not re.fullmatch(r"flashnext(\.[a-z0-9_]+){2,}", kind):
         raise RecordError(f"record kind {kind!r} is not of the form flashnext.<area>.<what>")
     body = to_jsonable(payload)
     if not isinstance(body, dict):
@@ -194,3 +223,63 @@ def check_record(
             "written by another flashnext version"
         )
     return data
+
+
+#: The type(s) a field of :func:`check_fields`'s spec must have.
+Types = type | tuple[type, ...]
+_ABSENT = object()
+
+
+def check_fields(
+    data: Mapping[str, Any], spec: Mapping[str, Types], source: str = "record"
+) -> None:
+    """Check a parsed record's payload against ``spec`` before any reader trusts it.
+
+    ``spec`` maps a field path to the type(s) its value must have. ``a.b`` is field ``b`` of
+    mapping ``a``; ``a[]`` is every item of list ``a``; ``a{}`` every value of mapping ``a``.
+    An absent field counts as None, so ``type(None)`` among the types makes it optional. List
+    parents before their children: a path below an absent, None or mistyped parent is skipped
+    (the parent's own entry reports it). ``bool`` is not an ``int`` here, nor an int a float.
+
+    Raises:
+        RecordError: ``source: field a.b[2]: expected str, found int 7`` for the first mismatch.
+    """
+    for path, types in spec.items():
+        wanted = types if isinstance(types, tuple) else (types,)
+        for where, value in _field_values(data, path):
+            found = None if value is _ABSENT else value
+            if not _is_a(found, wanted):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in wanted)
+                what = (
+                    "nothing" if value is _ABSENT
+                    else "null" if found is None
+                    else f"{type(found).__name__} {found!r:.40}"
+                )  # fmt: skip
+                raise RecordError(f"{source}: field {where}: expected {names}, found {what}")
+
+
+def _is_a(value: Any, wanted: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in wanted
+    return isinstance(value, wanted)
+
+
+def _field_values(data: Mapping[str, Any], path: str) -> list[tuple[str, Any]]:
+    """(printable path, value) for every field ``path`` names in ``data`` (see check_fields)."""
+    found: list[tuple[str, Any]] = [("", data)]
+    for step in path.split("."):
+        name, each = (step[:-2], step[-2:]) if step.endswith(("[]", "{}")) else (step, "")
+        nxt: list[tuple[str, Any]] = []
+        for where, parent in found:
+            if not isinstance(parent, Mapping):
+                continue  # absent, None or mistyped: reported by the parent's own entry
+            here = f"{where}.{name}" if where else name
+            child = parent.get(name, _ABSENT)
+            if each == "[]" and isinstance(child, list):
+                nxt += [(f"{here}[{i}]", v) for i, v in enumerate(child)]
+            elif each == "{}" and isinstance(child, Mapping):
+                nxt += [(f"{here}.{k}", v) for k, v in child.items()]
+            elif not each:
+                nxt.append((here, child))
+        found = nxt
+    return found

@@ -67,7 +67,7 @@ BAD_INPUTS: dict[str, dict[str, Args | str]] = {
         "missing": lambda i: [i.fresh("nothing")],
         "wrong-kind": lambda i: [i.a_file],
         "unreadable": lambda i: [_unreadable_config(i)],
-        "out-of-range": lambda i: [i.checkpoint, "--workers", "0"],
+        "out-of-range": lambda i: [i.checkpoint, "--threads", "0"],
     },
     "checkpoint ple": {
         "missing": lambda i: [i.fresh("nothing")],

@@ -97,7 +97,7 @@ def test_help_lists_commands():
 def test_demo_runs_and_measures(demo_run):
     out_dir, stdout = demo_run
     result = json.loads(stdout)
-    assert result["kind"] == "flashnext.demo"
+    assert result["kind"] == "flashnext.demo.run"
     formats = [r["format"] for r in result["rows"]]
     assert formats == ["bf16", "fp8", "int4", "nvfp4"]
     rmse = {r["format"]: r["rel_rmse"] for r in result["rows"]}

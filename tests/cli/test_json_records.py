@@ -42,7 +42,7 @@ JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {
     "ple preflight": lambda i: [i.sidecar, "--residency", "resident"],
     "ple profile": lambda i: [
         *(profile_inputs(i).sidecar, "--text", profile_inputs(i).text),
-        *("--tokenizer", profile_inputs(i).tokenizer, "--out", i.fresh("hot") / "p.safetensors"),
+        *("--tokenizer", profile_inputs(i).tokenizer, "--output", i.fresh("hot") / "p.safetensors"),
     ],
     "ple warm": lambda i: [i.sidecar],
     "ple slice": lambda i: [i.sidecar, i.fresh("slice"), "--tp", "2", "--ranks", "1"],

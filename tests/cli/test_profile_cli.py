@@ -59,7 +59,7 @@ def test_profile_matches_a_plain_python_hash(inputs, tmp_path, capsys):
         "--tokenizer",
         inputs.tokenizer,
     ]
-    code, stdout, err = run_in_process([*argv, "--out", out, "--json"], capsys)
+    code, stdout, err = run_in_process([*argv, "--output", out, "--json"], capsys)
     assert code == 0, err
     summary = json.loads(stdout)
     profile = load_profile(out)
@@ -101,7 +101,7 @@ def test_tokenizer_from_the_local_hub_cache_and_offline_failure(
     (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
     (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("abc123")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    base = ["ple", "profile", inputs.sidecar, "--text", inputs.text, "--out", tmp_path / "o"]
+    base = ["ple", "profile", inputs.sidecar, "--text", inputs.text, "--output", tmp_path / "o"]
     code, stdout, err = run_in_process([*base, "--tokenizer", "org/tiny", "--json"], capsys)
     assert code == 0, err
     assert json.loads(stdout)["tokenizer"] == {
@@ -118,7 +118,7 @@ def test_tokenizer_from_the_local_hub_cache_and_offline_failure(
 
 
 def test_default_demo_tokenizer_refuses_another_vocabulary(inputs, tmp_path, capsys):
-    argv = ["ple", "profile", inputs.sidecar, "--text", inputs.text, "--out", tmp_path / "o"]
+    argv = ["ple", "profile", inputs.sidecar, "--text", inputs.text, "--output", tmp_path / "o"]
     code, _, err = run_in_process(argv, capsys)
     assert code == 1 and "the demo tokenizer (vocab 8192, EOS 0) does not match" in err, err
 

@@ -115,7 +115,7 @@ def test_unrelated_text_gives_no_events() -> None:
 def test_explain_reads_stdin(monkeypatch, capsys) -> None:
     import io
 
-    monkeypatch.setattr("sys.stdin", io.StringIO(MAMBA_ERROR + "\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO((MAMBA_ERROR + "\n").encode())))
     code, out, err = run_in_process(["explain", "-"], capsys)
     assert code == 0, err
     assert "mamba_blocks_error" in out and "--max-num-seqs 598" in out

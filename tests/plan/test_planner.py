@@ -18,6 +18,7 @@ import pytest
 
 from flashnext import records
 from flashnext.plan import vllm_kv
+from flashnext.plan.model import PlanError
 from flashnext.plan.planner import ModelInput, PlanRequest, make_plan
 from flashnext.plan.sizes import parse_size
 
@@ -156,7 +157,7 @@ def test_does_not_fit_gives_ordered_options(capsys: pytest.CaptureFixture[str]) 
             "--num-speculative-tokens", "1", "--json"]  # fmt: skip
     code, out, _ = run_in_process(argv, capsys)
     assert code == 3
-    rec = records.check_record(json.loads(out), kind="flashnext.plan")
+    rec = records.check_record(json.loads(out), kind="flashnext.plan.memory")
     assert not rec["fits"]
     changes = [o["change"] for o in rec["suggestions"]]
     assert changes[0].startswith("--max-model-len ")
@@ -187,7 +188,7 @@ def test_explain_with_model_replans(tmp_path: Path, capsys: pytest.CaptureFixtur
             "--mamba-ssm-cache-dtype", "float32", "--json"]  # fmt: skip
     code, out, err = run_in_process(argv, capsys)
     assert code == 0, err
-    rec = records.check_record(json.loads(out), kind="flashnext.explain")
+    rec = records.check_record(json.loads(out), kind="flashnext.plan.explain")
     (plan,) = rec["plans"]
     assert plan["kv"]["available_bytes"] == pytest.approx(6.79 * GIB, abs=1)
     assert plan["kv"]["max_model_len"] == 245760
@@ -204,7 +205,10 @@ def test_parse_size_units() -> None:
     assert parse_size("96GiB") == 96 * GIB
     assert parse_size("64GB") == 64 * 10**9
     assert parse_size("1.5 GiB") == int(1.5 * GIB)
-    assert parse_size("4096") == 4096
+    assert parse_size("4096B") == 4096
+    for bare in ("96", "4096", " 8 "):  # GiB? GB? bytes? a bare number plans nonsense
+        with pytest.raises(PlanError, match="a number without a unit; write"):
+            parse_size(bare, "--gpu-memory")
 
 
 def test_binary_search_matches_a_linear_scan(rng: np.random.Generator) -> None:

@@ -58,7 +58,7 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     first.wait_healthy()
     second.wait_healthy()
     out_a = tmp_path / "a.json"
-    captured = run("record", "capture", "--url", first.url, "--out", out_a,
+    captured = run("record", "capture", "--url", first.url, "--output", out_a,
                    env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
     assert captured.returncode == 0, captured.stderr
     outputs = [captured.stdout, captured.stderr]

@@ -27,7 +27,7 @@ from typing import Any
 from flashnext.atomic import write_json
 from flashnext.errors import CheckpointError, GeometryError
 from flashnext.ple.geometry import PLEGeometry, ple_layer_ids
-from flashnext.records import make_record
+from flashnext.records import CHECKPOINT_OVERRIDE, make_record
 
 CONFIG_NAME = "config.json"
 OVERRIDES_KEY = "_flashnext_overrides"
@@ -163,7 +163,7 @@ def override_layer_types(
     return patched, changes
 
 
-OVERRIDE_KIND = "flashnext.checkpoint.override"
+OVERRIDE_KIND = CHECKPOINT_OVERRIDE
 OVERRIDE_SCHEMA = 1
 
 

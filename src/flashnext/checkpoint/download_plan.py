@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from flashnext.errors import CheckpointError
+from flashnext.errors import CheckpointError, FlashnextError, SidecarError
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Tensors of a PLE table (any layout) and its geometry buffers: a sidecar replaces them all.
@@ -148,8 +149,21 @@ class SidecarCover:
     message: str
 
 
-def check_sidecar(plan: DownloadPlan, sidecar_dir: str | os.PathLike[str]) -> SidecarCover:
-    """Does ``sidecar_dir`` fit the checkpoint's PLE table (rows from config.json)?
+#: The plugin's own check of a sidecar against a layer: (sidecar, layer name, rows, width,
+#: the model's geometry) -> None, raising a FlashnextError when the plugin would refuse it.
+GeometryCheck = Callable[[Any, str, int, int, Any], None]
+
+
+def check_sidecar(
+    plan: DownloadPlan,
+    sidecar_dir: str | os.PathLike[str],
+    geometry_check: GeometryCheck | None = None,
+) -> SidecarCover:
+    """Does ``sidecar_dir`` fit the checkpoint's PLE table (geometry from config.json)?
+
+    ``geometry_check`` is the serving policy's check (``flashnext.kernels.serving``, passed in:
+    kernels sit above this module); it compares the whole geometry (rows, width, head sizes, offsets, multipliers)
+    of the layer the sidecar's META.json names. Without it, only the row count is compared.
 
     Raises:
         SidecarError: ``sidecar_dir`` is not a readable sidecar (from :func:`open_sidecar`).
@@ -159,29 +173,32 @@ def check_sidecar(plan: DownloadPlan, sidecar_dir: str | os.PathLike[str]) -> Si
 
     sidecar = open_sidecar(sidecar_dir)
     config_path = plan.index.parent / "config.json"
-    expected = None
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-            expected = PLEGeometry.from_config(config, layer_ordinal=0).num_rows
-        except (OSError, ValueError) as exc:
-            return SidecarCover(
-                sidecar.path,
-                sidecar.format,
-                sidecar.num_rows,
-                None,
-                False,
-                f"{config_path}: cannot derive the table geometry ({exc})",
+
+    def cover(expected: int | None, ok: bool, message: str) -> SidecarCover:
+        return SidecarCover(sidecar.path, sidecar.format, sidecar.num_rows, expected, ok, message)
+
+    if not config_path.is_file():
+        return cover(None, True, f"{sidecar.path}: {sidecar.format}, {sidecar.num_rows} rows; "
+                     "no config.json beside the index to compare it with")  # fmt: skip
+    ordinal = sidecar.geometry.layer_ordinal if sidecar.geometry is not None else 0
+    try:
+        config = json.loads(config_path.read_text())
+        model = PLEGeometry.from_config(config, layer_ordinal=ordinal)
+    except (OSError, ValueError) as exc:
+        return cover(None, False, f"{config_path}: cannot derive the table geometry ({exc})")
+    layer = f"PLE layer ordinal {ordinal} of {config_path}"
+    try:
+        if geometry_check is not None:
+            geometry_check(sidecar, layer, model.num_rows, model.width, model)
+        elif model.num_rows != sidecar.num_rows:
+            raise SidecarError(
+                f"{sidecar.path}: {sidecar.num_rows} rows, but {config_path} describes "
+                f"{model.num_rows} rows per PLE table: not this checkpoint's table"
             )
-    if expected is not None and expected != sidecar.num_rows:
-        msg = (
-            f"{sidecar.path}: {sidecar.num_rows} rows, but {config_path} describes "
-            f"{expected} rows per PLE table: not this checkpoint's table"
-        )
-        return SidecarCover(sidecar.path, sidecar.format, sidecar.num_rows, expected, False, msg)
-    msg = (
-        f"{sidecar.path}: {sidecar.format}, {sidecar.num_rows} rows"
-        + ("" if expected is None else " (matches config.json)")
-        + "; replaces one PLE layer's table"
-    )
-    return SidecarCover(sidecar.path, sidecar.format, sidecar.num_rows, expected, True, msg)
+    except FlashnextError as exc:
+        return cover(model.num_rows, False, str(exc))
+    whole = geometry_check is not None and sidecar.geometry is not None
+    what = "geometry" if whole else "row count (its META.json records no geometry)"
+    return cover(model.num_rows, True, f"{sidecar.path}: {sidecar.format}, {sidecar.num_rows} "
+                 f"rows; its {what} matches config.json ({layer}); replaces that layer's "
+                 "table")  # fmt: skip

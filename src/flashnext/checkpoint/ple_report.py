@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from flashnext.checkpoint.ple_tensors import PLETableInfo, RowCopy, find_ple_tables
+from flashnext.records import CHECKPOINT_PLE
 
-RECORD_KIND = "flashnext.checkpoint.ple"
+RECORD_KIND = CHECKPOINT_PLE
 SCHEMA_VERSION = 1
 
 #: What a user must know about a table layout, by layout name.

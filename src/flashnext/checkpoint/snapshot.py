@@ -39,9 +39,10 @@ from typing import Any, Literal
 
 from flashnext.checkpoint.config import read_config
 from flashnext.errors import CheckpointError
+from flashnext.records import CHECKPOINT_VERIFY
 from flashnext.safetensors_file import SafetensorsError, TensorEntry, hash_file, read_header
 
-RECORD_KIND = "flashnext.checkpoint.verify"
+RECORD_KIND = CHECKPOINT_VERIFY
 SCHEMA_VERSION = 1
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

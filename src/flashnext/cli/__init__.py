@@ -12,11 +12,13 @@ import errno
 import importlib
 import os
 import sys
+from typing import Any, TextIO
 
 import click
 
 from flashnext import __version__
 from flashnext.errors import FlashnextError
+from flashnext.records import CLI_ERROR, dumps, make_record
 
 # name -> (module, attribute, one-line help)
 _COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -69,35 +71,116 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the CLI; expected failures become one ``error:`` line.
 
     Exit status: 0 success, 1 a flashnext error or a file that cannot be read or written,
-    2 a bad flag (click), 130 interrupted.
+    2 a bad flag (click), 130 interrupted. With ``--json``, a failure that printed no record
+    prints a ``flashnext.cli.error`` record (schema_version, kind, error) on stdout, so that
+    a script always reads one JSON document; the exit status is kept.
     """
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not wants_json(args):
+        _exit(_run(args))
+        return
+    watch = _Watch(sys.stdout, sys.stderr)
+    sys.stdout, sys.stderr = watch.stdout, watch.stderr
     try:
-        rv = cli.main(args=argv, prog_name="flashnext", standalone_mode=False)
+        code = _run(args)
+    finally:
+        # A broken pipe has already pointed stdout at os.devnull: leave it there.
+        if sys.stdout is watch.stdout:
+            sys.stdout = watch.stdout.inner
+        if sys.stderr is watch.stderr:
+            sys.stderr = watch.stderr.inner
+    if code not in (0, None) and not watch.stdout.written:
+        error = watch.stderr.last_error or ("interrupted" if code == 130 else f"exit status {code}")
+        payload = {"error": error, "exit_code": code, "command": _command_path(args)}
+        sys.stdout.write(dumps(make_record(CLI_ERROR, payload)))
+        sys.stdout.flush()
+    _exit(code)
+
+
+def _exit(code: int | None) -> None:
+    # A command that returned normally returns; one that exited (even with 0) exits.
+    if code is not None:
+        sys.exit(code)
+
+
+def wants_json(args: list[str]) -> bool:
+    """Whether ``--json`` is one of flashnext's own flags (not an argument after ``--``)."""
+    own = args[: args.index("--")] if "--" in args else args
+    return "--json" in own
+
+
+def _command_path(args: list[str]) -> str:
+    """The command words at the head of ``args`` (``"ple info"``), as far as click knows them."""
+    command: click.Command = cli
+    ctx = click.Context(cli)
+    path: list[str] = []
+    for word in args:
+        sub = command.get_command(ctx, word) if isinstance(command, click.Group) else None
+        if sub is None:
+            break
+        path.append(word)
+        command = sub
+    return " ".join(path)
+
+
+def _run(args: list[str]) -> int | None:
+    """Run the command; the exit status, after printing the one ``error:`` line of a failure
+    (None: the command returned without choosing one)."""
+    try:
+        rv = cli.main(args=args, prog_name="flashnext", standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("aborted", err=True)
-        sys.exit(130)
+        return 130
     except click.UsageError as exc:
         # One line, like every other error; click's own form spans four.
         hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
         click.echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except click.ClickException as exc:
         click.echo(f"error: {_one_line(exc.format_message())}", err=True)
-        sys.exit(exc.exit_code)
+        return exc.exit_code
     except FlashnextError as exc:
         click.echo(f"error: {_one_line(str(exc))}", err=True)
-        sys.exit(1)
+        return 1
     except BrokenPipeError:
         # stdout closed early (``| head``): not an error of ours; silence the flush at exit.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
-        sys.exit(1)
+        return 1
     except OSError as exc:
         click.echo(f"error: {describe_os_error(exc)}", err=True)
-        sys.exit(1)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    if isinstance(rv, int):
-        sys.exit(rv)
+        return 1
+    except (click.exceptions.Exit, SystemExit) as exc:
+        code = exc.exit_code if isinstance(exc, click.exceptions.Exit) else exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return rv if isinstance(rv, int) else None
+
+
+class _Stream:
+    """A text stream that notes whether anything was written, and the last ``error:`` line."""
+
+    def __init__(self, inner: TextIO) -> None:
+        self.inner = inner
+        self.written = False
+        self.last_error: str | None = None
+
+    def write(self, text: str) -> int:
+        if text:
+            self.written = True
+            for line in text.splitlines():
+                if line.startswith("error: "):
+                    self.last_error = line[len("error: ") :]
+        return self.inner.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _Watch:
+    """stdout and stderr of one command, watched (see :class:`_Stream`)."""
+
+    def __init__(self, stdout: TextIO, stderr: TextIO) -> None:
+        self.stdout = _Stream(stdout)
+        self.stderr = _Stream(stderr)
 
 
 _OS_HINTS = {

@@ -12,11 +12,12 @@ literal markup written in this package's own source goes through rich's parser.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console, RenderableType
@@ -33,6 +34,8 @@ from rich.progress import (
 from rich.text import Text
 
 from flashnext.records import dumps, make_record
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: Data and summaries.
 out_console = Console(highlight=False)
@@ -153,3 +156,28 @@ def human_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n} B"
+
+
+def old_spelling(old: str, new: str, dest: str, **option: Any) -> Callable[[F], F]:
+    """Accept ``old``, the documented former spelling of option ``new`` (parameter ``dest``):
+    hidden from ``--help``, converted with the same ``option`` settings (type...), and noted
+    with one deprecation line on stderr. Giving both spellings is a usage error (exit 2).
+
+    Stack it *above* the ``@click.option`` of ``new``.
+    """
+    hidden = f"old_spelling_of_{dest}"
+
+    def decorate(f: F) -> F:
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            value = kwargs.pop(hidden, None)
+            if value is not None:
+                if kwargs.get(dest) is not None:
+                    raise click.UsageError(f"give {new} only ({old} is its old spelling)")
+                note(f"warning: {old} is deprecated here; it is now spelled {new}")
+                kwargs[dest] = value
+            return f(*args, **kwargs)
+
+        return click.option(old, hidden, hidden=True, default=None, **option)(wrapper)  # type: ignore[return-value]
+
+    return decorate

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, out_console
+from flashnext.records import DEPLOY_CHECK
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -67,12 +68,12 @@ def check(
         if not eq or not name:
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
         env[name] = value
-    args = parse_serve_args(serve_args, env)
+    args = parse_serve_args(serve_args, env, strict=True)
     ctx = load_context(model_dir, args, parse_gpu(gpu), host_memory, vllm_version)
     checks = run_checks(ctx)
     failed = blocking_failures(checks)
     if as_json:
-        record = make_record("flashnext.deploy.check", as_payload(ctx, checks))
+        record = make_record(DEPLOY_CHECK, as_payload(ctx, checks))
         sys.stdout.write(dumps(record))
     else:
         _print_table(checks)

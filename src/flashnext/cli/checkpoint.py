@@ -18,6 +18,7 @@ from flashnext.cli._common import (
     cell,
     human_bytes,
     note,
+    old_spelling,
     print_record,
     progress,
     say,
@@ -41,8 +42,10 @@ def checkpoint() -> None:
 @click.option(
     "--hash", "do_hash", is_flag=True, help="Also sha256 every file with a recorded hash."
 )
+@old_spelling("--workers", "--threads", "workers", type=click.IntRange(min=1, max=256))
 @click.option(
-    "--workers",
+    "--threads",
+    "workers",
     type=click.IntRange(min=1, max=256),
     default=None,
     help="Hashing threads (default: CPUs, max 8).",

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, human_bytes, out_console
+from flashnext.records import CHECKPOINT_PLAN
 
 
 @click.command("plan")
@@ -31,10 +32,13 @@ def plan(
     """List a checkpoint's files from model.safetensors.index.json (no hub access) and print
     the `hf download` command that skips files holding only PLE table tensors."""
     from flashnext.checkpoint.download_plan import check_sidecar, plan_download
+
+    # The plugin's own check (vLLM-free), so that "ok" here means the plugin will serve it.
+    from flashnext.kernels.serving import check_geometry
     from flashnext.records import dumps, make_record
 
     result = plan_download(index_or_dir, repo_id)
-    covers = [check_sidecar(result, s) for s in sidecars]
+    covers = [check_sidecar(result, s, check_geometry) for s in sidecars]
     command = result.hf_download_command(local_dir)
     if as_json:
         payload = {
@@ -47,7 +51,7 @@ def plan(
             "hf_download": command,
             "notes": result.notes,
         }
-        sys.stdout.write(dumps(make_record("flashnext.checkpoint.plan", payload)))
+        sys.stdout.write(dumps(make_record(CHECKPOINT_PLAN, payload)))
     else:
         for f in result.files:
             size = "not on disk" if f.size is None else human_bytes(f.size)

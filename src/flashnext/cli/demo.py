@@ -9,6 +9,7 @@ import click
 from rich.table import Table
 
 from flashnext.cli._common import OutputDir, human_bytes, note, print_record, show
+from flashnext.records import DEMO_RUN
 
 
 @click.command()
@@ -44,7 +45,7 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
     else:
         result = run_demo(out_dir, base=base, workers=workers, log=log)
     if as_json:
-        print_record("flashnext.demo", result)
+        print_record(DEMO_RUN, result)
         return
 
     geo = result.geometry

@@ -14,8 +14,10 @@ import click
 
 from flashnext import records
 from flashnext.cli.plan import build_request, deployment_options, read_lines
-from flashnext.plan.advice import replan_failure
+from flashnext.plan.advice import other_model, replan_failure
 from flashnext.plan.logs import explain as explain_log
+from flashnext.plan.logs import logged_kv_memory_bytes
+from flashnext.plan.model import PlanError
 from flashnext.plan.planner import load_model
 from flashnext.plan.render import events_text, plan_text
 
@@ -39,7 +41,10 @@ def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
         req = build_request(kw)
         for e in events:
             if e.kind in ("kv_capacity_error", "mamba_blocks_error"):
-                plans.append((e, replan_failure(model, req, e)))
+                plan = replan_failure(model, req, e, logged_kv_memory_bytes(events))
+                if problem := other_model(plan, e):
+                    raise PlanError(f"--model {model_path}: {problem}")
+                plans.append((e, plan))
     if as_json:
         payload = {
             "log": log,
@@ -47,7 +52,7 @@ def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
             "failures": sum(e.failure for e in events),
             "plans": [{"line": e.line, **p.to_dict()} for e, p in plans],
         }
-        click.echo(records.dumps(records.make_record("flashnext.explain", payload)), nl=False)
+        click.echo(records.dumps(records.make_record(records.PLAN_EXPLAIN, payload)), nl=False)
         return
     click.echo(events_text(events))
     for e, p in plans:

@@ -7,9 +7,10 @@ to stdout (``--json``: a ``flashnext.plan`` record), nothing else.
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import click
@@ -24,7 +25,7 @@ from flashnext.placement import (
     from_old_plan_word,
 )
 from flashnext.plan.advice import plan_with_options
-from flashnext.plan.logs import logged_kv_pool, read_log
+from flashnext.plan.logs import log_lines, logged_kv_pool, read_log
 from flashnext.plan.model import PlanError
 from flashnext.plan.planner import PlanRequest, calibrate_headroom, load_model
 from flashnext.plan.render import plan_text
@@ -177,12 +178,20 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
     )
 
 
+#: The most of a log that is read: vLLM's memory lines come at start-up; 1 GiB is far past them.
+MAX_LOG_BYTES = 1 << 30
+
+
 def read_lines(path: str) -> list[str]:
-    """The lines of a log file, or of stdin for ``-``; a one-line error if unreadable."""
+    """The lines of a log file, or of stdin for ``-``; a one-line error if unreadable, not a
+    regular file (a FIFO or device would block or never end), or not text."""
     if path == "-":
-        return sys.stdin.read().splitlines()
+        return log_lines(sys.stdin.buffer.read(MAX_LOG_BYTES), "stdin")
     try:
-        return Path(path).read_text(errors="replace").splitlines()
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise PlanError(f"{path}: not a regular file; pass the log file, or - for stdin")
+        with open(path, "rb") as fh:
+            return log_lines(fh.read(MAX_LOG_BYTES), path)
     except OSError as exc:
         raise PlanError(f"{path}: cannot read the log ({exc.strerror})") from None
 
@@ -220,7 +229,9 @@ def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> Non
         )
     result = plan_with_options(model, req, notes)
     if as_json:
-        click.echo(records.dumps(records.make_record("flashnext.plan", result.to_dict())), nl=False)
+        click.echo(
+            records.dumps(records.make_record(records.PLAN_MEMORY, result.to_dict())), nl=False
+        )
     else:
         click.echo(plan_text(result))
     sys.exit(0 if result.fits else 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from flashnext.cli._common import (
     cell,
     human_bytes,
     note,
+    old_spelling,
     out_console,
     print_record,
     progress,
@@ -29,6 +31,7 @@ from flashnext.placement import RESIDENCIES
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
 from flashnext.ple.preflight import (
+    COMMAND_LINE,
     GIB,
     Preflight,
     host_memory,
@@ -49,6 +52,14 @@ from flashnext.ple.quantize import quantize_table
 from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.slicing import slice_sidecar
 from flashnext.ple.table import PLETable, Warming, open_table
+from flashnext.records import (
+    PLE_INFO,
+    PLE_LOOKUP,
+    PLE_PREFLIGHT,
+    PLE_PROFILE_SUMMARY,
+    PLE_QUANTIZE,
+    PLE_WARM,
+)
 
 
 @contextlib.contextmanager
@@ -86,7 +97,7 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     problems = found.problems
     resident_bytes, memory = found.resident_bytes, found.memory
     if as_json:
-        print_record("flashnext.ple.info", record)
+        print_record(PLE_INFO, record)
     else:
         table = Table(show_header=False, box=None)
         for key in (
@@ -210,7 +221,7 @@ def quantize(
         )
     summary = result.summary(source, dst)
     if as_json:
-        print_record("flashnext.ple.quantize", summary)
+        print_record(PLE_QUANTIZE, summary)
         return
     _show_quantize_summary(summary)
 
@@ -239,14 +250,17 @@ def _show_quantize_summary(summary: dict) -> None:
 
 
 def _parse_ids(text: str) -> np.ndarray:
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        values = []
-    if not values:
+    items = [v.strip() for v in text.split(",")]
+    # An empty item ("1,,2", "1,") is a typo, not a row to drop silently.
+    bad = next((i for i, v in enumerate(items) if not re.fullmatch(r"[+-]?\d+", v)), None)
+    if bad is not None:
+        what = "an empty item" if not items[bad] else repr(items[bad])
         raise click.BadParameter(
-            f"expected integers separated by commas, found {text!r}", param_hint="--ids"
+            f"expected integers separated by commas, found {what} at position {bad + 1} of "
+            f"{text!r}",
+            param_hint="--ids",
         )
+    values = [int(v) for v in items]
     wide = [v for v in values if not -1 <= v <= np.iinfo(np.int64).max]
     if wide:
         raise click.BadParameter(
@@ -280,7 +294,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
         raise SidecarError(f"--ids: {exc}") from None
     if as_json:
         print_record(
-            "flashnext.ple.lookup",
+            PLE_LOOKUP,
             {
                 "format": table.format,
                 "ids": row_ids.tolist(),
@@ -349,7 +363,7 @@ def warm(directory: Path, as_json: bool) -> None:
         "cached_after_bytes": after,
     }
     if as_json:
-        print_record("flashnext.ple.warm", record)
+        print_record(PLE_WARM, record)
         return
     say(
         f"warmed {directory}: read {human_bytes(warming.bytes_read)} in {seconds:.1f} s "
@@ -457,11 +471,12 @@ def preflight(
         residency,  # type: ignore[arg-type]
         f"{directory} ({sidecar.format})",
         hot_bytes=hot * per_row,
-        memory=host_memory(host_root),
+        memory=host_memory(host_root, COMMAND_LINE),
+        fixes=COMMAND_LINE,
     )
     if as_json:
         extra = {"format": sidecar.format, "hot_rows": hot, "hot_rows_profile": profile_path}
-        print_record("flashnext.ple.preflight", {**verdict.to_dict(), **extra})
+        print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra})
     else:
         _show_preflight(verdict, hot)
     if not verdict.ok:
@@ -517,8 +532,10 @@ def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
     default=None,
     help="PLE layer ordinal to hash for [default: the sidecar's geometry's].",
 )
+@old_spelling("--out", "--output", "out", type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
-    "--out",
+    "--output",
+    "out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help=f"Profile file [default: SIDECAR_DIR/{PROFILE_NAME}].",
@@ -562,7 +579,7 @@ def profile(
     target = write_profile(out or sidecar_dir / PROFILE_NAME, found)
     summary = _profile_summary(found, target, sidecar.num_rows)
     if as_json:
-        print_record("flashnext.ple.profile_summary", summary)
+        print_record(PLE_PROFILE_SUMMARY, summary)
         return
     _show_profile(summary)
 

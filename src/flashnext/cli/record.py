@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, out_console
+from flashnext.cli._common import err_console, old_spelling, out_console
+from flashnext.records import DEPLOY_RECORD_DIFF
 
 
 @click.group("record")
@@ -28,7 +29,13 @@ def record() -> None:
     help="Server log with the plugin's lines (default: a local process's stdout/stderr files).",
 )
 @click.option("--api-key", envvar="FLASHNEXT_API_KEY", help="Bearer key (or FLASHNEXT_API_KEY).")
-@click.option("--out", type=click.Path(path_type=Path), help="Write the record here (else stdout).")
+@old_spelling("--out", "--output", "out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--output",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the record to this file (else stdout).",
+)
 def capture(
     url: str, container: str | None, pid: int | None, model_dir: Path | None, log: Path | None,
     api_key: str | None, out: Path | None,
@@ -57,7 +64,7 @@ def capture(
 
 
 def _load(path: Path) -> dict:
-    from flashnext.records import check_record
+    from flashnext.deploy.record_diff import check_deployment_record
 
     try:
         data = json.loads(path.read_text())
@@ -65,7 +72,7 @@ def _load(path: Path) -> dict:
         raise click.BadParameter(f"{path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:
         raise click.BadParameter(f"{path}: not JSON ({exc})") from None
-    return check_record(data, kind="flashnext.deploy.record", source=str(path))
+    return check_deployment_record(data, source=str(path))
 
 
 @record.command("diff")
@@ -88,7 +95,7 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
     if as_json:
         payload = {"a": str(a), "b": str(b), "changes": changes, "variables_changed": n,
                    "warning": warning}  # fmt: skip
-        sys.stdout.write(dumps(make_record("flashnext.deploy.record_diff", payload)))
+        sys.stdout.write(dumps(make_record(DEPLOY_RECORD_DIFF, payload)))
     else:
         for group in GROUPS:
             rows = [c for c in changes if c.group == group]

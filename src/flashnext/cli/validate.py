@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from flashnext.cli._common import OutputDir, err_console, out_console, show
+from flashnext.cli._common import OutputDir, err_console, old_spelling, out_console, show
 from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
@@ -44,9 +44,9 @@ def _parse_url(url: str) -> str:
 def _parse_stages(text: str) -> tuple[str, ...]:
     from flashnext.validate.stages import STAGES
 
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    unknown = [n for n in names if n not in STAGES]
-    if not names or unknown:
+    names = tuple(s.strip() for s in text.split(","))
+    unknown = [n or "(an empty item)" for n in names if n not in STAGES]
+    if not any(names) or unknown:
         raise ValidationError(
             f"--stages {text!r}: unknown stage(s) {unknown or '(none given)'}; "
             f"expected a comma-separated subset of {','.join(STAGES)}"
@@ -60,7 +60,10 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     help="Server root, e.g. http://127.0.0.1:8000 (an OpenAI route such as /v1 or "
     "/v1/chat/completions is dropped).",
 )
-@click.option("--model", default=None, help="Served model name (default: the first served).")
+@old_spelling("--model", "--served-model", "model")
+@click.option(
+    "--served-model", "model", default=None, help="Served model name (default: the first served)."
+)
 @click.option(
     "--api-key",
     default=None,
@@ -214,7 +217,7 @@ def _config(opts: dict[str, Any]) -> Config:
         url=_parse_url(opts["url"]),
         model=opts["model"],
         api_key=opts["api_key"],
-        stages=_parse_stages(opts["stages_text"]) if opts["stages_text"] else STAGES,
+        stages=STAGES if opts["stages_text"] is None else _parse_stages(opts["stages_text"]),
         ready_timeout_s=opts["ready_timeout"],
         recovery_timeout_s=opts["recovery_timeout"],
         request_timeout_s=opts["request_timeout"],

@@ -268,11 +268,16 @@ def check_sparse_attention(ctx: CheckContext) -> Check:
 
 
 def check_context_length(ctx: CheckContext) -> Check:
-    want = ctx.args.int_flag("--max-model-len")
+    want = ctx.args.max_model_len
     cfg = ctx.text_config
     native = int(cfg.get("max_position_embeddings") or NATIVE_CONTEXT)
     if want is None:
-        return Check("max-model-len", "pass", f"not set: vLLM uses the native {native:,}")
+        how = (
+            "auto: vLLM picks the longest that fits,"
+            if ctx.args.max_model_len_auto
+            else ("not set: vLLM uses")
+        )
+        return Check("max-model-len", "pass", f"{how} the native {native:,}")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = str(rope.get("rope_type") or rope.get("type") or "")
     if want <= native:
@@ -394,7 +399,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
         req = PlanRequest(
             gpu_memory=ctx.gpu.memory_bytes,
             gpu_memory_utilization=float(util) if isinstance(util, str) else 0.9,
-            max_model_len=a.int_flag("--max-model-len"),
+            max_model_len=a.max_model_len,
             max_num_seqs=a.int_flag("--max-num-seqs") or 256,
             kv_cache_dtype=str(a.get("--kv-cache-dtype", "auto")),
             num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
@@ -405,7 +410,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
         return Check("memory-plan", "warn", f"not planned: {exc}", blocking=False)
-    command = f"flashnext plan --model {ctx.model_dir} --gpu-memory {ctx.gpu.memory_bytes}"
+    command = f"flashnext plan --model {ctx.model_dir} --gpu-memory {ctx.gpu.memory_bytes}B"
     if plan.problems:
         return Check("memory-plan", "fail", "; ".join(plan.problems), f"{command} for options")
     return Check(

@@ -37,7 +37,13 @@ def parse_gpu(spec: str) -> GpuSpec:
     if spec == "auto":
         return detect_gpu()
     capability = memory = cuda = None
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
+    parts = [p.strip() for p in spec.split(",")]
+    if "" in parts:  # "sm120,,96GiB" or a trailing comma: a typo, not a part to drop
+        raise GpuSpecError(
+            f"--gpu {spec!r}: empty item at position {parts.index('') + 1}; expected "
+            "comma-separated smXY (sm120), a size (96GiB) and cudaN.M"
+        )
+    for part in parts:
         if m := re.fullmatch(r"sm_?(\d+)(\d)a?", part, re.IGNORECASE):
             capability = (int(m.group(1)), int(m.group(2)))
         elif m := re.fullmatch(r"cuda(\d+)(?:\.(\d+))?", part, re.IGNORECASE):

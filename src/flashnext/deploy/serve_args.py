@@ -7,6 +7,7 @@ Only what the checks use is interpreted; every other flag is kept verbatim in ``
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,20 @@ _SWITCHES = {
     "--trust-remote-code",
 }
 _ALIASES = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size"}
+#: Integer flags vLLM (0.32, 0.33) reads with ``human_readable_int``: 1k = 1,000, 1K = 1,024.
+HUMAN_READABLE = {
+    "--max-num-batched-tokens", "--max-num-scheduled-tokens", "--kv-cache-memory-bytes",
+    "--safetensors-prefetch-block-size", "--max-num-queued-tokens", "--max-model-len",
+}  # fmt: skip
+#: vLLM 0.32's own lower bounds (pydantic ``Field(ge=...)`` in vllm/config/) for the integer
+#: flags a check may read; ``--kv-cache-memory-bytes`` has none there.
+MINIMUM = {
+    "--max-num-seqs": 1, "--max-num-batched-tokens": 1, "--tensor-parallel-size": 1,
+    "--pipeline-parallel-size": 1, "--data-parallel-size": 1, "--block-size": 1,
+    "--kv-cache-memory-bytes": 0,
+}  # fmt: skip
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 class ServeArgsError(FlashnextError, ValueError):
@@ -40,14 +55,45 @@ class ServeArgs:
     def get(self, flag: str, default: Any = None) -> Any:
         return self.flags.get(flag, default)
 
-    def int_flag(self, flag: str) -> int | None:
+    def int_flag(self, flag: str, minimum: int = 1) -> int | None:
+        """The integer value of ``flag`` as vLLM reads it (``128k`` where vLLM accepts it);
+        None when absent.
+
+        Raises:
+            ServeArgsError: not an integer vLLM accepts, or below ``minimum``.
+        """
         value = self.flags.get(flag)
         if value is None or isinstance(value, bool):
             return None
+        number = vllm_int(flag, str(value))
+        if number < minimum:
+            raise ServeArgsError(f"{flag} {value!r}: expected an integer >= {minimum}")
+        return number
+
+    @property
+    def max_model_len(self) -> int | None:
+        """``--max-model-len``; None when absent or ``auto``/``-1`` (vLLM then picks the longest
+        that fits in memory).
+
+        Raises:
+            ServeArgsError: any other value below 1, or not an integer.
+        """
+        value = self.flags.get("--max-model-len")
+        if isinstance(value, str) and value.strip().lower() in ("auto", "-1"):
+            return None
         try:
-            return int(str(value).replace("_", ""))
-        except ValueError:
-            raise ServeArgsError(f"{flag} {value!r}: expected an integer") from None
+            return self.int_flag("--max-model-len")
+        except ServeArgsError:
+            raise ServeArgsError(
+                f"--max-model-len {value!r}: expected a positive integer (2048, 128k, 32K), "
+                "or -1/auto for the longest that fits, as vLLM reads it"
+            ) from None
+
+    @property
+    def max_model_len_auto(self) -> bool:
+        """``--max-model-len auto`` (or ``-1``) was given."""
+        value = self.flags.get("--max-model-len")
+        return isinstance(value, str) and value.strip().lower() in ("auto", "-1")
 
     def json_flag(self, flag: str) -> dict[str, Any]:
         value = self.flags.get(flag)
@@ -86,11 +132,37 @@ class ServeArgs:
         return bool(self.json_flag("--engram-config").get("cpu_offload", True))
 
 
-def parse_serve_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServeArgs:
-    """Read ``vllm serve`` arguments (with or without the leading ``vllm serve MODEL``).
+def vllm_int(flag: str, value: str) -> int:
+    """``value`` read as vLLM reads ``flag``: ``human_readable_int`` for :data:`HUMAN_READABLE`
+    (``25.6k`` = 25,600, ``1K`` = 1,024, no decimals with a binary suffix), else ``int()``.
 
     Raises:
-        ServeArgsError: a flag that needs a value is last on the line.
+        ServeArgsError: vLLM would refuse it.
+    """
+    text = value.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text) if flag in HUMAN_READABLE else None
+    try:
+        if m and m.group(2) in _DECIMAL:
+            return int(float(m.group(1)) * _DECIMAL[m.group(2)])
+        if m:
+            return int(m.group(1)) * _BINARY[m.group(2)]
+        return int(text)
+    except ValueError:
+        suffix = " (1k = 1,000, 1K = 1,024)" if flag in HUMAN_READABLE else ""
+        raise ServeArgsError(f"{flag} {value!r}: expected an integer{suffix}") from None
+
+
+def parse_serve_args(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, strict: bool = False
+) -> ServeArgs:
+    """Read ``vllm serve`` arguments (with or without the leading ``vllm serve MODEL``).
+
+    ``strict``: also refuse, before any check runs, an integer flag vLLM would refuse
+    (:data:`MINIMUM`, ``--max-model-len``); a recorded launch is read without it.
+
+    Raises:
+        ServeArgsError: a flag that needs a value is last on the line; with ``strict``, a value
+            vLLM refuses.
     """
     args = list(argv)
     if args[:2] == ["vllm", "serve"]:
@@ -104,6 +176,8 @@ def parse_serve_args(argv: Sequence[str], env: Mapping[str, str] | None = None) 
             i += 1
             continue
         name, eq, value = arg.partition("=")
+        if name.startswith("--"):  # vLLM's parser takes --max_model_len for --max-model-len
+            name = name.replace("_", "-")
         name = _ALIASES.get(name, name)
         if eq:
             flags[name] = value
@@ -115,4 +189,9 @@ def parse_serve_args(argv: Sequence[str], env: Mapping[str, str] | None = None) 
             flags[name] = args[i + 1]
             i += 1
         i += 1
-    return ServeArgs(tuple(argv), flags, dict(env or {}))
+    parsed = ServeArgs(tuple(argv), flags, dict(env or {}))
+    if strict:
+        for flag, minimum in MINIMUM.items():
+            parsed.int_flag(flag, minimum)
+        _ = parsed.max_model_len
+    return parsed

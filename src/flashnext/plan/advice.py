@@ -15,7 +15,7 @@ from flashnext.plan.planner import (
     calibrate_headroom,
     make_plan,
 )
-from flashnext.plan.sizes import gib
+from flashnext.plan.sizes import gib, parse_size
 
 GIB = 1 << 30
 
@@ -93,15 +93,32 @@ def _replanned_options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
         )
     if device_short:
         changes.append(({"tp": req.tp * 2}, f"--tp {req.tp * 2}", "a second GPU"))
+    if device_short and req.kv_cache_memory is not None:
+        # The pool is fixed: utilization has no effect; a larger pool is the free lever.
+        mib = math.ceil((plan.fit.bytes_needed + plan.layout.bytes_per_block) / (1 << 20))
+        size = f"{mib}MiB" if mib < 1024 else f"{math.ceil(mib / 1024 * 100) / 100}GiB"
+        pool = {"kv_cache_memory": parse_size(size)}
+        changes.insert(0, (pool, f"--kv-cache-memory {size}", "a larger KV pool"))
     out = []
     for change, flag, cost in changes:
         alt = make_plan(model, dataclasses.replace(req, **change))
+        if not _helps(plan, alt):
+            continue  # an option that changes nothing is noise
         result = (
             f"pool {gib(alt.fit.available_bytes)}, {alt.fit.num_blocks} blocks, "
             f"max_model_len up to {alt.max_model_len_one:,}"
         )
         out.append(_option(flag, cost, result + ("; fits as asked" if alt.fits else "")))
     return out
+
+
+def _helps(plan: Plan, alt: Plan) -> bool:
+    """``alt`` fits, or reaches further than ``plan`` (a longer context, more sequences)."""
+    return alt.fits or (
+        alt.max_model_len_one > plan.max_model_len_one
+        or alt.max_num_seqs_graphs > plan.max_num_seqs_graphs
+        or alt.fit.num_blocks > plan.fit.num_blocks
+    )
 
 
 def options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
@@ -121,13 +138,42 @@ def plan_with_options(
     return plan
 
 
-def replan_failure(model: ModelInput, req: PlanRequest, event: Event) -> Plan:
+def other_model(plan: Plan, event: Event) -> str | None:
+    """Why the model planned cannot be the one whose failure ``event`` logs, or None.
+
+    With the logged pool (``--kv-cache-memory-bytes``, or the headroom calibrated to a logged
+    pool of 0.5 GiB or more), vLLM's estimated maximum length and the planner's agree for the same
+    model (tests/plan/test_vllm_match.py; the device's held-back block aside): a factor of two
+    apart, the KV bytes per token differ, so the config is another model's.
+    """
+    logged = event.values.get("estimated_max_model_len")
+    ours = plan.max_model_len_one  # not capped at max_model_len, as vLLM's logged estimate is not
+    if event.kind != "kv_capacity_error" or not logged:
+        return None
+    if plan.request.kv_cache_memory is None and event.values["available_gib"] < 0.5:
+        return None  # the pool is known only to vLLM's rounding of a small number
+    if ours and 0.5 < ours / logged < 2:
+        return None
+    return (
+        f"the log's line {event.line} is not this model's: with the logged KV pool vLLM reached "
+        f"{logged:,} tokens, this config reaches {ours:,}; pass the served model's config"
+    )
+
+
+def replan_failure(
+    model: ModelInput, req: PlanRequest, event: Event, logged_pool: int | None = None
+) -> Plan:
     """The plan of the deployment that failed with ``event``, and what would have fit.
+
+    ``logged_pool``: the ``--kv-cache-memory-bytes`` the logged launch set; it is the pool
+    unless ``req`` gives one (and then no option raises ``--gpu-memory-utilization``).
 
     A KV capacity error sets ``max_model_len`` from the log and calibrates the headroom so the
     pool equals the log's "available KV cache memory" (unless ``req`` gives the pool); a Mamba
     block error sets ``max_num_seqs``. Other events plan ``req`` as given.
     """
+    if req.kv_cache_memory is None and logged_pool is not None:
+        req = dataclasses.replace(req, kv_cache_memory=logged_pool)
     if event.kind == "kv_capacity_error":
         req = dataclasses.replace(req, max_model_len=event.values["max_model_len"])
         if req.kv_cache_memory is None:

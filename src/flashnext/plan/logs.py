@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashnext.plan.model import PlanError
 from flashnext.records import REDACTED, SECRET_NAME
 
 _NUM = r"[\d,]+(?:\.\d+)?"
@@ -174,6 +175,15 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
 )
 _BY_KIND = {p.kind: p for p in PATTERNS}
+#: Leading bytes of what a log is often saved as that is not text.
+_NOT_TEXT = (
+    (b"\x1f\x8b", "gzip-compressed: `zcat LOG | flashnext explain -`"),
+    (b"BZh", "bzip2-compressed: `bzcat LOG | flashnext explain -`"),
+    (b"\xfd7zXZ\x00", "xz-compressed: `xzcat LOG | flashnext explain -`"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed: `zstdcat LOG | flashnext explain -`"),
+    (b"\xff\xfe", "UTF-16: `iconv -f UTF-16 -t UTF-8 LOG | flashnext explain -`"),
+    (b"\xfe\xff", "UTF-16: `iconv -f UTF-16 -t UTF-8 LOG | flashnext explain -`"),
+)
 _UNIT = {"KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
 
 
@@ -188,6 +198,23 @@ class Event:
     failure: bool
     summary: str
     options: list[dict[str, str]] = field(default_factory=list)
+
+
+def log_lines(data: bytes, name: str) -> list[str]:
+    """The lines of a log's bytes (UTF-8; undecodable bytes replaced).
+
+    Raises:
+        PlanError: the bytes are not a text log (compressed, UTF-16, binary), naming ``name``
+            and how to turn it into text; a silent "no events" would read as a clean log.
+    """
+    head = data[:8192]
+    for magic, what in _NOT_TEXT:
+        if head.startswith(magic):
+            raise PlanError(f"{name}: not a text log ({what.replace('LOG', name)})")
+    if b"\x00" in head:
+        # UTF-16 without a byte-order mark has a NUL in every other byte; text has none.
+        raise PlanError(f"{name}: not a text log (NUL bytes: binary, or UTF-16 without a BOM)")
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 def _value(key: str, raw: str) -> Any:
@@ -260,8 +287,12 @@ def read_log(lines: Iterable[str]) -> list[Event]:
     return events
 
 
-def static_options(event: Event) -> list[dict[str, str]]:
-    """Options for a failure from its own numbers, cheapest first (no model needed)."""
+def static_options(event: Event, fixed_pool: int | None = None) -> list[dict[str, str]]:
+    """Options for a failure from its own numbers, cheapest first (no model needed).
+
+    ``fixed_pool``: the ``--kv-cache-memory-bytes`` the launch set (bytes), which replaces the pool that
+    ``--gpu-memory-utilization`` would size: raising the utilization then changes nothing.
+    """
     v = event.values
     k = event.kind
     if k == "kv_capacity_error":
@@ -270,27 +301,45 @@ def static_options(event: Event) -> list[dict[str, str]]:
         if est:
             out.append(_opt(f"--max-model-len {est}", "shorter context", "vLLM's own estimate"))
         short = v["needed_gib"] - v["available_gib"]
-        out.append(
-            _opt(
-                "raise --gpu-memory-utilization",
-                "less margin",
-                f"the pool is {short:.2f} GiB short (more than 0.95 risks graph capture)",
+        if fixed_pool is not None:
+            # vLLM rounds GiB to two places: scale the exact pool by the length it reached.
+            want = (
+                f"about {fixed_pool * v['max_model_len'] // est:,}"
+                if est
+                else (f"{v['needed_gib']} GiB")
             )
-        )
+            out.append(
+                _opt(
+                    f"raise --kv-cache-memory-bytes (now {fixed_pool:,}) to {want}",
+                    "GPU memory",
+                    "the pool is set by that flag; --gpu-memory-utilization does not size it",
+                )
+            )
+        else:
+            out.append(
+                _opt(
+                    "raise --gpu-memory-utilization",
+                    "less margin",
+                    f"the pool is {short:.2f} GiB short (more than 0.95 risks graph capture)",
+                )
+            )
         out.append(_opt("--kv-cache-dtype fp8", "KV precision", "halves attention KV bytes"))
         out.append(
             _opt("--num-speculative-tokens 0 (if MTP is on)", "no MTP", "frees draft weights, KV")
         )
         return out
     if k == "mamba_blocks_error":
+        pool = "--gpu-memory-utilization" if fixed_pool is None else "--kv-cache-memory-bytes"
         return [
             _opt(f"--max-num-seqs {v['num_blocks']}", "fewer sequences", "one block per sequence"),
             _opt(
-                "lower --max-model-len or raise --gpu-memory-utilization",
+                f"lower --max-model-len or raise {pool}",
                 "context/margin",
                 "more blocks in the pool",
             ),
         ]
+    if k == "no_kv_memory" and fixed_pool is not None:
+        return [_opt("raise --kv-cache-memory-bytes", "GPU memory", "the pool you set is empty")]
     return [_opt(*o) for o in _FIXED.get(k, [])]
 
 
@@ -381,10 +430,32 @@ def explain(text: Iterable[str]) -> list[Event]:
     stall = _stall_after_graphs(lines, events)
     if stall is not None:
         events.append(stall)
+    fixed_pool = logged_kv_memory_bytes(events)
     for e in events:
         if e.failure and not e.options:
-            e.options = static_options(e)
+            e.options = static_options(e, fixed_pool)
     return events
+
+
+def logged_kv_memory_bytes(events: list[Event]) -> int | None:
+    """The ``--kv-cache-memory-bytes`` the logged launch set (from vLLM's "non-default args",
+    else its "Explicitly set"/"reserved ... for KV Cache" line), or None when it set none."""
+    for e in events:
+        if e.kind == "cli_args" and isinstance(e.values.get("kv_cache_memory_bytes"), int):
+            return int(e.values["kv_cache_memory_bytes"])
+    for e in events:
+        if e.kind == "explicit_kv_memory":
+            gib = e.values.get("set_gib", e.values.get("reserved_gib"))
+            return int(gib * (1 << 30)) if gib is not None else None
+    return None
+
+
+def logged_model(events: list[Event]) -> str | None:
+    """The model the logged server was started with (its path or hub id), or None."""
+    for e in events:
+        if e.kind == "cli_args" and isinstance(e.values.get("model"), str):
+            return str(e.values["model"])
+    return None
 
 
 def logged_kv_pool(events: list[Event]) -> int | None:

@@ -280,6 +280,7 @@ def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None
         available = requested - sum(i.bytes for i in device)
     fit = vllm_kv.fit(layout, available, max_len)
     one, all_len, seqs_graphs, seqs_state = _limits(layout, fit, req, shape.max_position_embeddings)
+    seqs_state = max(seqs_state, 0)  # no block at all: no sequence fits, not "-1 sequences"
     host = _host_items(model, shape, req, weights)
     committed = sum(i.bytes for i in host if "reclaimable" not in i.note)
     plan = Plan(

@@ -1,4 +1,7 @@
-"""Byte sizes as people write them: "96GiB", "64GB", "512MiB", "1.5 GiB", "8000000000"."""
+"""Byte sizes as people write them: "96GiB", "64GB", "512MiB", "1.5 GiB", "8000000000B".
+
+A unit is required: a bare "96" could be GiB, GB or bytes, and read as bytes it plans nonsense.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import re
 from flashnext.plan.model import PlanError
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "k": 10**3,
     "kb": 10**3,
@@ -33,6 +35,11 @@ def parse_size(text: str, what: str = "size") -> int:
     """
     m = _SIZE.match(text)
     unit = m.group(2).lower() if m else ""
+    if m and not unit:
+        raise PlanError(
+            f"{what} {text!r}: a number without a unit; write {m.group(1)}GiB, {m.group(1)}GB "
+            f"or, for a count of bytes, {m.group(1)}B"
+        )
     if not m or unit not in _UNITS:
         raise PlanError(
             f"{what} {text!r}: expected a number with a unit such as 96GiB, 64GB or 512MiB"

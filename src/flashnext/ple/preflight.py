@@ -39,6 +39,28 @@ _UNLIMITED = 1 << 60
 OVERCOMMIT_NEVER = 2
 
 
+@dataclass(frozen=True)
+class Fixes:
+    """How a message names the ways out: the library's arguments, or the command line's flags
+    (a CLI user cannot pass ``preflight=False``)."""
+
+    mmap: str = "residency='mmap'"
+    hot_tier: str = "a hot tier for the most-used rows (hot_rows)"
+    row_range: str = "open only this rank's rows (row_range)"
+    skip: str = " Pass preflight=False to open_table to skip the check."
+
+
+#: The wording for callers of :func:`flashnext.ple.open_table` (the default).
+LIBRARY = Fixes()
+#: The wording for ``flashnext ple preflight`` and other commands.
+COMMAND_LINE = Fixes(
+    mmap="--residency mmap",
+    hot_tier="a hot tier for the most-used rows (--hot-rows N or a profile)",
+    row_range="split the rows across tensor-parallel ranks (each rank maps only its own)",
+    skip="",
+)
+
+
 class PreflightError(FlashnextError, MemoryError):
     """The host does not have the memory a resident table (or hot tier) needs."""
 
@@ -224,7 +246,7 @@ def _cgroup_levels(root: Path) -> list[CgroupLevel]:
     return []
 
 
-def host_memory(root: str | Path = "/") -> HostMemory:
+def host_memory(root: str | Path = "/", fixes: Fixes = LIBRARY) -> HostMemory:
     """Read the memory this process may still allocate from the tree at ``root``.
 
     Raises:
@@ -236,7 +258,7 @@ def host_memory(root: str | Path = "/") -> HostMemory:
     if "MemAvailable" not in meminfo:
         raise PreflightError(
             f"{meminfo_path}: no MemAvailable line (Linux >= 3.14 has one); cannot check host "
-            "memory. Pass preflight=False to open_table to skip the check."
+            f"memory.{fixes.skip}"
         )
     levels = _cgroup_levels(base)
     return HostMemory(
@@ -262,20 +284,20 @@ def check_fits(
     Returns the :class:`HostMemory` reading that was checked.
     """
     memory = memory or host_memory()
-    refusal = _refusal(needed, what, headroom, memory)
+    refusal = _refusal(needed, what, headroom, memory, LIBRARY)
     if refusal:
         raise PreflightError(refusal)
     return memory
 
 
-def _refusal(needed: int, what: str, headroom: int, memory: HostMemory) -> str | None:
+def _refusal(needed: int, what: str, headroom: int, memory: HostMemory, fixes: Fixes) -> str | None:
     if needed + headroom <= memory.available:
         return None
     return (
         f"{what} needs {_gib(needed)} plus {_gib(headroom)} headroom, but only "
         f"{_gib(memory.available)} is available ({memory.explain()}). Serve it "
-        "memory-mapped instead (residency='mmap': page cache, reclaimable under pressure), "
-        "open only this rank's rows (row_range), or free host memory."
+        f"memory-mapped instead ({fixes.mmap}: page cache, reclaimable under pressure), "
+        f"{fixes.row_range}, or free host memory."
     )
 
 
@@ -334,6 +356,7 @@ def preflight_table(
     hot_bytes: int = 0,
     memory: HostMemory | None = None,
     headroom: int = DEFAULT_HEADROOM,
+    fixes: Fixes = LIBRARY,
 ) -> Preflight:
     """Check a table of ``table_bytes`` served with ``residency`` against host memory.
 
@@ -342,6 +365,7 @@ def preflight_table(
     tier (``hot_bytes``) is anonymous and must fit the same way; the table itself is page
     cache, and when it will not stay cached (MemAvailable or the cgroup's room, less the hot
     tier and headroom, is smaller than the table) that is a warning, not a refusal.
+    ``fixes`` words the way out in the messages (:data:`LIBRARY` or :data:`COMMAND_LINE`).
 
     Raises:
         ValueError: ``residency`` is neither "mmap" nor "resident", or ``hot_bytes`` is given
@@ -359,7 +383,7 @@ def preflight_table(
         name = (
             f"a resident copy of {what}" if residency == "resident" else f"the hot tier of {what}"
         )
-        refusal = _refusal(anonymous, name, headroom, memory)
+        refusal = _refusal(anonymous, name, headroom, memory, fixes)
         if refusal:
             refusals.append(refusal)
     if residency == "mmap":
@@ -369,8 +393,8 @@ def preflight_table(
                 f"{what} is {_gib(table_bytes)} but the page cache can keep only {_gib(max(room, 0))} "
                 f"of it ({memory.explain(anonymous=False)}; less {_gib(hot_bytes)} hot tier and "
                 f"{_gib(headroom)} headroom): rows evicted under pressure are read from disk again "
-                "on lookup. Use a smaller format, a hot tier for the most-used rows, open only "
-                "this rank's rows (row_range), or raise the memory limit."
+                f"on lookup. Use a smaller format, {fixes.hot_tier}, {fixes.row_range}, or raise "
+                "the memory limit."
             )
     return Preflight(
         what, residency, table_bytes, hot_bytes, headroom, memory, tuple(refusals), tuple(warnings)

@@ -35,11 +35,11 @@ from flashnext._extras import require
 from flashnext.errors import SidecarError
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
-from flashnext.records import RecordError, check_record, dumps, make_record
+from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, make_record
 from flashnext.safetensors_file import SafetensorsError, read_header, read_tensor, write_file
 
 PROFILE_NAME = "hot_rows.safetensors"
-PROFILE_KIND = "flashnext.ple.profile"
+PROFILE_KIND = PLE_PROFILE
 SCHEMA_VERSION = 1
 DEMO_TOKENIZER = "demo"
 

@@ -71,7 +71,7 @@ from flashnext.atomic import write_json
 from flashnext.errors import FlashnextError, FormatError, GeometryError, SidecarError
 from flashnext.ple.formats import FORMATS, Codec, detect_format, get_codec
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.records import check_record, make_record
+from flashnext.records import PLE_QUANTIZE_STATE, check_record, make_record
 from flashnext.safetensors_file import (
     Header,
     SafetensorsError,
@@ -86,7 +86,7 @@ FORMAT_VERSION = 1
 META_NAME = "META.json"
 #: Present while a writer works; its absence (with META.json written) marks a finished sidecar.
 STATE_NAME = ".flashnext-quantize.json"
-STATE_KIND = "flashnext.ple.quantize_state"
+STATE_KIND = PLE_QUANTIZE_STATE
 #: Bounds on what META.json or a directory may claim, checked before anything is allocated.
 MAX_SHARDS = 1 << 20
 MAX_ROWS = 1 << 40

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flashnext.records import VALIDATE_AB
 from flashnext.validate import ab_metrics as M
 from flashnext.validate.ab_prompts import Prompt, fill_repeats
 from flashnext.validate.ab_server import RequestFailed, Side
@@ -45,7 +46,7 @@ from flashnext.validate.client import Client
 from flashnext.validate.deployment import DeploymentProbe
 from flashnext.validate.interrupts import Interrupts
 
-KIND = "flashnext.validate.ab"
+KIND = VALIDATE_AB
 SCHEMA_VERSION = 1
 #: Room left for the chat template's own tokens when filling long prompts.
 _TEMPLATE_SLACK = 16

@@ -45,7 +45,10 @@ from flashnext._extras import require
 from flashnext.errors import ValidationError
 from flashnext.records import (
     REDACTED,
+    VALIDATE_COMPARE,
+    VALIDATE_REPORT,
     RecordError,
+    check_fields,
     check_record,
     dumps,
     make_record,
@@ -57,9 +60,9 @@ from flashnext.status import STYLES, read_status
 from flashnext.validate.output import Render, Written, check_writable, write_files
 from flashnext.validate.stages.result import ValidationResult
 
-REPORT_KIND = "flashnext.validate.report"
+REPORT_KIND = VALIDATE_REPORT
 SCHEMA_VERSION = 2
-COMPARE_KIND = "flashnext.validate.compare"
+COMPARE_KIND = VALIDATE_COMPARE
 REPORT_FILES = ("report.json", "report.md", "report.png")
 
 
@@ -326,7 +329,7 @@ def load_report(path: Path) -> dict[str, Any]:
             raise ValidationError(
                 f"{path}: not a flashnext validate report (no {', '.join(missing)})"
             )
-        return _read_statuses(_from_v1(data), path)
+        return _read_statuses(_checked_fields(_from_v1(data), path), path)
     try:
         check_record(data, kind=REPORT_KIND, source=str(path))
     except RecordError as exc:
@@ -334,23 +337,50 @@ def load_report(path: Path) -> dict[str, Any]:
     missing = [k for k in ("server", "stages", "target", "passed", "probes") if k not in data]
     if missing:
         raise ValidationError(f"{path}: not a flashnext validate report (no {', '.join(missing)})")
-    return _read_statuses(data, path)
+    return _read_statuses(_checked_fields(data, path), path)
 
 
 def _read_statuses(report: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``report`` with every stage's status in today's words (older reports wrote ``skipped``).
+    """``report`` (its fields checked) with every stage's status in today's words (older
+    reports wrote ``skipped``).
 
     Raises:
-        ValidationError: ``stages`` is not a list of objects, or a status is not a status word.
+        ValidationError: a status is not a status word.
     """
-    stages = report["stages"]
-    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
-        raise ValidationError(f"{path}: stages: expected a list of stage objects")
-    for i, stage in enumerate(stages):
+    for i, stage in enumerate(report["stages"]):
         try:
             stage["status"] = read_status(stage.get("status"))
         except ValueError as exc:
             raise ValidationError(f"{path}: stages[{i}]: {exc}") from None
+    return report
+
+
+_OPT = type(None)
+#: The fields :func:`compare` reads, and their types (checked when a report is read).
+REPORT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "environment": dict,
+    "environment.created": (str, _OPT),
+    "target": dict,
+    "target.url": str,
+    "passed": bool,
+    "interrupted": (dict, _OPT),
+    "interrupted.signal": (str, int, _OPT),
+    "server": dict,
+    "server.gpu": (dict, _OPT),
+    "server.cache_config_info": (dict, _OPT),
+    "stages": list,
+    "stages[]": dict,
+    "stages[].name": str,
+    "stages[].status": str,
+    "stages[].key": (dict, _OPT),
+}
+
+
+def _checked_fields(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    try:
+        check_fields(report, REPORT_FIELDS, str(path))
+    except RecordError as exc:
+        raise ValidationError(str(exc)) from None
     return report
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -54,12 +55,25 @@ class Run:
         if self._progress is not None:
             self._progress(stage, message, fraction)
 
+    def _why_401(self) -> str:
+        """What was sent, for an unauthorized answer: the URL's credentials, when it has them,
+        go as HTTP Basic auth and take the place of --api-key's bearer token."""
+        parts = urllib.parse.urlsplit(self.cfg.url)
+        if parts.username is not None or parts.password is not None:
+            if self.cfg.api_key:
+                return (
+                    "unauthorized: the URL's user:password@ was sent as HTTP Basic auth in place "
+                    "of --api-key; drop it from --url"
+                )
+            return "unauthorized: the URL's user:password@ was sent as HTTP Basic auth and refused"
+        key = "a wrong --api-key" if self.cfg.api_key else "no --api-key"
+        return f"unauthorized: {key} was sent"
+
     async def discover(self) -> str | None:
         """Read ``/v1/models``: the served model and ``max_model_len``. Returns an error or None."""
         status, text, _ = await self.client.get("/v1/models", timeout_s=10.0)
         if status in (401, 403):
-            key = "a wrong --api-key" if self.cfg.api_key else "no --api-key"
-            return f"GET {self.cfg.url}/v1/models: HTTP {status} (unauthorized: {key} was sent)"
+            return f"GET {redact_url(self.cfg.url)}/v1/models: HTTP {status} ({self._why_401()})"
         try:
             data = json.loads(text) if status == 200 else None
         except ValueError:
@@ -75,7 +89,7 @@ class Run:
             self.model = ids[0]
         card = next((c for c in cards if c.get("id") == self.model), None)
         if card is None:
-            return f"--model {self.model!r} is not served at {self.cfg.url}; served: {ids}"
+            return f"--served-model {self.model!r} is not served at {self.cfg.url}; served: {ids}"
         mml = card.get("max_model_len") or card.get("context_length")
         self.max_model_len = int(mml) if mml else None
         return None
