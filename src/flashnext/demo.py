@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from flashnext._extras import require
+from flashnext.ple.destination import write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
 from flashnext.ple.quantize import SidecarSource, quantize_table
-from flashnext.ple.sidecar import write_sidecar
 from flashnext.ple.table import open_table
 from flashnext.synthetic import embedding_rows, flash_next_config
 

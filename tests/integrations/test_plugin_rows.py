@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
+from flashnext.ple.destination import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar, write_sidecar
+from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
 from flashnext.synthetic import flash_next_config
 
