@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -24,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from flashnext._extras import require
-from flashnext.ple.destination import write_sidecar
+from flashnext.errors import SidecarError
+from flashnext.ple.destination import recorded_source, write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
@@ -39,7 +41,7 @@ PREFILL_TOKENS = 8192
 
 def corpus_files(limit_bytes: int = 6_000_000) -> list[Path]:
     """Text files on this machine: licence texts and the Python standard library's sources."""
-    roots = [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+    roots = corpus_roots()
     files: list[Path] = []
     total = 0
     for root in roots:
@@ -122,9 +124,21 @@ def run_demo(
     workers: int | None = None,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
 ) -> DemoResult:
-    """Run the demo in ``out_dir`` (created) and return every number it measured."""
+    """Run the demo in ``out_dir`` (created) and return every number it measured.
+
+    ``out_dir`` must be new, empty or an earlier demo's output (:func:`demo_output_problem`);
+    an earlier demo's tables are rebuilt.
+
+    Raises:
+        SidecarError: ``out_dir`` holds anything else.
+    """
     t0 = time.perf_counter()
     out = Path(out_dir)
+    problem = demo_output_problem(out)
+    if problem:
+        raise SidecarError(problem)
+    for name in DEMO_TABLES:  # the demo's own tables (checked above): rebuilt from scratch
+        shutil.rmtree(out / name, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     workers = workers or min(4, os.cpu_count() or 1)
     rng = np.random.default_rng()
@@ -178,6 +192,38 @@ def run_demo(
     )
 
 
+#: The directories the demo writes in its output directory, one table per format.
+DEMO_TABLES = tuple(f"ple_{fmt}" for fmt in FORMATS)
+_GENERATOR = "flashnext.synthetic.embedding_rows"
+
+
+def demo_output_problem(out: str | os.PathLike[str]) -> str | None:
+    """Why the demo may not write into ``out``, or None: it must be missing, empty, or hold
+    only tables an earlier demo wrote there (the demo never replaces anything else)."""
+    root = Path(out)
+    if not root.is_dir():
+        return None
+    bf16 = (root / "ple_bf16").resolve()
+    for entry in sorted(root.iterdir()):
+        source = recorded_source(entry) if entry.name in DEMO_TABLES else None
+        ours = source is not None and (
+            source.get("generator") == _GENERATOR
+            if entry.name == "ple_bf16"
+            else source.get("kind") == "sidecar" and source.get("path") == str(bf16)
+        )
+        if not ours:
+            return (
+                f"{entry} was not written by `flashnext demo`; the demo only writes into a new "
+                "or empty directory, or rebuilds its own tables: choose another --out"
+            )
+    return None
+
+
+def corpus_roots() -> list[Path]:
+    """The directories the demo reads its text from (inputs a destination must stay clear of)."""
+    return [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+
+
 def _write_bf16_source(directory: Path, geo: PLEGeometry, source_rows: np.ndarray) -> Path:
     """Write ``source_rows`` (float32 [num_rows, width]) as the demo's BF16 sidecar."""
     write_sidecar(
@@ -186,7 +232,7 @@ def _write_bf16_source(directory: Path, geo: PLEGeometry, source_rows: np.ndarra
         source_rows,
         geo.shard_rows(),
         geometry=geo.to_dict(),
-        source={"kind": "synthetic", "generator": "flashnext.synthetic.embedding_rows"},
+        source={"kind": "synthetic", "generator": _GENERATOR},
     )
     return directory
 
@@ -200,7 +246,6 @@ def _quantize(bf16_dir: Path, directory: Path, fmt: str, geo: PLEGeometry, worke
         geo.shard_rows(),
         workers=workers,
         geometry=geo.to_dict(),
-        force=True,  # the demo's own output directory: always rebuilt
     )
     return result.rel_rmse
 

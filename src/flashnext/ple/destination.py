@@ -72,6 +72,7 @@ __all__ = [
     "SidecarDestination",
     "SidecarWriter",
     "destination_problem",
+    "recorded_source",
     "write_sidecar",
 ]
 
@@ -561,6 +562,21 @@ class SidecarDestination:
         """A ``force`` run that ran out of space: its partial table only holds the space."""
         if self.replaces:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def recorded_source(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``source`` a sidecar writer recorded in ``directory`` (finished or not), or None
+    when the directory holds anything a sidecar writer does not write, or no record at all.
+
+    Lets a command that rebuilds its own tables (the demo) tell them from anything else.
+    """
+    root = Path(directory)
+    names = _listing(root)
+    if not names or not all(SidecarDestination._ours(n, 1 << 20) for n in names):
+        return None
+    found = _found(root)
+    source = (found.params or {}).get("source")
+    return dict(source) if isinstance(source, Mapping) else None
 
 
 def _listing(directory: Path) -> list[str]:

@@ -62,6 +62,7 @@ __all__ = [
     "effective_workers",
     "quantize_shard",
     "quantize_table",
+    "usable_cpus",
 ]
 
 DEFAULT_BLOCK_ROWS = 65536
@@ -411,16 +412,20 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def effective_workers(requested: int, shards: int) -> int:
     """Worker processes for ``shards`` shards: at most one per shard and per usable CPU.
 
     More processes than CPUs only add memory (each holds a shard's tensors and a block).
     """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(requested, shards, cpus))
+    return max(1, min(requested, shards, usable_cpus()))
 
 
 def _run_shards(
