@@ -133,13 +133,7 @@ def run_demo(
         SidecarError: ``out_dir`` holds anything else.
     """
     t0 = time.perf_counter()
-    out = Path(out_dir)
-    problem = demo_output_problem(out)
-    if problem:
-        raise SidecarError(problem)
-    for name in DEMO_TABLES:  # the demo's own tables (checked above): rebuilt from scratch
-        shutil.rmtree(out / name, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _prepare_out(Path(out_dir))
     workers = workers or min(4, os.cpu_count() or 1)
     rng = np.random.default_rng()
 
@@ -167,15 +161,8 @@ def run_demo(
     numpy_decode = _median_time(50, np.take, bf16_array, ids.decode, 0)
     numpy_prefill = _median_time(5, np.take, bf16_array, ids.prefill, 0)
 
-    rows: list[FormatRow] = []
-    for fmt in FORMATS:
-        if fmt == "bf16":
-            directory, rmse = bf16_dir, rel_rmse(source_rows, bf16_rows)
-        else:
-            log(f"quantizing to {fmt} ({workers} workers)")
-            directory = out / f"ple_{fmt}"
-            rmse = _quantize(bf16_dir, directory, fmt, geo, workers)
-        rows.append(_time_lookups(fmt, directory, geo.width, rmse, ids))
+    bf16_rmse = rel_rmse(source_rows, bf16_rows)
+    rows = [_format_row(fmt, out, geo, bf16_rmse, ids, workers, log) for fmt in FORMATS]
 
     return DemoResult(
         out_dir=str(out),
@@ -190,6 +177,35 @@ def run_demo(
         numpy_take_prefill_ms=numpy_prefill * 1e3,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _format_row(
+    fmt: str,
+    out: Path,
+    geo: PLEGeometry,
+    bf16_rmse: float,
+    ids: _HashedIds,
+    workers: int,
+    log: Callable[[str], None],
+) -> FormatRow:
+    """The BF16 table's row, or ``fmt``'s after quantizing the BF16 table into ``out``."""
+    directory = out / f"ple_{fmt}"
+    rmse = bf16_rmse
+    if fmt != "bf16":
+        log(f"quantizing to {fmt} ({workers} workers)")
+        rmse = _quantize(out / "ple_bf16", directory, fmt, geo, workers)
+    return _time_lookups(fmt, directory, geo.width, rmse, ids)
+
+
+def _prepare_out(out: Path) -> Path:
+    """``out`` created, with an earlier demo's tables removed (anything else refused)."""
+    problem = demo_output_problem(out)
+    if problem:
+        raise SidecarError(problem)
+    for name in DEMO_TABLES:  # the demo's own tables (checked above): rebuilt from scratch
+        shutil.rmtree(out / name, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 #: The directories the demo writes in its output directory, one table per format.

@@ -500,6 +500,8 @@ def quantize_table(
 ) -> QuantizeResult:
     """Convert ``source`` into a ``fmt`` sidecar at ``dst``, resuming a previous run.
 
+    Length: the docstring documents every argument; the body is a dozen lines.
+
     When the source already stores ``fmt`` exactly (:func:`can_copy`), its tensors are copied
     (rel. RMSE 0, at the speed of the reads and writes) unless ``requantize``.
 
@@ -532,8 +534,6 @@ def quantize_table(
     get_codec(fmt).check_width(source.width)
     if rows_per_shard <= 0:
         raise SidecarError(f"rows_per_shard must be positive, found {rows_per_shard}")
-    if engine not in ENGINES:
-        raise SidecarError(f"engine {engine!r}: expected one of {list(ENGINES)}")
     conversion = "copy" if can_copy(source, fmt) and not requantize else "quantize"
     options = _Options(workers, block_rows, conversion, engine, force, max_row_error)
     described = source.describe()
@@ -565,6 +565,10 @@ class _Options:
     engine: str  # one of ENGINES
     force: bool
     max_row_error: float
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise SidecarError(f"engine {self.engine!r}: expected one of {list(ENGINES)}")
 
 
 def _quantize(
