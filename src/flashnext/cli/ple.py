@@ -27,6 +27,7 @@ from flashnext.cli._common import (
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import terminate_cleanly
 from flashnext.errors import SidecarError
+from flashnext.ple.destination import DestinationLock
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
 from flashnext.ple.preflight import (
@@ -199,6 +200,18 @@ def _quantize(
     max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
     as_json: bool,
 ) -> None:  # fmt: skip
+
+    # The lock before hashing SRC: a second writer into DST is refused at once, not after it.
+    with DestinationLock(dst) as lock:
+        _quantize_locked(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
+                         ignore_source_checksums, requantize, as_json, lock)  # fmt: skip
+
+
+def _quantize_locked(
+    src: Path, dst: Path, fmt: str, rows_per_shard: int | None, workers: int, layer: int | None,
+    max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
+    as_json: bool, lock: DestinationLock,
+) -> None:  # fmt: skip
     from flashnext.checkpoint.sources import open_row_source
 
     with _bar(disable=as_json) as bar:
@@ -232,6 +245,7 @@ def _quantize(
             force=force,
             requantize=requantize,
             max_row_error=max_row_error,
+            lock=lock,
         )
     summary = result.summary(source, dst)
     if as_json:

@@ -170,9 +170,13 @@ class DestinationLock:
         self.dst = dst
         self.path = dst.with_name(f".{dst.name}.flashnext-lock")
         self._fd: int | None = None
+        self._made: list[Path] = []  # parents created for the lock file, deepest last
 
     def acquire(self) -> DestinationLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        missing = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
+        for parent in reversed(missing):
+            parent.mkdir(exist_ok=True)
+            self._made.append(parent)
         while self._fd is None:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -192,6 +196,10 @@ class DestinationLock:
                 os.close(fd)
         return self
 
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is None:
             return
@@ -199,6 +207,10 @@ class DestinationLock:
             self.path.unlink()
         os.close(self._fd)
         self._fd = None
+        for parent in reversed(self._made):  # only those still empty: a failed run's
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        self._made = []
 
     def __enter__(self) -> DestinationLock:
         return self.acquire()
@@ -398,6 +410,15 @@ class _Found:
     shards: dict[int, dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class _Existing:
+    """A directory judged as a destination: this run's own output, or ``refusal``."""
+
+    kept: dict[int, dict[str, Any]]  # shard index -> its record, verified by sha256
+    finished: bool  # the directory already is this exact output
+    refusal: str | None  # what is there, when it is not this run's own output
+
+
 class SidecarDestination:
     """The directory a sidecar is written to, from the first look to the commit.
 
@@ -409,7 +430,10 @@ class SidecarDestination:
 
     ``writer`` is built by the caller for ``dst`` with every setting that makes the output;
     the destination points it at its work directory (``dst``, or ``.DST.flashnext-new`` beside
-    it with ``force``) and starts it. See the module docstring for the rules.
+    it with ``force``) and starts it. ``lock``: a :class:`DestinationLock` on ``dst`` the caller
+    already holds (and releases), e.g. taken before a long read of the source so that a second
+    writer is refused at once; without it the destination takes its own. See the module
+    docstring for the rules.
 
     Raises:
         SidecarError: the rule refuses ``dst`` (an input, ``.``, ...), another process holds
@@ -423,6 +447,7 @@ class SidecarDestination:
         *,
         force: bool = False,
         inputs: Iterable[str | os.PathLike[str]] = (),
+        lock: DestinationLock | None = None,
     ) -> None:
         self.dst = Path(dst)
         self.stage = self.dst.with_name(f".{self.dst.name}.flashnext-new")
@@ -430,7 +455,10 @@ class SidecarDestination:
         self._writer = writer
         self._force = force
         self._inputs = list(inputs)
-        self._lock = DestinationLock(self.dst)
+        self._own_lock = lock is None
+        self._lock = lock or DestinationLock(self.dst)
+        if self._lock.dst != self.dst:
+            raise SidecarError(f"{self._lock.path}: a lock for another destination than {self.dst}")
         self.workdir = self.dst
         self.kept: dict[int, dict[str, Any]] = {}
         self.finished = False  # the destination already is this exact output
@@ -439,20 +467,27 @@ class SidecarDestination:
         problem = destination_problem(self.dst, self._inputs)
         if problem:
             raise SidecarError(problem)
-        self._lock.acquire()
+        if self._own_lock:
+            self._lock.acquire()
+        elif not self._lock.held:
+            raise SidecarError(f"{self._lock.path}: the caller's lock is not held")
         try:
             self._decide()
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
         return self
+
+    def _release(self) -> None:
+        if self._own_lock:
+            self._lock.release()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._free_stage()
         finally:
-            self._lock.release()
+            self._release()
 
     @property
     def replaces(self) -> bool:
@@ -494,30 +529,30 @@ class SidecarDestination:
     # -- refuse or adopt what is there -------------------------------------------------------
     def _decide(self) -> None:
         found = self._existing(self.dst)
-        if not isinstance(found, str):
-            self.kept, self.finished = found
+        if found.refusal is None:
+            self.kept, self.finished = found.kept, found.finished
             return
         if not self._force:
             raise SidecarError(
-                f"{self.dst}: {found}. Refusing to overwrite it: choose a new or empty directory, "
-                "or pass --force to replace it (the old contents stay until the new table is "
-                "complete)"
+                f"{self.dst}: {found.refusal}. Refusing to overwrite it: choose a new or empty "
+                "directory, or pass --force to replace it (the old contents stay until the new "
+                "table is complete)"
             )
         staged = self._existing(self.stage)
-        if isinstance(staged, str):
+        if staged.refusal is not None:
             if not all(self._ours(n, 1 << 20) for n in _listing(self.stage)):
-                raise SidecarError(f"{self.stage}: {staged}; remove it")
+                raise SidecarError(f"{self.stage}: {staged.refusal}; remove it")
             shutil.rmtree(self.stage, ignore_errors=True)  # an earlier --force run's leftovers
-            staged = ({}, False)
+            staged = _Existing({}, False, None)
         self.workdir = self.stage
-        self.kept = staged[0]
+        self.kept = staged.kept
 
-    def _existing(self, directory: Path) -> tuple[dict[int, dict[str, Any]], bool] | str:
-        """Shards to keep and whether finished, if ``directory`` is this run's own output; else
-        a description of what is there (for the refusal)."""
+    def _existing(self, directory: Path) -> _Existing:
+        """What ``directory`` holds: this run's own output (the shards to keep, whether
+        finished), or something else (``refusal`` says what, in words)."""
         names = _listing(directory)
         if not names:
-            return {}, False
+            return _Existing({}, False, None)
         params = self._writer.params
         found = _found(directory)
         num_shards = self._writer.num_shards
@@ -535,14 +570,14 @@ class SidecarDestination:
         if not found.status and not foreign:
             there.append(f"{', '.join(names[:3])} but no flashnext {META_NAME} or run state")
         if there:
-            return "holds " + " and ".join(there)
+            return _Existing({}, False, "holds " + " and ".join(there))
         kept = {}
         for index, record in found.shards.items():
             path = directory / shard_name(index)
             ok = 0 <= index < num_shards and path.is_file()
             if ok and sha256_file(path) == record.get("sha256"):
                 kept[index] = dict(record)
-        return kept, found.status == "finished" and len(kept) == num_shards
+        return _Existing(kept, found.status == "finished" and len(kept) == num_shards, None)
 
     @staticmethod
     def _ours(name: str, num_shards: int) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 
 from flashnext.errors import FormatError, SidecarError
 from flashnext.ple import row_error
-from flashnext.ple.destination import SidecarDestination, SidecarWriter
+from flashnext.ple.destination import DestinationLock, SidecarDestination, SidecarWriter
 from flashnext.ple.formats import Codec, get_codec, stored_non_finite
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
@@ -497,6 +497,7 @@ def quantize_table(
     engine: str = "auto",
     max_row_error: float = row_error.DEFAULT_MAX_ROW_ERROR,
     inputs: Iterable[str | os.PathLike[str]] = (),
+    lock: DestinationLock | None = None,
 ) -> QuantizeResult:
     """Convert ``source`` into a ``fmt`` sidecar at ``dst``, resuming a previous run.
 
@@ -524,6 +525,8 @@ def quantize_table(
         max_row_error: the result's ``row_error["ok"]`` is False when a row's relative error
             exceeds it (the table is written either way; the CLI then exits 1).
         inputs: more paths ``dst`` must stay clear of (the source's own path always counts).
+        lock: a held :class:`~flashnext.ple.destination.DestinationLock` on ``dst`` (taken by
+            the caller before opening the source); else one is taken here.
 
     Raises:
         SidecarError: bad arguments, a destination that holds something else (without
@@ -535,7 +538,7 @@ def quantize_table(
     if rows_per_shard <= 0:
         raise SidecarError(f"rows_per_shard must be positive, found {rows_per_shard}")
     conversion = "copy" if can_copy(source, fmt) and not requantize else "quantize"
-    options = _Options(workers, block_rows, conversion, engine, force, max_row_error)
+    options = _Options(workers, block_rows, conversion, engine, force, max_row_error, lock)
     described = source.describe()
     inputs = [*inputs, *([described["path"]] if described.get("path") else [])]
     try:
@@ -565,6 +568,7 @@ class _Options:
     engine: str  # one of ENGINES
     force: bool
     max_row_error: float
+    lock: DestinationLock | None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -589,7 +593,7 @@ def _quantize(
         dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, source.describe(),
         settings,
     )  # fmt: skip
-    with SidecarDestination(dst, writer, force=opt.force, inputs=inputs) as dest:
+    with SidecarDestination(dst, writer, force=opt.force, inputs=inputs, lock=opt.lock) as dest:
         for index in dest.kept:
             if on_shard:
                 start, end = writer.shard_rows(index)
