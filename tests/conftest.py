@@ -51,7 +51,7 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 @pytest.fixture(scope="session")
 def cli_inputs(tmp_path_factory: pytest.TempPathFactory):
     """Real inputs for every command (a checkpoint, a sidecar, a validate report)."""
-    from .cli_inputs import build_inputs
+    from .cli.inputs import build_inputs
 
     return build_inputs(tmp_path_factory.mktemp("cli-inputs"), seeded_rng("cli_inputs"))
 
@@ -59,12 +59,10 @@ def cli_inputs(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """``flashnext demo --base 2000 --out DIR --json`` run once: (DIR, stdout)."""
-    from .cli_inputs import run_subprocess
+    from .cli.runner import run_ok
 
     out = tmp_path_factory.mktemp("demo") / "demo"
-    code, stdout, stderr = run_subprocess(["demo", "--base", "2000", "--out", out, "--json"])
-    assert code == 0, stderr
-    return out, stdout
+    return out, run_ok("demo", "--base", "2000", "--out", out, "--json").stdout
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import numpy as np
 
 from flashnext._extras import require
 from flashnext.errors import SidecarError
+from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import recorded_source, write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
@@ -303,9 +304,9 @@ def _time_lookups(fmt: str, directory: Path, width: int, rmse: float, ids: _Hash
     """Size on disk and open/decode/prefill lookup times of the table in ``directory``."""
     size = sum(p.stat().st_size for p in directory.glob("shard_*.safetensors"))
     row = FormatRow(fmt, size, open_table(directory).codec.bytes_per_row(width), rmse)
-    for residency in ("mmap", "resident"):
+    for residency in RESIDENCIES:
         t = time.perf_counter()
-        table = open_table(directory, residency)  # type: ignore[arg-type]
+        table = open_table(directory, residency)
         row.open_ms[residency] = (time.perf_counter() - t) * 1e3
         table.lookup(ids.prefill)  # warm the page cache / first touch
         row.decode_us[residency] = _median_time(30, table.lookup, ids.decode) * 1e6

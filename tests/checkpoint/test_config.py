@@ -18,8 +18,8 @@ from flashnext.checkpoint.config import (
 from flashnext.errors import CheckpointError
 from flashnext.records import check_record
 
+from ..cli.runner import run_in_process
 from .builder import build_checkpoint, make_config
-from .test_snapshot import run_cli
 
 MAPPING = ["--layer-type", "qwen_sparse_attention=full_attention"]
 
@@ -29,7 +29,7 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
     built = build_checkpoint(tmp_path / "ck", base=400, nested=nested, files=2)
     original = (built.root / "config.json").read_bytes()
     out = tmp_path / "patched"
-    code, printed, _ = run_cli(
+    code, printed, _ = run_in_process(
         [
             "checkpoint",
             "override",
@@ -71,14 +71,14 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
     assert verify_snapshot(out).ok
     assert find_ple_tables(out)[0].num_rows == find_ple_tables(built.root)[0].num_rows
     # running it again refreshes our own copy; it still refuses a config.json it did not write
-    code, _, _ = run_cli(
+    code, _, _ = run_in_process(
         ["checkpoint", "override", str(built.root), *MAPPING, "--out", str(out)], capsys
     )
     assert code == 0
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "config.json").write_text("{}")
-    code, _, err = run_cli(
+    code, _, err = run_in_process(
         ["checkpoint", "override", str(built.root), *MAPPING, "--out", str(foreign)], capsys
     )
     assert code == 1 and "not written by flashnext" in err
@@ -88,7 +88,7 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
 def test_hf_overrides_json(tmp_path, capsys, nested):
     built = build_checkpoint(tmp_path / "ck", base=400, nested=nested)
     original = (built.root / "config.json").read_bytes()
-    code, out, err = run_cli(
+    code, out, err = run_in_process(
         ["checkpoint", "override", str(built.root), *MAPPING, "--hf-overrides"], capsys
     )
     assert code == 0 and (built.root / "config.json").read_bytes() == original
@@ -102,18 +102,19 @@ def test_hf_overrides_json(tmp_path, capsys, nested):
 def test_bad_override_requests(tmp_path, capsys):
     built = build_checkpoint(tmp_path / "ck", base=400)
     root = str(built.root)
-    code, _, err = run_cli(
+    code, _, err = run_in_process(
         ["checkpoint", "override", root, "--layer-type", "mamba=full_attention", "--hf-overrides"],
         capsys,
     )
     assert code == 1 and "no layer_types entry equals ['mamba']" in err
-    code, _, err = run_cli(["checkpoint", "override", root, *MAPPING, "--out", root], capsys)
-    assert code == 1 and "never edited in place" in err
+    # the destination rule every writing command shares (exit 2, before any work)
+    code, _, err = run_in_process(["checkpoint", "override", root, *MAPPING, "--out", root], capsys)
+    assert code == 2 and "is the input" in err
     inside = str(built.root / "patched")
-    code, _, err = run_cli(["checkpoint", "override", root, *MAPPING, "--out", inside], capsys)
-    assert code == 1 and "is the checkpoint or inside it" in err
+    code, _, err = run_in_process(["checkpoint", "override", root, *MAPPING, "--out", inside], capsys)
+    assert code == 2 and "lies inside the input" in err
     assert not (built.root / "patched").exists()
-    code, _, err = run_cli(["checkpoint", "override", root, *MAPPING], capsys)
+    code, _, err = run_in_process(["checkpoint", "override", root, *MAPPING], capsys)
     assert code == 2 and "exactly one of" in err
     with pytest.raises(CheckpointError, match="expected OLD=NEW"):
         parse_mapping(["qwen_sparse_attention"])

@@ -21,8 +21,8 @@ from flashnext.ple.quantize import STATE_NAME, quantize_table
 from flashnext.ple.sidecar import META_NAME
 from flashnext.ple.table import open_table
 
+from ..cli.runner import popen, run, run_in_process
 from .builder import build_checkpoint, rewrite
-from .test_snapshot import run_cli
 
 # rel. RMSE bounds for Gaussian-like rows: bf16 keeps 8 bits, e4m3 3 mantissa bits, 4-bit
 # formats ~3 effective bits. Loose enough to never flake, tight enough to catch a wrong scale.
@@ -45,7 +45,7 @@ def test_quantize_from_checkpoint(tmp_path, capsys, src_fmt, layout, prefix):
     ref = built.refs[4]
     for fmt in ("bf16", "fp8", "int4", "nvfp4"):
         dst = tmp_path / f"out-{fmt}"
-        code, out, _ = run_cli(
+        code, out, _ = run_in_process(
             [
                 "ple",
                 "quantize",
@@ -123,30 +123,20 @@ def test_non_finite_nvfp4_block_scale_is_named(tmp_path):
         quantize_table(open_table_source(built.root), tmp_path / "out", "int4", S)
 
 
-def _cli(*args):
-    # the real console entry point in a fresh interpreter, as a user would run it
-    return [sys.executable, "-c", "from flashnext.cli import main; main()", *args]
-
-
 def test_sigkill_then_resume_is_byte_identical(tmp_path, capsys):
     built = build_checkpoint(tmp_path / "ck", fmt="bf16", layout="whole", base=2000)
     args = ["ple", "quantize", str(built.root)]
     opts = ["--format", "nvfp4", "--rows-per-shard", "2048", "--workers", "2", "--json"]
 
     # the uninterrupted run
-    code, out, _ = run_cli([*args, str(tmp_path / "clean"), *opts], capsys)
+    code, out, _ = run_in_process([*args, str(tmp_path / "clean"), *opts], capsys)
     assert code == 0
     num_shards = json.loads(out)["num_shards"]
     assert num_shards >= 16
 
     # a run killed (with its worker processes) once at least one shard is recorded as done
     dst = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _cli(*args, str(dst), *opts),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    proc = popen(*args, dst, *opts, text=False, start_new_session=True)
     state = dst / STATE_NAME
     deadline = time.monotonic() + 20
     done = 0
@@ -168,8 +158,8 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, capsys):
     assert 1 <= recorded < num_shards and not (dst / META_NAME).exists()
 
     # the same command again resumes and finishes
-    rerun = subprocess.run(_cli(*args, str(dst), *opts), capture_output=True, timeout=60)
-    assert rerun.returncode == 0, rerun.stderr.decode()[-2000:]
+    rerun = run(*args, dst, *opts, timeout=60)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
     summary = json.loads(rerun.stdout)
     assert summary["shards_kept"] >= recorded and summary["shards_written"] >= 1
     assert summary["shards_kept"] + summary["shards_written"] == num_shards

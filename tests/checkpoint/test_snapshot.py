@@ -10,8 +10,8 @@ import struct
 import pytest
 
 from flashnext.checkpoint.snapshot import file_digest, verify_snapshot
-from flashnext.cli import main
 
+from ..cli.runner import run_in_process
 from .builder import build_checkpoint, git_blob_sha1, to_hf_cache
 
 
@@ -35,18 +35,6 @@ def _errors(report):
     return [(f.file, f.message) for f in report.errors]
 
 
-def run_cli(argv, capsys):
-    """Run ``flashnext ARGV`` in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()  # drop what the fixtures printed (the rng seed)
-    code = 0
-    try:
-        main(argv)
-    except SystemExit as exc:
-        code = exc.code or 0
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_complete_snapshot_passes_with_hashes(snap, capsys):
     report = verify_snapshot(snap, hash=True)
     assert report.ok, _errors(report)
@@ -55,7 +43,7 @@ def test_complete_snapshot_passes_with_hashes(snap, capsys):
     assert by_name["model-00001-of-00003.safetensors"].algorithm == "sha256"
     assert by_name["config.json"].algorithm == "git-sha1"  # small non-LFS file: git blob sha1
     assert all(f.hash_ok for f in report.files)
-    code, out, _ = run_cli(["checkpoint", "verify", str(snap), "--hash", "--json"], capsys)
+    code, out, _ = run_in_process(["checkpoint", "verify", str(snap), "--hash", "--json"], capsys)
     doc = json.loads(out)
     assert code == 0 and doc["ok"] and doc["schema_version"] == 1 and doc["hashed"]
 
@@ -73,7 +61,7 @@ def test_truncated_shard(snap, capsys):
     errs = _errors(report)
     assert not report.ok
     assert errs[0][0] == "model-00002-of-00003.safetensors" and "truncated" in errs[0][1]
-    code, out, _ = run_cli(["checkpoint", "verify", str(snap)], capsys)
+    code, out, _ = run_in_process(["checkpoint", "verify", str(snap)], capsys)
     assert code == 1 and "INCOMPLETE" in out and "truncated" in out
 
 
@@ -183,7 +171,7 @@ def test_hf_cache_layout_verifies_by_blob_name(pristine, tmp_path, capsys):
     # a dangling symlink (blob never arrived) and a partial blob
     blob.unlink()
     (repo / "blobs" / (blob.name + ".incomplete")).write_bytes(b"partial")
-    code, out, _ = run_cli(["checkpoint", "verify", str(repo), "--json"], capsys)
+    code, out, _ = run_in_process(["checkpoint", "verify", str(repo), "--json"], capsys)
     doc = json.loads(out)
     assert code == 1 and not doc["ok"]
     msgs = " ".join(f["message"] for f in doc["findings"])
@@ -225,7 +213,7 @@ def test_index_entry_outside_the_snapshot_is_refused(snap, tmp_path, capsys, nam
     assert "outside the snapshot" in m
     with pytest.raises(CheckpointError, match="outside the snapshot"):
         tensor_map(snap)
-    code, _, err = run_cli(["checkpoint", "ple", str(snap)], capsys)
+    code, _, err = run_in_process(["checkpoint", "ple", str(snap)], capsys)
     assert code == 1 and err.count("\n") == 1 and "outside the snapshot" in err
 
 
@@ -238,7 +226,7 @@ def test_config_that_is_not_an_object_fails_verify(snap, capsys, text, kind):
     assert [(f, m) for f, m in _errors(report)] == [
         ("config.json", f"a JSON {kind}, expected an object of config fields; re-download it")
     ]
-    code, _, err = run_cli(["checkpoint", "verify", str(snap)], capsys)
+    code, _, err = run_in_process(["checkpoint", "verify", str(snap)], capsys)
     assert code == 1 and err.startswith("error: ") and err.count("\n") == 1
 
 
@@ -246,7 +234,7 @@ def test_bad_ple_field_names_config_json_and_the_fix(snap, capsys):
     config = json.loads((snap / "config.json").read_text())
     config["ple_embed_dim"] = 2561
     (snap / "config.json").write_text(json.dumps(config))
-    code, _, err = run_cli(["checkpoint", "ple", str(snap)], capsys)
+    code, _, err = run_in_process(["checkpoint", "ple", str(snap)], capsys)
     assert code == 1 and err.count("\n") == 1
     assert err.startswith(f"error: {snap / 'config.json'}: ") and "ple_embed_dim" in err
     assert "correct the field in config.json" in err
@@ -255,7 +243,7 @@ def test_bad_ple_field_names_config_json_and_the_fix(snap, capsys):
 def test_verify_json_is_a_record(snap, capsys):
     from flashnext.records import check_record
 
-    code, out, err = run_cli(["checkpoint", "verify", str(snap), "--json"], capsys)
+    code, out, err = run_in_process(["checkpoint", "verify", str(snap), "--json"], capsys)
     doc = check_record(json.loads(out), kind="flashnext.checkpoint.verify", schema_version=1)
     assert code == 0 and doc["ok"] and err == ""
 
@@ -267,7 +255,7 @@ def test_empty_shard_note_is_data(tmp_path, capsys):
     (report,) = report_ple_tables(built.root, tp_size=2)
     assert report.notes == [LAYOUT_NOTES["empty-shard"]] and len(report.ranks) == 2
     assert report.to_dict()["notes"] == report.notes
-    code, out, _ = run_cli(["checkpoint", "ple", str(built.root)], capsys)
+    code, out, _ = run_in_process(["checkpoint", "ple", str(built.root)], capsys)
     assert code == 0 and f"note: {LAYOUT_NOTES['empty-shard']}" in " ".join(out.split())
     (plain,) = report_ple_tables(build_checkpoint(tmp_path / "ck2", base=400).root)
     assert plain.notes == [] and plain.ranks == []

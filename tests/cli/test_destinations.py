@@ -19,7 +19,8 @@ import pytest
 
 from flashnext.ple.destination import destination_problem
 
-from ..cli_inputs import ProfileInputs, build_profile_inputs, run_in_process
+from .inputs import ProfileInputs, build_profile_inputs
+from .runner import run_in_process
 
 DEAD_URL = "http://127.0.0.1:9"  # discard port: nothing listens; never reached when refused
 

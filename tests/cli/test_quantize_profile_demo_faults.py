@@ -27,23 +27,14 @@ from flashnext.ple import open_sidecar, write_sidecar
 from flashnext.ple.profile import load_profile
 from flashnext.synthetic import embedding_rows
 
-from ..cli_inputs import ProfileInputs, build_profile_inputs, run_in_process
+from .inputs import ProfileInputs, build_profile_inputs
+from .runner import popen, run_in_process, run_ok
 
 LINUX = sys.platform.startswith("linux")
 
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "COLUMNS": "200", **extra}
-
-
-def _start(*args: object, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashnext", *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env or _env(),
-    )
 
 
 def _wait_for(proc: subprocess.Popen[str], condition, deadline_s: float = 180) -> None:
@@ -201,7 +192,7 @@ def test_full_disk_error_names_a_file_and_the_rerun_resumes(tmp_path, rng):
 def test_sigterm_of_demo_removes_its_temporary_directory(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = _start("demo", "--base", "1000", env=_env(TMPDIR=str(tmp)))
+    proc = popen("demo", "--base", "1000", env={"TMPDIR": str(tmp)})
     _wait_for(proc, lambda: any(p.name.startswith("flashnext-demo-") for p in tmp.iterdir()))
     time.sleep(1.0)  # well inside the work
     proc.send_signal(signal.SIGTERM)
@@ -215,22 +206,16 @@ def test_sigterm_of_demo_removes_its_temporary_directory(tmp_path):
 def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng):
     write_sidecar(tmp_path / "src", "bf16", embedding_rows(16000, 160, rng), 2000)
     dst = tmp_path / "dst"
-    proc = _start("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
+    proc = popen("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
     _wait_for(proc, lambda: (dst / ".flashnext-quantize.json").exists())
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "leaked semaphore" not in err and "resource_tracker" not in err, err
     assert _error_line(err) == "error: terminated (SIGTERM)"
-    again = subprocess.run(
-        [sys.executable, "-m", "flashnext", "ple", "quantize", tmp_path / "src", dst, "--format",
-         "int4", "--workers", "2"],
-        capture_output=True, text=True, timeout=300, env=_env(),
-    )  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
+    run_ok("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
     whole = tmp_path / "whole"
-    run_once = [sys.executable, "-m", "flashnext", "ple", "quantize", tmp_path / "src", whole]
-    subprocess.run([*run_once, "--format", "int4"], check=True, capture_output=True, env=_env())
+    run_ok("ple", "quantize", tmp_path / "src", whole, "--format", "int4")
     assert _digests(dst) == _digests(whole)  # resumed == uninterrupted, byte for byte
     assert open_sidecar(dst).format == "int4"
 

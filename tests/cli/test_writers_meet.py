@@ -21,24 +21,13 @@ from flashnext.ple import open_sidecar, write_sidecar
 from flashnext.ple.destination import DestinationLock
 from flashnext.synthetic import embedding_rows
 
+from .runner import popen, run
+
 LINUX = sys.platform.startswith("linux")
 
 
-def _start(*args: object) -> subprocess.Popen[str]:
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashnext", *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-
-
 def _run(*args: object) -> subprocess.CompletedProcess[str]:
-    proc = _start(*args)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run(*args)
 
 
 def _stop_once_locked(proc: subprocess.Popen[str], dst: Path) -> None:
@@ -83,7 +72,7 @@ def _leftovers(root: Path) -> list[str]:
 @pytest.mark.skipif(not LINUX, reason="SIGSTOP/SIGCONT and flock as on Linux")
 def test_second_writer_is_refused_naming_the_first(tmp_path, source):
     dst = tmp_path / "dst"
-    first = _start("ple", "quantize", source, dst, "--format", "int4")
+    first = popen("ple", "quantize", source, dst, "--format", "int4")
     try:
         _stop_once_locked(first, dst)
         second = _run("ple", "quantize", source, dst, "--format", "int4")
@@ -104,7 +93,7 @@ def test_second_writer_is_refused_naming_the_first(tmp_path, source):
 def test_force_race_leaves_no_mixed_table(tmp_path, source, rng):
     dst = tmp_path / "dst"
     write_sidecar(dst, "fp8", embedding_rows(300, 160, rng), 100)
-    first = _start("ple", "quantize", source, dst, "--format", "int4", "--force")
+    first = popen("ple", "quantize", source, dst, "--format", "int4", "--force")
     try:
         _stop_once_locked(first, dst)
         second = _run("ple", "quantize", source, dst, "--format", "nvfp4", "--force")
@@ -123,7 +112,7 @@ def test_force_race_leaves_no_mixed_table(tmp_path, source, rng):
 @pytest.mark.skipif(not LINUX, reason="SIGKILL releases flock as on Linux")
 def test_a_killed_writer_does_not_block_the_next(tmp_path, source):
     dst = tmp_path / "dst"
-    first = _start("ple", "quantize", source, dst, "--format", "int4")
+    first = popen("ple", "quantize", source, dst, "--format", "int4")
     _stop_once_locked(first, dst)
     first.kill()
     first.communicate(timeout=60)

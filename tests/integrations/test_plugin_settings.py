@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import CHECKED, is_checked, release, require_checked
 
 
@@ -35,6 +37,23 @@ def test_additional_config_section_is_read(tmp_path):
     settings = PluginSettings.resolve(env={}, additional_config=config)
     assert settings.ple_sidecar == tmp_path and settings.moe_guard
     assert PluginSettings.resolve(env={}, additional_config={"other": 1}) == PluginSettings()
+
+
+def test_command_line_switches_a_part_on_at_startup(tmp_path):
+    """vLLM calls the plugin before it has a config: the serve command's JSON is what it sees."""
+    section = json.dumps({"flashnext": {"ple_sidecar": str(tmp_path), "ple_placement": "staged"}})
+    for argv in (
+        ["vllm", "serve", "/m", "--additional-config", section],
+        ["vllm", "serve", "/m", f"--additional-config={section}"],
+    ):
+        settings = PluginSettings.at_startup(env={}, argv=argv)
+        assert settings.parts == ("ple_sidecar",) and settings.ple_placement == "staged"
+    assert PluginSettings.at_startup(env={}, argv=["vllm", "serve", "/m"]).parts == ()
+    # Not JSON, or no value: vLLM reports it; the plugin stays off rather than guess.
+    assert command_line_config(["vllm", "--additional-config", "{bad"]) is None
+    assert command_line_config(["vllm", "--additional-config"]) is None
+    on = PluginSettings.at_startup(env={"FLASHNEXT_MOE_GUARD": "1"}, argv=["vllm"])
+    assert on.parts == ("moe_guard",)
 
 
 @pytest.mark.parametrize(
@@ -78,6 +97,7 @@ def test_same_value_in_both_sources_is_fine(tmp_path):
 
 def test_versions_checked_and_refused():
     assert set(CHECKED) == {"0.32.0", "0.33.0"}
+    assert not is_checked("0.32.1")  # a patch release is another release
     assert release("0.32.0+cpu") == "0.32.0" and is_checked("0.32.0+cpu")
     assert not is_checked("0.34.0")
     require_checked("0.33.0", allow_untested=False)

@@ -134,6 +134,7 @@ def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
                 proc.kill()
                 proc.wait()
     results: dict = {"seed": SEED, "rows": rows, "sidecars": sidecars, "root": root}
+    results["max_tokens"] = spec["max_tokens"]
     for world, rank in WORLD_RANKS:
         facts = json.loads((out / f"world{world}_rank{rank}.json").read_text())
         assert "crash" not in facts, facts["crash"]
@@ -150,12 +151,20 @@ def test_unchecked_version_is_refused_and_nothing_applied(probes):
     assert facts["unchecked_enabled_oot"] == []
     # Installed but nothing switched on: no error, nothing registered, one line that says so.
     assert facts["unchecked_off_error"] is None and facts["unchecked_off_oot"] == []
-    assert any(line.startswith("flashnext plugin: off: vLLM 0.31.0") for line in facts["setup_log"])
+    assert any(line.startswith("flashnext plugin: off: no part") for line in facts["setup_log"])
+
+
+def test_nothing_switched_on_registers_nothing(probes):
+    for world, rank in WORLD_RANKS:
+        facts, _ = probes[(world, rank)]
+        assert facts["oot_when_off"] == []
 
 
 def test_entry_point_registers_once_and_twice_is_harmless(probes):
+    """Switched on by the serve command's --additional-config, as vLLM starts the process."""
     for world, rank in WORLD_RANKS:
         facts, _ = probes[(world, rank)]
+        assert facts["register_error"] is None
         assert facts["oot_after_load"] == REPLACED
         assert facts["second_register_error"] is None
         assert facts["oot_after_second"] == REPLACED
@@ -173,6 +182,28 @@ def test_off_keeps_vllms_own_layer(probes):
         ids = arrays["ids"]
         expect = rows[ids].reshape(ids.shape[0], -1)  # all-reduced over the ranks
         np.testing.assert_array_equal(arrays["vllm"], expect)
+
+
+def test_replacements_hold_vllms_attributes(probes):
+    """The device replacement is built by vLLM's own __init__: the same attributes, plus the
+    rows object and the weight placeholder. The pinned one sets what vLLM's pinned __init__
+    sets, spelled as the installed vLLM's source spells it, less the views of its table."""
+    facts, _ = probes[(1, 0)]
+    ours, vllms = set(facts["bf16_attrs"]), set(facts["vllm_device_attrs"])
+    assert ours - vllms == {"_rows", "weight"} and vllms <= ours
+    vllm_init, our_init = facts["vllm_pinned_init"], facts["our_pinned_init"]
+    assert set(vllm_init) == set(our_init) | set(facts["our_pinned_table_attrs"])
+    assert {name: vllm_init[name] for name in our_init} == our_init
+    heads = 2 * MODEL["heads_per_ngram"]
+    max_rows = probes["max_tokens"] * facts["pinned_etp_dp"]
+    assert facts["pinned_values"] == {
+        "_prefetch_stream": None,
+        "_prefetch_buffer": None,
+        "_prefetch_alloc_lock": "lock",
+        "_prefetch_rows": max_rows,
+        "_num_ngram_heads": heads,
+        "_output_dim": MODEL["ple_embed_dim"],
+    }
 
 
 def test_sidecar_layer_equals_vllms_layer_exactly_in_bf16(probes):

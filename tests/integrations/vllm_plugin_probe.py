@@ -16,10 +16,13 @@ to stand for an unchecked vLLM (only 0.32.0 is installed here).
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import logging
 import os
 import sys
+import textwrap
 import traceback
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -139,7 +142,16 @@ def main() -> None:
         unchecked_version(setup, spec["sidecars"]["bf16"])
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # finds the entry point like any vLLM process
+    load_general_plugins()  # finds the entry point like any vLLM process; nothing switched on
+    setup["oot_when_off"] = oot_names()
+    # As `vllm serve ... --additional-config '{"flashnext": {...}}'` starts a process.
+    section = {"flashnext": {"ple_sidecar": spec["sidecars"]["bf16"]}}
+    own_argv = sys.argv
+    sys.argv = ["vllm", "serve", "/model", "--additional-config", json.dumps(section)]
+    try:
+        setup["register_error"] = error_of(plugin_entry())
+    finally:
+        sys.argv = own_argv
     setup["oot_after_load"] = oot_names()
     setup["second_register_error"] = error_of(plugin_entry())
     setup["oot_after_second"] = oot_names()
@@ -193,6 +205,7 @@ def probe(spec: dict, facts: dict, arrays: dict) -> None:
     facts["off_class"] = (
         type(own.ngram_embedding).__module__ + "." + type(own.ngram_embedding).__qualname__
     )
+    facts["vllm_device_attrs"] = sorted(vars(own.ngram_embedding))
     own.load_weights(checkpoint_tensors(spec, rows, "numbered"))
     arrays["ids"], arrays["vllm"], facts["vllm_dtype"] = run_forward(own, batch)
     facts["vllm_shape"] = list(arrays["vllm"].shape)
@@ -204,6 +217,7 @@ def probe(spec: dict, facts: dict, arrays: dict) -> None:
         emb = layer.ngram_embedding
         facts[f"{fmt}_class"] = type(emb).__module__ + "." + type(emb).__qualname__
         facts[f"{fmt}_params"] = [n for n, _ in emb.named_parameters()]
+        facts[f"{fmt}_attrs"] = sorted(vars(emb))
         loaded = set()
         for layout in ("numbered", "whole", "empty_index"):
             loaded |= layer.load_weights(checkpoint_tensors(spec, rows, layout))
@@ -217,6 +231,7 @@ def probe(spec: dict, facts: dict, arrays: dict) -> None:
         pinned = build(spec, None, cpu_offload=True)
         emb = pinned.ngram_embedding
         facts["pinned_class"] = type(emb).__module__ + "." + type(emb).__qualname__
+        pinned_attrs(emb, facts)
         _, arrays["pinned"], facts["pinned_dtype"] = run_forward(pinned, batch)
     finally:
         del os.environ["FLASHNEXT_PLE_SIDECAR"]
@@ -225,6 +240,34 @@ def probe(spec: dict, facts: dict, arrays: dict) -> None:
     facts["mismatch_error"] = error_of(
         lambda: build(spec, {"flashnext": {"ple_sidecar": spec["wrong_sidecar"]}})
     )
+
+
+def pinned_attrs(emb, facts: dict) -> None:
+    """What vLLM's pinned ``__init__`` assigns (from its source) beside what the replacement set."""
+    from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEPinnedHostEmbedding
+
+    from flashnext.integrations.vllm import ple_layer
+
+    init = Qwen4ExpPLEPinnedHostEmbedding.__init__
+    tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    assigned = {}
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
+                assigned[target.attr] = ast.unparse(node.value)
+    facts["vllm_pinned_init"] = assigned
+    facts["our_pinned_init"] = dict(ple_layer.PINNED_ATTRS)
+    facts["our_pinned_table_attrs"] = list(ple_layer.PINNED_TABLE_ATTRS)
+    facts["pinned_values"] = {
+        name: type(getattr(emb, name)).__name__
+        if name == "_prefetch_alloc_lock"
+        else getattr(emb, name)
+        for name in ple_layer.PINNED_ATTRS
+    }
+    facts["pinned_etp_dp"] = emb.etp_data_parallel_size
 
 
 if __name__ == "__main__":

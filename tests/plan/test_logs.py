@@ -6,6 +6,8 @@ from pathlib import Path
 
 from flashnext.plan.logs import explain, read_log
 
+from ..cli.runner import run_in_process
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # FACTS.md's KV capacity text, filled with the seeds' first boot (000: 245,760 tokens at 0.948).
@@ -113,11 +115,9 @@ def test_unrelated_text_gives_no_events() -> None:
 def test_explain_reads_stdin(monkeypatch, capsys) -> None:
     import io
 
-    from flashnext.cli import main
-
     monkeypatch.setattr("sys.stdin", io.StringIO(MAMBA_ERROR + "\n"))
-    main(["explain", "-"])
-    out = capsys.readouterr().out
+    code, out, err = run_in_process(["explain", "-"], capsys)
+    assert code == 0, err
     assert "mamba_blocks_error" in out and "--max-num-seqs 598" in out
 
 

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from flashnext import records
-from flashnext.cli import main
 from flashnext.plan import vllm_kv
 from flashnext.plan.planner import ModelInput, PlanRequest, make_plan
 from flashnext.plan.sizes import parse_size
+
+from ..cli.runner import run_in_process
 
 FIXTURES = Path(__file__).parent / "fixtures"
 QWEN4 = FIXTURES / "qwen4exp-published.config.json"
@@ -82,21 +83,60 @@ def test_published_config_plan_lists_assumptions(capsys: pytest.CaptureFixture[s
     argv = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB", "--gpu-memory-utilization",
             "0.92", "--max-model-len", "131072", "--max-num-seqs", "16",
             "--num-speculative-tokens", "1", "--host-memory", "64GB", "--ple-format", "int4",
-            "--ple-placement", "mmap"]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out
+            "--ple-placement", "staged", "--ple-residency", "mmap"]  # fmt: skip
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 0, err
     for needle in (
         "weights estimated from config.json",
         "headroom 4.00 GiB",
         "mamba_cache_mode align",
         "one PLE short-conv state per PLE layer (1)",
-        "PLE table (int4, mmap)",
+        "PLE table (int4, staged, mmap)",
         "12 attention + 36 linear-attention layers",
         "weights: mtp draft",
     ):
         assert needle in out
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("host", ["--ple-placement", "pinned"]),
+        ("gpu", ["--ple-placement", "device"]),
+        ("mmap", ["--ple-placement", "staged", "--ple-residency", "mmap"]),
+        ("resident", ["--ple-placement", "staged", "--ple-residency", "resident"]),
+    ],
+)
+def test_old_placement_words_still_plan_with_one_deprecation_line(
+    old: str, new: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/plan.md documented host|gpu|mmap|resident: each plans as its new words, and says so."""
+    base = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB", "--host-memory", "64GB",
+            "--ple-format", "int4", "--max-model-len", "32768", "--json"]  # fmt: skip
+    plans = []
+    for flags in (["--ple-placement", old], new):
+        code, out, err = run_in_process([*base, *flags], capsys)
+        plans.append((code, json.loads(out), err))
+    (old_code, old_record, old_err), (new_code, new_record, new_err) = plans
+    assert old_code == new_code  # 0, or 3 where the table does not fit on the GPU
+    assert new_err == ""
+    assert old_err.count("\n") == 1 and old_err.startswith(
+        f"warning: --ple-placement {old} is deprecated; it now means `{' '.join(new)}"
+    )
+    assert old_record["request"] == new_record["request"]
+    assert old_record["host"] == new_record["host"]
+
+
+def test_placement_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB"]
+    for flags, named in (
+        (["--ple-placement", "nvme"], "'nvme': expected one of device, pinned, staged"),
+        (["--ple-placement", "pinned", "--ple-residency", "mmap"], "applies to --ple-placement"),
+        (["--ple-placement", "mmap", "--ple-residency", "resident"], "contradicts"),
+    ):
+        code, _, err = run_in_process([*base, *flags], capsys)
+        assert code == 2
+        assert named in err
 
 
 def test_mamba_block_limit_and_options() -> None:
@@ -114,10 +154,9 @@ def test_mamba_block_limit_and_options() -> None:
 def test_does_not_fit_gives_ordered_options(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--model", str(QWEN4), "--gpu-memory", "76GiB", "--max-model-len", "262144",
             "--num-speculative-tokens", "1", "--json"]  # fmt: skip
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 3
-    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.plan")
+    code, out, _ = run_in_process(argv, capsys)
+    assert code == 3
+    rec = records.check_record(json.loads(out), kind="flashnext.plan")
     assert not rec["fits"]
     changes = [o["change"] for o in rec["suggestions"]]
     assert changes[0].startswith("--max-model-len ")
@@ -130,9 +169,7 @@ def test_from_log_calibrates_headroom(tmp_path: Path, capsys: pytest.CaptureFixt
     log.write_text("INFO [gpu_worker.py:760] Available KV cache memory: 6.79 GiB\n")
     argv = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB", "--gpu-memory-utilization",
             "0.948", "--max-model-len", "131072", "--from-log", str(log), "--json"]  # fmt: skip
-    with pytest.raises(SystemExit):
-        main(argv)
-    rec = json.loads(capsys.readouterr().out)
+    rec = json.loads(run_in_process(argv, capsys)[1])
     assert abs(rec["kv"]["available_bytes"] - 6.79 * GIB) < 1
     assert any("calibrated" in a for a in rec["assumptions"])
 
@@ -148,18 +185,17 @@ def test_explain_with_model_replans(tmp_path: Path, capsys: pytest.CaptureFixtur
     argv = ["explain", str(log), "--model", str(QWEN4), "--gpu-memory", "96GiB",
             "--gpu-memory-utilization", "0.948", "--num-speculative-tokens", "1",
             "--mamba-ssm-cache-dtype", "float32", "--json"]  # fmt: skip
-    main(argv)
-    rec = records.check_record(json.loads(capsys.readouterr().out), kind="flashnext.explain")
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 0, err
+    rec = records.check_record(json.loads(out), kind="flashnext.explain")
     (plan,) = rec["plans"]
     assert plan["kv"]["available_bytes"] == pytest.approx(6.79 * GIB, abs=1)
     assert plan["kv"]["max_model_len"] == 245760
 
 
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["plan", "--model", str(QWEN4), "--gpu-memory", "96 gigs"])
-    assert exit_info.value.code == 1
-    err = capsys.readouterr().err
+    code, _, err = run_in_process(["plan", "--model", QWEN4, "--gpu-memory", "96 gigs"], capsys)
+    assert code == 1
     assert err.startswith("error: --gpu-memory '96 gigs': expected a number with a unit")
     assert err.count("\n") == 1
 
@@ -195,13 +231,13 @@ def test_ple_table_placement_and_hot_row_cache() -> None:
         96 * GIB, 0.92, max_model_len=32768, ple_format="int4", host_memory=64 * 10**9
     )
     on_host = make_plan(_qwen4(), base)
-    on_gpu = make_plan(_qwen4(), dataclasses.replace(base, ple_placement="gpu"))
+    on_gpu = make_plan(_qwen4(), dataclasses.replace(base, ple_placement="device"))
     cached = make_plan(_qwen4(), dataclasses.replace(base, ple_gpu_cache_rows=1_000_000))
     table = 320_001_536 * 100
     assert on_host.fit.available_bytes - on_gpu.fit.available_bytes == table
     assert on_host.fit.available_bytes - cached.fit.available_bytes == 1_000_000 * 100
     host = {i.name: i for i in on_host.host_items}
-    assert host["PLE table (int4, host)"].bytes == table
+    assert host["PLE table (int4, pinned)"].bytes == table
     assert on_host.host_fits  # 8 GiB worker + 29.8 GiB table < 64 GB
     resident_bf16 = make_plan(_qwen4(), dataclasses.replace(base, ple_format="bf16"))
     assert resident_bf16.host_fits is False  # seed 004: the BF16 table does not fit 64 GB
@@ -216,5 +252,5 @@ def test_host_short_suggests_a_quantized_sidecar() -> None:
     )
     plan = make_plan(_qwen4(), req)
     (opt,) = options(_qwen4(), plan)
-    assert opt["change"] == "--ple-format int4 --ple-placement mmap"
+    assert opt["change"] == "--ple-format int4 --ple-placement staged --ple-residency mmap"
     assert opt["result"].endswith("fits as asked")

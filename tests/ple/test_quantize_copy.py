@@ -19,7 +19,7 @@ from flashnext.ple.quantize import STATE_NAME, can_copy, quantize_table
 from flashnext.ple.sidecar import META_NAME
 from flashnext.ple.table import open_table
 from tests.checkpoint.builder import build_checkpoint, rewrite
-from tests.checkpoint.test_snapshot import run_cli
+from tests.cli.runner import run_in_process
 
 from .test_quantize import Interrupt, _files, _interrupt_after
 
@@ -86,20 +86,20 @@ def _piece_order(item):
 def test_cli_copies_by_default_and_requantize_forces_the_old_path(tmp_path, capsys, rng):
     built = build_checkpoint(tmp_path / "ck", fmt="nvfp4", base=600, rng=rng)
     args = ["ple", "quantize", str(built.root)]
-    code, out, _ = run_cli([*args, str(tmp_path / "copy"), "--format", "nvfp4", "--json"], capsys)
+    code, out, _ = run_in_process([*args, str(tmp_path / "copy"), "--format", "nvfp4", "--json"], capsys)
     assert code == 0
     summary = json.loads(out)
     assert summary["conversion"] == "copy" and summary["rel_rmse"] == 0.0
-    code, out, _ = run_cli(
+    code, out, _ = run_in_process(
         [*args, str(tmp_path / "again"), "--format", "nvfp4", "--requantize", "--json"], capsys
     )
     assert code == 0
     summary = json.loads(out)
     assert summary["conversion"] == "quantize" and 0.0 < summary["rel_rmse"] < 0.16
-    code, out, _ = run_cli([*args, str(tmp_path / "text"), "--format", "nvfp4"], capsys)
+    code, out, _ = run_in_process([*args, str(tmp_path / "text"), "--format", "nvfp4"], capsys)
     assert code == 0 and "copied to nvfp4" in out and "rel. RMSE" in out
     # a requantized DST is not resumed by a copy: the settings differ, named
-    code, _, err = run_cli([*args, str(tmp_path / "again"), "--format", "nvfp4"], capsys)
+    code, _, err = run_in_process([*args, str(tmp_path / "again"), "--format", "nvfp4"], capsys)
     assert code != 0 and "conversion None -> 'copy'" in err
 
 

@@ -16,8 +16,7 @@ import pytest
 from flashnext.ple import open_table, write_sidecar
 from flashnext.ple.quantize import SidecarSource, quantize_table
 from flashnext.ple.row_error import BINS_PER_DECADE, RowErrors, summarize
-
-from ..cli_inputs import run_in_process
+from tests.cli.runner import run_in_process
 
 FORMATS = ("bf16", "fp8", "int4", "nvfp4")
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +27,8 @@ from flashnext.validate.ab import KIND, AbConfig, run_ab
 from flashnext.validate.ab_prompts import load_prompts
 from flashnext.validate.ab_report import write_ab
 
-FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
+from ..cli.runner import run
+
 NOISE = (0.02, 0.3)  # relative to each tensor's RMS
 MAX_TOKENS = "24"
 PROMPTS = [
@@ -43,10 +42,6 @@ PROMPTS = [
         "messages": [{"role": "user", "content": "Notes:\n{fill}\nWhat did the clerks copy?"}],
     },
 ]
-
-
-def flashnext(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FLASHNEXT, *args], capture_output=True, text=True, timeout=600)
 
 
 def _write_model(src: Path, dst: Path, tensors: dict[str, np.ndarray], untie: bool) -> Path:
@@ -149,7 +144,7 @@ def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(base: str, cand: str, prompts: Path, out: Path) -> tuple[int, dict]:
-    p = flashnext(
+    p = run(
         "validate", "ab", "--baseline", base, "--candidate", cand, "--prompts", str(prompts),
         "--max-tokens", MAX_TOKENS, "--out", str(out), "--json",
     )  # fmt: skip
@@ -292,8 +287,8 @@ def test_candidate_killed_mid_run_is_a_recorded_failure(ab_servers, prompts_file
 
 
 def test_bad_flags_exit_2(tmp_path):
-    p = flashnext("validate", "ab", "--baseline", "localhost:8000", "--candidate", "http://x")
+    p = run("validate", "ab", "--baseline", "localhost:8000", "--candidate", "http://x")
     assert p.returncode == 2 and "--baseline" in p.stderr and "server root" in p.stderr
-    p = flashnext("validate", "ab", "--baseline", "http://a", "--candidate", "http://b",
+    p = run("validate", "ab", "--baseline", "http://a", "--candidate", "http://b",
                   "--max-tokens", "0")  # fmt: skip
     assert p.returncode == 2 and "--max-tokens" in p.stderr

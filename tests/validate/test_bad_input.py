@@ -3,16 +3,12 @@
 Each case runs the real CLI in a subprocess, as a user would. The ``--out`` cases point at a
 port where nothing listens: the check must fire before the run (no progress line, no wait).
 Permission cases need permissions to apply (root bypasses them): when the tests run as root,
-that subprocess runs under ``setpriv`` without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH.
+that subprocess drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH (the shared runner's ``unprivileged``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,12 +16,7 @@ import pytest
 
 from devtools.vllm_cpu import free_port
 
-FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
-DROP_DAC = [
-    "setpriv",
-    "--bounding-set=-dac_override,-dac_read_search",
-    "--inh-caps=-dac_override,-dac_read_search",
-]
+from ..cli.runner import run
 
 
 @pytest.fixture
@@ -37,15 +28,6 @@ def shared_tmp(tmp_path: Path) -> Iterator[Path]:
         for p in tmp_path.rglob("*"):
             if p.is_dir():
                 p.chmod(0o755)
-
-
-def run_cli(args: list[str], unprivileged: bool = False) -> subprocess.CompletedProcess[str]:
-    prefix: list[str] = []
-    if unprivileged and os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv: permissions cannot be made to apply")
-        prefix = DROP_DAC
-    return subprocess.run([*prefix, *FLASHNEXT, *args], capture_output=True, text=True, timeout=120)
 
 
 def _dir_with_report_json_dir(tmp: Path) -> Path:
@@ -119,7 +101,7 @@ URL_CASES = [
 
 @pytest.mark.parametrize(("url", "expected"), URL_CASES, ids=[c[0] for c in URL_CASES])
 def test_bad_url_is_one_line(url: str, expected: str, tmp_path: Path) -> None:
-    p = run_cli(["validate", "--url", url, "--out", str(tmp_path / "out")])
+    p = run(*["validate", "--url", url, "--out", str(tmp_path / "out")])
     assert p.returncode == 1, p.stderr
     assert p.stderr.strip() == expected  # one line, no traceback, no secret
     assert not (tmp_path / "out").exists()
@@ -160,9 +142,7 @@ def test_bad_out_is_found_before_the_run(
 ) -> None:
     out = make(shared_tmp)
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens: a run would wait and fail
-    p = run_cli(
-        ["validate", "--url", url, "--ready-timeout", "30", "--out", str(out)], unprivileged
-    )
+    p = run("validate", "--url", url, "--ready-timeout", "30", "--out", out, unprivileged=unprivileged)
     assert p.returncode == code, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected.format(out=out)), p.stderr
@@ -188,5 +168,5 @@ def test_compare_bad_inputs_are_one_line(tmp_path: Path) -> None:
         ),
     ]
     for args, expected in cases:
-        p = run_cli(["validate", "compare", *args])
+        p = run(*["validate", "compare", *args])
         assert (p.returncode, p.stderr.strip()) == (1, expected)

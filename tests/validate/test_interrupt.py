@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
@@ -17,19 +16,15 @@ from pathlib import Path
 
 from devtools.vllm_cpu import VllmServer, free_port
 
-from .test_live_server import FLASHNEXT, by_name
+from ..cli.runner import popen
+from .test_live_server import by_name
 
 
 class Validator:
     """``flashnext validate ARGS`` in a subprocess, its stderr lines collected as they come."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [*FLASHNEXT, "validate", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        self.proc = popen("validate", *args)
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

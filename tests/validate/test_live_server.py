@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,7 +20,8 @@ from flashnext.records import check_record
 from flashnext.validate.probes import metric_value, parse_prometheus
 from flashnext.validate.stages import Config, run_validation
 
-FLASHNEXT = [sys.executable, "-c", "from flashnext.cli import main; main()"]
+from ..cli.runner import popen, run
+
 SCALED = [
     "--max-tokens",
     "128",
@@ -37,18 +36,13 @@ SCALED = [
 ]
 
 
-def flashnext(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Run the real CLI in a subprocess: exit status, stdout and stderr as a user sees them."""
-    return subprocess.run([*FLASHNEXT, *args], capture_output=True, text=True, timeout=timeout)
-
-
 def by_name(report: dict) -> dict[str, dict]:
     return {s["name"]: s for s in report["stages"]}
 
 
 def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path: Path) -> None:
     out = tmp_path / "a"
-    p = flashnext(
+    p = run(
         "validate", "--url", vllm_server.url + "/v1", "--out", str(out), "--json", *SCALED
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -126,7 +120,7 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
 
     # A second, smaller run, and `compare` shows what changed between the two.
     out_b = tmp_path / "b"
-    p2 = flashnext(
+    p2 = run(
         "validate",
         "--url",
         vllm_server.url,
@@ -143,7 +137,7 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     )
     assert p2.returncode == 0, p2.stderr[-3000:]
     assert "PASSED" in p2.stdout
-    p3 = flashnext(
+    p3 = run(
         "validate", "compare", str(out / "report.json"), str(out_b / "report.json"), "--json"
     )
     assert p3.returncode == 0, p3.stderr
@@ -151,7 +145,7 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     diff = {row["name"]: row for row in record["stages"]}
     assert diff["concurrency"]["changed"]["completed"] == {"a": "48/48", "b": "4/4"}
     assert diff["sustained"]["status"] == ["pass", None]
-    p4 = flashnext("validate", "compare", str(out / "report.json"), str(out_b / "report.json"))
+    p4 = run("validate", "compare", str(out / "report.json"), str(out_b / "report.json"))
     assert "completed: 48/48 -> 4/4" in p4.stdout
 
 
@@ -170,7 +164,7 @@ def test_prometheus_parser_on_real_metrics(vllm_server: VllmServer) -> None:
 def test_never_healthy_server_hits_the_deadline(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there: every /health attempt is refused
     t = time.monotonic()
-    p = flashnext(
+    p = run(
         "validate",
         "--url",
         f"http://127.0.0.1:{port}",
@@ -200,7 +194,7 @@ def test_never_healthy_server_hits_the_deadline(tmp_path: Path) -> None:
 
 def test_unreachable_at_start_without_ready_stage(tmp_path: Path) -> None:
     port = free_port()
-    p = flashnext(
+    p = run(
         "validate", "--url", f"http://127.0.0.1:{port}", "--stages", "short", "--out", str(tmp_path)
     )
     assert p.returncode == 1
@@ -279,11 +273,9 @@ def test_kv_pressure_reports_preemptions(make_server, tmp_path: Path) -> None:
         extra=["--num-gpu-blocks-override", "8", "--api-key", key], start=False
     )
     out = tmp_path / "kv"
-    p = subprocess.Popen(
-        [*FLASHNEXT, "validate", "--url", server.url, "--stages", "ready,concurrency",
-         "--rounds", "1", "--max-tokens", "200", "--ready-timeout", "240", "--out", str(out),
-         "--api-key", key, "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    p = popen(
+        "validate", "--url", server.url, "--stages", "ready,concurrency", "--rounds", "1",
+        "--max-tokens", "200", "--ready-timeout", "240", "--out", out, "--api-key", key, "--json",
     )  # fmt: skip
     try:
         time.sleep(1.0)

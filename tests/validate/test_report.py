@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.cli import main
 from flashnext.errors import ValidationError
 from flashnext.records import check_record
 from flashnext.validate.report import (
@@ -26,6 +25,8 @@ from flashnext.validate.stages import (
     StageResult,
     ValidationResult,
 )
+
+from ..cli.runner import run_in_process
 
 KEY = "sk-report-secret-91"
 URL = "http://alice:pa55word@10.1.2.3:8000"
@@ -243,17 +244,11 @@ def test_compare_json_is_a_record(tmp_path: Path, capsys: pytest.CaptureFixture[
     b = build_report(make_result(tok_s=240.0), ARGV)
     write_report(a, tmp_path / "a", png=False)
     write_report(b, tmp_path / "b", png=False)
-    main(
-        [
-            "validate",
-            "compare",
-            str(tmp_path / "a/report.json"),
-            str(tmp_path / "b/report.json"),
-            "--json",
-        ]
-    )
+    argv = ["validate", "compare", tmp_path / "a/report.json", tmp_path / "b/report.json", "--json"]
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 0, err
     record = check_record(
-        json.loads(capsys.readouterr().out), kind="flashnext.validate.compare", schema_version=1
+        json.loads(out), kind="flashnext.validate.compare", schema_version=1
     )
     assert record["a"]["passed"] is True and record["b"]["interrupted"] is None
     rows = {r["name"]: r for r in record["stages"]}

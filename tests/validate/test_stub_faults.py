@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from .test_live_server import by_name, flashnext
+from ..cli.runner import run
+from .test_live_server import by_name
 
 
 class StubServerMissingFinishReason(BaseHTTPRequestHandler):
@@ -66,7 +67,7 @@ def stub_url() -> Iterator[str]:
 
 
 def test_missing_finish_reason_fails_short_and_concurrency(stub_url: str, tmp_path: Path) -> None:
-    p = flashnext(
+    p = run(
         "validate",
         "--url",
         stub_url,
@@ -115,7 +116,7 @@ def test_server_without_health_route_is_ready_by_its_model_list(tmp_path: Path) 
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        p = flashnext("validate", "--url", url, "--stages", "ready", "--ready-timeout", "60",
+        p = run("validate", "--url", url, "--stages", "ready", "--ready-timeout", "60",
                       "--out", str(tmp_path), "--no-png")  # fmt: skip
     finally:
         server.shutdown()

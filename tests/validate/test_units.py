@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.cli import main
 from flashnext.validate.images import make_png, png_data_url
 from flashnext.validate.probes import NvmlSampler, metric_value, parse_prometheus
+
+from ..cli.runner import run_in_process
 
 
 def _nvml_gpu() -> str | None:
@@ -114,10 +115,9 @@ def test_nvml_gpu_index_out_of_range() -> None:
 
 
 def _cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(list(args))
-    assert exc.value.code != 0
-    return capsys.readouterr().err.strip()
+    code, _, err = run_in_process(list(args), capsys)
+    assert code != 0
+    return err.strip()
 
 
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -15,15 +15,18 @@ from typing import Any
 import click
 
 from flashnext import records
+from flashnext.placement import (
+    PLACEMENTS,
+    RESIDENCIES,
+    as_placement,
+    as_residency,
+    deprecation_line,
+    from_old_plan_word,
+)
 from flashnext.plan.advice import plan_with_options
 from flashnext.plan.logs import logged_kv_pool, read_log
 from flashnext.plan.model import PlanError
-from flashnext.plan.planner import (
-    PLACEMENTS,
-    PlanRequest,
-    calibrate_headroom,
-    load_model,
-)
+from flashnext.plan.planner import PlanRequest, calibrate_headroom, load_model
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
 
@@ -32,6 +35,63 @@ GIB = 1 << 30
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+
+
+def _placement(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, str | None]:
+    """(placement, residency an old word implied or None); old words get one stderr line."""
+    if value in PLACEMENTS:
+        return value, None
+    old = from_old_plan_word(value)
+    if old is None:
+        raise click.BadParameter(
+            f"{value!r}: expected one of {', '.join(PLACEMENTS)}", ctx=ctx, param=param
+        )
+    click.echo(deprecation_line("--ple-placement", value, *old), err=True)
+    return old
+
+
+def _residency(kw: dict[str, Any]) -> str:
+    placement, implied = kw["ple_placement"]
+    given = kw["ple_residency"]
+    if given is not None and placement != "staged":
+        raise click.BadParameter(
+            f"applies to --ple-placement staged, not {placement}", param_hint="--ple-residency"
+        )
+    if given is not None and implied is not None and given != implied:
+        raise click.BadParameter(
+            f"{given!r} contradicts the old --ple-placement word (which meant {implied})",
+            param_hint="--ple-residency",
+        )
+    return given or implied or "mmap"
+
+
+def _ple_options() -> list[Callable[[Any], Any]]:
+    """The PLE table's flags: format, placement and residency (flashnext.placement's words)."""
+    return [
+        click.option("--ple-format", type=click.Choice(["bf16", "fp8", "int4", "nvfp4"])),
+        click.option(
+            "--ple-placement",
+            default="pinned",
+            show_default=True,
+            callback=_placement,
+            metavar="[device|pinned|staged]",
+            help="Where the GPU reads PLE rows: GPU memory, pinned host memory (UVA), or staged "
+            "from a host table.",
+        ),
+        click.option(
+            "--ple-residency",
+            type=click.Choice(RESIDENCIES),
+            default=None,
+            help="How a staged table's host copy holds rows: mmap (page cache; the default) "
+            "or resident (committed RAM).",
+        ),
+        click.option(
+            "--ple-gpu-cache-rows",
+            type=click.IntRange(min=0),
+            default=0,
+            help="GPU hot-row cache rows.",
+        ),
+    ]
 
 
 def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,16 +120,7 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
         click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
-        click.option("--ple-format", type=click.Choice(["bf16", "fp8", "int4", "nvfp4"])),
-        click.option(
-            "--ple-placement", type=click.Choice(PLACEMENTS), default="host", show_default=True
-        ),
-        click.option(
-            "--ple-gpu-cache-rows",
-            type=click.IntRange(min=0),
-            default=0,
-            help="GPU hot-row cache rows.",
-        ),
+        *_ple_options(),
         click.option("--headroom", callback=_size, help="Non-KV, non-weight device memory."),
         click.option(
             "--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True
@@ -112,7 +163,8 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         tp=kw["tp"],
         host_memory=kw["host_memory"],
         ple_format=kw["ple_format"],
-        ple_placement=kw["ple_placement"],
+        ple_placement=as_placement(kw["ple_placement"][0]),
+        ple_residency=as_residency(_residency(kw)),
         ple_gpu_cache_rows=kw["ple_gpu_cache_rows"],
         headroom=kw["headroom"],
         kv_cache_memory=kw["kv_cache_memory"],

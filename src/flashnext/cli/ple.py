@@ -27,6 +27,7 @@ from flashnext.cli._common import (
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import terminate_cleanly
 from flashnext.errors import SidecarError
+from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import DestinationLock
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
@@ -322,9 +323,7 @@ def _parse_ids(text: str) -> np.ndarray:
 @ple.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--ids", required=True, help="Row ids, comma separated (-1 pads).")
-@click.option(
-    "--residency", type=click.Choice(["mmap", "resident"]), default="mmap", show_default=True
-)
+@click.option("--residency", type=click.Choice(RESIDENCIES), default="mmap", show_default=True)
 @click.option("--raw", is_flag=True, help="Also show the stored (quantized) tensors.")
 @click.option(
     "--warm", is_flag=True, help="Read the shard files into the page cache first (mmap only)."
@@ -441,9 +440,7 @@ def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]
 
 @ple.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option(
-    "--residency", type=click.Choice(["mmap", "resident"]), default="mmap", show_default=True
-)
+@click.option("--residency", type=click.Choice(RESIDENCIES), default="mmap", show_default=True)
 @click.option(
     "--hot-rows",
     metavar="N|PROFILE",

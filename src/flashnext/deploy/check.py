@@ -32,14 +32,14 @@ from flashnext.deploy.gpu import GpuSpec
 from flashnext.deploy.quant_layout import config_quant, layer_formats
 from flashnext.deploy.serve_args import ServeArgs
 from flashnext.errors import FlashnextError
+from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.versions import checked_text, is_checked
 
 Status = Literal["ok", "warn", "fail", "skip"]
 B12X_BACKENDS = ("flashinfer_b12x", "b12x")
 B12X_CAPABILITIES = ((12, 0), (12, 1))
 B12X_FORMATS = ("nvfp4", "mxfp4")
 NATIVE_CONTEXT = 262_144
-#: vLLM releases whose PLE classes and MoE backends these rules were checked against.
-CHECKED_VLLM = ("0.32.", "0.33.0")
 B12X_UNQUANTIZED_MESSAGE = (
     "moe_backend='flashinfer_b12x' is not supported for unquantized MoE. Expected one of "
     "['triton', 'flashinfer_trtllm', 'flashinfer_cutlass', 'aiter']"
@@ -120,19 +120,41 @@ def installed_vllm() -> str | None:
 
 
 def check_vllm_version(ctx: CheckContext) -> Check:
+    """The vLLM release against the one checked list the plugin reads (``versions.CHECKED``).
+
+    An unchecked release fails (blocking) when the planned environment switches a plugin part on
+    without ``FLASHNEXT_ALLOW_UNTESTED_VLLM=1``, because the plugin then refuses at boot; it
+    warns otherwise.
+    """
     v = ctx.vllm_version
     if v is None:
         return Check(
             "vllm-version", "skip", "no vLLM installed here and none given",
             "pass --vllm-version of the runtime you will boot", blocking=False,
         )  # fmt: skip
-    if v.startswith(CHECKED_VLLM):
+    if is_checked(v):  # the plugin's own list: check and plugin agree on every version
         return Check("vllm-version", "ok", f"vLLM {v}: these rules were checked against it")
+    why = f"vLLM {v}: not a release flashnext was checked against ({checked_text()})"
+    plugin = _plugin_settings(ctx.args.env)
+    if plugin is not None and plugin.parts and not plugin.allow_untested_vllm:
+        return Check(
+            "vllm-version", "fail", f"{why}; the flashnext plugin refuses to apply on it "
+            f"({', '.join(plugin.parts)} switched on by FLASHNEXT_* variables)",
+            f"use vLLM {checked_text()}, or set FLASHNEXT_ALLOW_UNTESTED_VLLM=1 at your risk",
+        )  # fmt: skip
     return Check(
-        "vllm-version", "warn", f"vLLM {v}: not a release these rules were checked against "
-        f"({', '.join(CHECKED_VLLM)}x); PLE classes and MoE backends may differ",
+        "vllm-version", "warn", f"{why}; PLE classes and MoE backends may differ",
         "boot once with `flashnext validate` before trusting this report", blocking=False,
     )  # fmt: skip
+
+
+def _plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
+    """The plugin's switches in the planned environment (None when they do not parse: the
+    plugin would refuse them itself, and check reports the version alone)."""
+    try:
+        return PluginSettings.from_env(env)
+    except FlashnextError:
+        return None
 
 
 def check_b12x_gpu(ctx: CheckContext) -> Check:
@@ -314,6 +336,48 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     )
 
 
+def check_ple_sidecar(ctx: CheckContext) -> Check:
+    """The sidecars ``FLASHNEXT_PLE_SIDECAR`` names, checked as the plugin will at boot.
+
+    One per PLE layer (``DIR/layer_L`` or ``DIR`` itself), its rows, width and hashing geometry
+    against this model's config, with the plugin's own policy (:mod:`flashnext.kernels.serving`).
+    """
+    from flashnext.kernels import serving
+
+    plugin = _plugin_settings(ctx.args.env)
+    root = plugin.ple_sidecar if plugin is not None else None
+    if root is None:
+        return Check("ple-sidecar", "skip", "no FLASHNEXT_PLE_SIDECAR in the environment",
+                     blocking=False)  # fmt: skip
+    layer_ids = sorted(set(ctx.text_config.get("ple_layer_ids") or []))
+    if not layer_ids:
+        return Check(
+            "ple-sidecar", "fail", f"FLASHNEXT_PLE_SIDECAR={root}, but config.json has no "
+            "ple_layer_ids: this model has no PLE table", "unset FLASHNEXT_PLE_SIDECAR",
+        )  # fmt: skip
+    try:
+        for layer_id in layer_ids:
+            _check_layer_sidecar(serving, root, ctx.text_config, layer_id)
+    except FlashnextError as exc:
+        return Check(
+            "ple-sidecar", "fail", str(exc),
+            "quantize each PLE layer's table for this model: flashnext ple quantize MODEL "
+            f"{root}/layer_L --layer N (flashnext checkpoint ple MODEL lists L and N)",
+        )  # fmt: skip
+    where = ", ".join(f"layers.{i - 1}" for i in layer_ids)
+    return Check("ple-sidecar", "ok", f"{root}: a sidecar of this model's geometry for {where}")
+
+
+def _check_layer_sidecar(serving: Any, root: Path, config: dict[str, Any], layer_id: int) -> None:
+    """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM."""
+    from flashnext.ple.sidecar import open_sidecar
+
+    prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
+    geometry = serving.layer_geometry(config, prefix)
+    sidecar = open_sidecar(serving.sidecar_dir_for(root, prefix))
+    serving.check_geometry(sidecar, prefix, geometry.num_rows, geometry.width, geometry)
+
+
 def check_memory_plan(ctx: CheckContext) -> Check:
     """The planner's verdict for these flags on this GPU (KV capacity, state blocks, headroom)."""
     from flashnext.plan.planner import PlanRequest, load_model, make_plan
@@ -335,7 +399,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
             num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
-            ple_placement="host" if a.ple_cpu_offload else "device",
+            ple_placement="pinned" if a.ple_cpu_offload else "device",
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
@@ -409,6 +473,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_sparse_attention,
     check_context_length,
     check_ple_host_memory,
+    check_ple_sidecar,
     check_memory_plan,
 )
 

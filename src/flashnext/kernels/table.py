@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from flashnext._extras import require
 from flashnext.errors import KernelError
 from flashnext.kernels.records import RecordLayout, pack_records, record_layout
+from flashnext.placement import Placement
 from flashnext.ple.formats import E2M1_CODES, E4M3, Codec
 from flashnext.ple.table import PLETable, StoredTable
 
@@ -31,7 +32,6 @@ torch = require("torch", "gpu", "GPU PLE lookups")
 require("triton", "gpu", "GPU PLE lookups")
 from flashnext.kernels import _triton_lookup as _lookup  # noqa: E402  (needs triton)
 
-Placement = Literal["device", "pinned"]
 #: Pinned tables sort steps of at least this many ids before the gather (graph-safe, on the
 #: GPU): over UVA sorted ids gathered 1.2x faster at 131K ids and 3.6x at 1M (H200, PCIe 5).
 SORT_MIN_IDS = 32768
@@ -147,8 +147,10 @@ class GpuTable:
         stored = table.stored()
         start, end = _check_range(stored, row_range)
         layout = record_layout(stored.codec, stored.width)
-        if placement not in ("device", "pinned"):
-            raise KernelError(f"placement must be 'device' or 'pinned', found {placement!r}")
+        if placement not in ("device", "pinned"):  # "staged" is StagedTable's
+            raise KernelError(
+                f"placement must be 'device' or 'pinned' (staged: StagedTable), found {placement!r}"
+            )
         host = placement == "pinned" and torch.device(device).type != "cpu"
         records = torch.empty(
             (end - start, layout.record_bytes),

@@ -81,13 +81,13 @@ def _replanned_options(model: ModelInput, plan: Plan) -> list[dict[str, Any]]:
         changes.append(
             ({"num_speculative_tokens": 0}, "--num-speculative-tokens 0", "no MTP speed-up")
         )
-    if device_short and req.ple_placement == "gpu":
-        changes.append(({"ple_placement": "host"}, "--ple-placement host", "PLE over PCIe"))
+    if device_short and req.ple_placement == "device":
+        changes.append(({"ple_placement": "pinned"}, "--ple-placement pinned", "PLE over PCIe"))
     if plan.host_fits is False:
         changes.append(
             (
-                {"ple_format": "int4", "ple_placement": "mmap"},
-                "--ple-format int4 --ple-placement mmap",
+                {"ple_format": "int4", "ple_placement": "staged", "ple_residency": "mmap"},
+                "--ple-format int4 --ple-placement staged --ple-residency mmap",
                 "a quantized sidecar; cold starts read from disk",
             )
         )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
+from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
 from flashnext.plan import vllm_kv
 from flashnext.plan.model import ModelShape, PlanError, kv_spec, model_shape
 from flashnext.plan.sizes import gib
@@ -29,7 +30,6 @@ from flashnext.ple.geometry import PLEGeometry
 DEFAULT_HEADROOM = 4 << 30
 #: Host memory the vLLM worker holds besides the PLE table (seed 004: "roughly 8 GiB").
 WORKER_HOST_BYTES = 8 << 30
-PLACEMENTS = ("host", "gpu", "mmap", "resident")
 #: Above this utilization the seeds saw autotuning and CUDA graph capture fail (0.96).
 RISKY_UTILIZATION = 0.95
 
@@ -47,7 +47,8 @@ class PlanRequest:
     tp: int = 1
     host_memory: int | None = None
     ple_format: str | None = None  # None: as stored (headers) or bf16 (estimate)
-    ple_placement: str = "host"
+    ple_placement: Placement = "pinned"  # flashnext.placement's words
+    ple_residency: Residency = "mmap"  # how a staged table's host copy holds rows
     ple_gpu_cache_rows: int = 0
     headroom: int | None = None
     kv_cache_memory: int | None = None
@@ -66,7 +67,13 @@ class PlanRequest:
                 f"--gpu-memory-utilization {self.gpu_memory_utilization}: expected 0 < u <= 1"
             )
         if self.ple_placement not in PLACEMENTS:
-            raise PlanError(f"--ple-placement {self.ple_placement!r}: expected one of {PLACEMENTS}")
+            raise PlanError(
+                f"--ple-placement {self.ple_placement!r}: expected one of {', '.join(PLACEMENTS)}"
+            )
+        if self.ple_residency not in RESIDENCIES:
+            raise PlanError(
+                f"--ple-residency {self.ple_residency!r}: expected one of {', '.join(RESIDENCIES)}"
+            )
         for name in ("max_num_seqs", "tp", "gpu_memory"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive")
@@ -199,7 +206,7 @@ def _device_items(
     ]
     if req.num_speculative_tokens and weights.by_kind.get("mtp"):
         items.append(Item("weights: mtp draft", weights.by_kind["mtp"] // req.tp, weights.source))
-    if table and req.ple_placement == "gpu":
+    if table and req.ple_placement == "device":
         items.append(Item("PLE table on GPU", table // req.tp, fmt))
     if table and req.ple_gpu_cache_rows:
         cache = req.ple_gpu_cache_rows * row_bytes
@@ -215,10 +222,12 @@ def _host_items(
 ) -> list[Item]:
     table, _row, fmt = _ple_bytes(model, shape, req)
     items = [Item("vLLM worker process", WORKER_HOST_BYTES, "assumed (seed 004)")]
-    if table and req.ple_placement in ("host", "resident"):
-        items.append(Item(f"PLE table ({fmt}, {req.ple_placement})", table, "committed RAM"))
-    if table and req.ple_placement == "mmap":
-        items.append(Item(f"PLE table ({fmt}, mmap)", table, "page cache, reclaimable"))
+    if table and req.ple_placement == "pinned":
+        items.append(Item(f"PLE table ({fmt}, pinned)", table, "committed RAM"))
+    if table and req.ple_placement == "staged" and req.ple_residency == "resident":
+        items.append(Item(f"PLE table ({fmt}, staged, resident)", table, "committed RAM"))
+    if table and req.ple_placement == "staged" and req.ple_residency == "mmap":
+        items.append(Item(f"PLE table ({fmt}, staged, mmap)", table, "page cache, reclaimable"))
     streamed = weights.total(exclude=("ple_table",))
     items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
     return items

@@ -25,9 +25,10 @@ import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from flashnext.errors import FlashnextError
+from flashnext.placement import RESIDENCIES, Residency
 from flashnext.ple.mapping import cached_pages
 
 GIB = 1024**3
@@ -36,8 +37,6 @@ DEFAULT_HEADROOM = 2 * GIB
 _UNLIMITED = 1 << 60
 #: vm.overcommit_memory's strict mode: allocations beyond CommitLimit fail.
 OVERCOMMIT_NEVER = 2
-
-Residency = Literal["mmap", "resident"]
 
 
 class PreflightError(FlashnextError, MemoryError):
@@ -348,7 +347,7 @@ def preflight_table(
         ValueError: ``residency`` is neither "mmap" nor "resident", or ``hot_bytes`` is given
             for a resident table.
     """
-    if residency not in ("mmap", "resident"):
+    if residency not in RESIDENCIES:
         raise ValueError(f"residency must be 'mmap' or 'resident', found {residency!r}")
     if residency == "resident" and hot_bytes:
         raise ValueError("a hot tier applies to residency='mmap'; a resident table holds every row")

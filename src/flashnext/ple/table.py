@@ -24,11 +24,12 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import numpy as np
 
 from flashnext.errors import RowIdError, SidecarError
+from flashnext.placement import RESIDENCIES, Residency
 from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
 from flashnext.ple.mapping import advise, cached_pages
@@ -36,7 +37,6 @@ from flashnext.ple.preflight import HostMemory, check_fits
 from flashnext.ple.profile import HotRowProfile, load_profile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
 
-Residency = Literal["mmap", "resident"]
 #: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
 #: (the first N rows of ``hot_rows.safetensors`` beside the sidecar).
 HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
@@ -129,7 +129,7 @@ class PLETable:
         hot_rows: HotRows = None,
         threads: int | None = None,
     ):
-        if residency not in ("mmap", "resident"):
+        if residency not in RESIDENCIES:
             raise SidecarError(f"residency must be 'mmap' or 'resident', found {residency!r}")
         self.sidecar = sidecar
         self.residency: Residency = residency

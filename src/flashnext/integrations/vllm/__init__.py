@@ -2,16 +2,14 @@
 
 Inert unless switched on (``FLASHNEXT_PLE_SIDECAR=DIR``, ``FLASHNEXT_MOE_GUARD=1``,
 ``FLASHNEXT_PLE_LOADER_FIX=1`` or the equivalent ``--additional-config`` keys; see
-:mod:`.settings`). vLLM calls :func:`register` in every process it starts, so registering twice
-is harmless.
+:mod:`.settings`): with nothing switched on, :func:`register` registers and patches nothing.
+vLLM calls :func:`register` in every process it starts, so registering twice is harmless.
 
 Parts (each a module with ``check() -> None``, which verifies what it would patch without
 patching, and ``install() -> str``, idempotent, which patches and returns its one log line):
 
 - ``ple_sidecar`` (:mod:`.ple_layer`): replaces vLLM's PLE table layers by class name with a layer
-  that serves rows from a flashnext sidecar. Its registration is installed on every checked vLLM
-  version, because ``--additional-config`` can only be read when the model is built; while the
-  sidecar is not switched on, the layer it builds *is* vLLM's own class, built by vLLM's own code.
+  that serves rows from a flashnext sidecar (the policy: :mod:`flashnext.kernels.serving`).
 - ``ple_loader_fix`` (``.loader``) and ``moe_guard`` (``.b12x``).
 
 :func:`register` checks the vLLM version and every enabled part's preconditions first, then
@@ -31,11 +29,7 @@ from typing import Any
 from flashnext import __version__ as FLASHNEXT_VERSION
 from flashnext.errors import PluginError
 from flashnext.integrations.vllm.settings import PluginSettings
-from flashnext.integrations.vllm.versions import (
-    installed_vllm_version,
-    is_checked,
-    require_checked,
-)
+from flashnext.integrations.vllm.versions import installed_vllm_version, require_checked
 
 __all__ = ["LOG_PREFIX", "PluginSettings", "logger", "plugin_line", "register"]
 
@@ -60,39 +54,25 @@ def plugin_line(part: str, what: str) -> str:
 def register() -> None:
     """The entry point vLLM calls in every process (``vllm.general_plugins``).
 
-    Reads the environment (:meth:`PluginSettings.from_env`). On a checked vLLM version it
-    installs the PLE layer registration and every part the environment switches on; on another
-    version it refuses when a part is switched on and does nothing otherwise.
+    Reads the switches visible at start-up (:meth:`PluginSettings.at_startup`: the environment
+    and the command line's ``--additional-config``). With no part switched on it registers and
+    patches nothing (one debug line). Otherwise it refuses an unchecked vLLM version, then
+    checks every part switched on and installs them all.
 
     Raises:
         PluginError: a bad setting, an unchecked vLLM version with a part switched on, or a
             part whose preconditions do not hold (then nothing at all was applied).
     """
     _use_vllm_log_handlers()
-    settings = PluginSettings.from_env()
-    version = installed_vllm_version()
-    if not is_checked(version) and not settings.allow_untested_vllm:
-        if settings.parts:
-            require_checked(version, allow_untested=False)
-        logger.info(
-            plugin_line(
-                "off",
-                f"vLLM {version} was not checked and no FLASHNEXT_* switch is set; "
-                "nothing applied (--additional-config 'flashnext' keys are not read on it)",
-            )
-        )
+    settings = PluginSettings.at_startup()
+    if not settings.parts:
+        logger.debug(
+            plugin_line("off", "no part switched on (FLASHNEXT_* or --additional-config flashnext)"
+                        "; nothing registered")
+        )  # fmt: skip
         return
-    if settings.parts:
-        apply_parts(("ple_sidecar", *settings.parts), settings)
-        return
-    # Off: the PLE registration still goes in (it reads --additional-config at build time), but
-    # a vLLM it cannot patch must not stop vLLM from starting when nothing was asked for.
-    try:
-        apply_parts(("ple_sidecar",), settings)
-    except PluginError as exc:
-        logger.warning(
-            plugin_line("ple_sidecar", f"not registered ({exc}); --additional-config is not read")
-        )
+    require_checked(installed_vllm_version(), settings.allow_untested_vllm)
+    apply_parts(settings.parts, settings)
 
 
 def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:
@@ -112,8 +92,7 @@ def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) ->
             _installed.add(part)
             if not line.startswith(LOG_PREFIX):
                 line = plugin_line(part, line)
-            quiet = part == "ple_sidecar" and settings.ple_sidecar is None
-            logger.log(logging.DEBUG if quiet else logging.INFO, line)
+            logger.info(line)
             lines.append(line)
         return lines
 

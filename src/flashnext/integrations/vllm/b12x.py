@@ -33,7 +33,7 @@ from typing import Any
 
 import flashnext
 from flashnext.errors import PluginError
-from flashnext.integrations.vllm.loader import CHECKED_VLLM, installed_vllm_version
+from flashnext.integrations.vllm.versions import checked_text, installed_vllm_version
 from flashnext.moe import (
     InvalidRouteCounter,
     WorkspaceKey,
@@ -175,8 +175,8 @@ def ensure_wrapper(experts: Any, original: Callable[[Any], None]) -> None:
 
 def _refuse(what: str) -> PluginError:
     return PluginError(
-        f"flashnext plugin: B12x guard cannot be applied to vLLM {installed_vllm_version()}: "
-        f"{what} (checked against vLLM {', '.join(CHECKED_VLLM)}). Unset FLASHNEXT_MOE_GUARD "
+        f"flashnext plugin: B12x guard cannot be applied to vLLM {installed_vllm_version('unknown')}: "
+        f"{what} (checked against vLLM {checked_text()}). Unset FLASHNEXT_MOE_GUARD "
         "or use a checked vLLM version"
     )
 
@@ -240,7 +240,7 @@ def install() -> str:
         f"flashnext plugin: B12x guard {state} (FlashInferB12xExperts: top-k routes sanitized; "
         "workspaces shared per configuration when FlashInfer's B12xMoEWrapper accepts "
         f"{', '.join(SHARED_PARAMS)}, logged at the first layer) on vLLM "
-        f"{installed_vllm_version()}, flashnext {flashnext.__version__}"
+        f"{installed_vllm_version('unknown')}, flashnext {flashnext.__version__}"
     )
 
 

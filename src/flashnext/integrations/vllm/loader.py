@@ -39,11 +39,10 @@ from typing import Any
 
 import flashnext
 from flashnext.errors import PluginError
+from flashnext.integrations.vllm.versions import checked_text, installed_vllm_version
 
 NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 PLE_MODULE = "vllm.models.qwen4_exp.common.ple"
-#: vLLM releases the patches target (0.32.0 tested; 0.33.0 carries the same classes, untested).
-CHECKED_VLLM = ("0.32.0", "0.33.0")
 
 EMPTY_SHARD = "ngram_embedding.shard_.weight"
 WHOLE_TABLE = "ngram_embedding.weight"
@@ -58,19 +57,10 @@ _LOAD_WEIGHTS_PARAMS = ["self", "weights"]
 _PATCHED = "__flashnext_loader_fix__"
 
 
-def installed_vllm_version() -> str:
-    """``vllm.__version__`` of the vLLM this process imports (``"unknown"`` when absent)."""
-    try:
-        vllm = importlib.import_module("vllm")
-    except ImportError:
-        return "unknown"
-    return str(getattr(vllm, "__version__", "unknown"))
-
-
 def _refuse(what: str) -> PluginError:
     return PluginError(
-        f"flashnext plugin: loader fix cannot be applied to vLLM {installed_vllm_version()}: "
-        f"{what} (checked against vLLM {', '.join(CHECKED_VLLM)}). Switch the loader fix off, "
+        f"flashnext plugin: loader fix cannot be applied to vLLM {installed_vllm_version('unknown')}: "
+        f"{what} (checked against vLLM {checked_text()}). Switch the loader fix off, "
         "or use a checked vLLM version"
     )
 
@@ -138,7 +128,7 @@ def install() -> str:
     return (
         f"flashnext plugin: PLE loader fix {state} (Qwen4ExpNGramEmbedding.load_weights: whole "
         "table under an empty shard index, long and short name prefixes, FP8 global "
-        f"weight_scale) on vLLM {installed_vllm_version()}, flashnext {flashnext.__version__}"
+        f"weight_scale) on vLLM {installed_vllm_version('unknown')}, flashnext {flashnext.__version__}"
     )
 
 

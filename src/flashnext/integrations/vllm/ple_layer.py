@@ -17,19 +17,26 @@ so :func:`install` registers a subclass of each under the vLLM class's name. The
 - opens this rank's rows (vLLM's ETP rank, ``shard_indices.org_vocab_start_index`` ..
   ``org_vocab_end_index``; ids outside give zero rows, and the ranks' outputs are all-reduced over
   the ETP group exactly as vLLM does);
-- serves lookups with :mod:`flashnext.kernels` on a GPU (``GpuTable`` device or pinned/UVA, or
-  ``StagedTable`` over a memory-mapped table: :func:`choose_placement`) and with
-  :meth:`PLETable.lookup` (bf16) on a CPU;
+- serves lookups through :class:`flashnext.kernels.serving.SidecarRows` (``GpuTable`` device or
+  pinned/UVA, or ``StagedTable`` over a memory-mapped table, as
+  :func:`flashnext.kernels.serving.choose_placement` decides; :meth:`PLETable.lookup` in bf16 on
+  a CPU); all of that policy lives in :mod:`flashnext.kernels.serving`, tested without vLLM;
 - keeps the replaced class's contract: the same methods, shapes, prefetch buffer and errors. Rows
   come back already dequantized (bf16, cast to the layer's ``params_dtype``), so its
   ``dequantize`` only casts to the activation dtype.
 
-While the sidecar is not switched on, constructing the registered subclass builds vLLM's own class
-with vLLM's own ``__init__`` (the instance's class is set back to vLLM's before it runs).
+vLLM's own constructors build the layer where they can: the device replacement runs vLLM's
+``__init__`` whole (with :class:`NoTableMethod` it allocates nothing); the pinned replacement runs
+vLLM's base ``__init__`` and sets the prefetch state vLLM's pinned ``__init__`` would (that one
+cannot run: it needs UVA and maps a table this layer does not have; see
+:meth:`SidecarPinnedEmbedding._build`). The replacements are registered only when the sidecar is
+switched on at start-up; a model built while it is off for that model (its
+``--additional-config`` says nothing) gets vLLM's own class from vLLM's own ``__init__``.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 from typing import Any, ClassVar
@@ -48,32 +55,26 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 from flashnext.errors import PluginError
 from flashnext.integrations.vllm import logger, plugin_line, settings_for_model
 from flashnext.integrations.vllm.settings import PluginSettings
-from flashnext.integrations.vllm.sidecar_rows import (
-    SidecarRows,
-    check_geometry,
-    choose_placement,
-    model_geometry,
-    sidecar_dir_for,
-)
-from flashnext.kernels.records import record_layout
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
+from flashnext.kernels import serving
+from flashnext.kernels.serving import SidecarRows
 
 PART = "ple_sidecar"
 #: Checkpoint tensor names (relative to ``...ngram_embedding.``) the layer takes and drops.
 TABLE_TENSOR = re.compile(r"^(shard_\d*\.)?(weight|weight_scale|weight_scale_2|input_scale)$")
-_INIT_ARGS = (
-    "num_embeddings",
-    "embedding_dim",
-    "params_dtype",
-    "padding_size",
-    "prefix",
-    "embedding_method",
-    "num_ngram_heads",
-    "max_total_tokens",
-    "data_parallel_rank",
-    "reduce_results",
-)
+#: vLLM's constructor arguments the replacement reads (bound against vLLM's own signature).
+READ_ARGS = ("embedding_method", "num_ngram_heads", "max_total_tokens")
+#: What vLLM's ``Qwen4ExpPLEPinnedHostEmbedding.__init__`` assigns, and the replacement assigns
+#: the same way, as vLLM's source spells it (a test compares this with the installed vLLM).
+PINNED_ATTRS = {
+    "_prefetch_stream": "None",
+    "_prefetch_buffer": "None",
+    "_prefetch_alloc_lock": "threading.Lock()",
+    "_prefetch_rows": "max_total_tokens * self.etp_data_parallel_size",
+    "_num_ngram_heads": "num_ngram_heads",
+    "_output_dim": "num_ngram_heads * self.embedding_dim",
+}
+#: What it assigns that the replacement leaves out: views of the table it does not allocate.
+PINNED_TABLE_ATTRS = ("_uva_weight", "_row_bytes", "_block_d")
 
 
 # -- the method that creates no table ------------------------------------------------------
@@ -110,6 +111,9 @@ def _placeholder_weight(embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
 def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: int) -> SidecarRows:
     """Open, check and place the sidecar rows ``layer`` (a sidecar table layer) serves.
 
+    The policy is :func:`flashnext.kernels.serving.open_rows`; this reads its inputs from
+    vLLM's layer and config, and logs the one line that says what is served.
+
     Raises:
         PluginError: no sidecar for the layer, a geometry mismatch, or a placement that cannot fit.
         SidecarError: the sidecar directory is not a valid sidecar.
@@ -117,28 +121,40 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
     """
     if settings.ple_sidecar is None:
         raise PluginError(f"{layer.prefix}: open_rows called with no sidecar switched on")
-    path = sidecar_dir_for(settings.ple_sidecar, layer.prefix)
-    sidecar = open_sidecar(path)
-    geometry = model_geometry(vllm_config, layer.prefix)
-    check_geometry(sidecar, layer.prefix, layer.org_vocab_size, layer.embedding_dim, geometry)
     start = layer.shard_indices.org_vocab_start_index
     end = layer.shard_indices.org_vocab_end_index
     device = torch.empty(0).device  # vLLM builds the model under its target device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
-    choice = choose_placement(settings.ple_placement, device, (end - start) * record_bytes, free)
-    resident = choice.placement == "cpu" and settings.ple_placement in ("device", "pinned")
-    table = open_table(sidecar, "resident" if resident else "mmap", row_range=(start, end))
-    rows = SidecarRows(table, choice, device, max_ids)
+    rows, sidecar = serving.open_rows(
+        settings.ple_sidecar,
+        layer.prefix,
+        (layer.org_vocab_size, layer.embedding_dim),
+        (start, end),
+        serving.layer_geometry(_text_config(vllm_config), layer.prefix),
+        settings.ple_placement,
+        device,
+        free,
+        max_ids,
+    )
+    choice = rows.choice
     logger.info(
         plugin_line(
             PART,
-            f"{layer.prefix} <- {path} ({sidecar.format}, rows {start}..{end} of "
+            f"{layer.prefix} <- {sidecar.path} ({sidecar.format}, rows {start}..{end} of "
             f"{sidecar.num_rows}, ETP rank {layer.tp_rank}/{layer.tp_size}, "
             f"{choice.placement}: {choice.reason}; replaces {layer.embedding_method.replaced})",
         )
     )
     return rows
+
+
+def _text_config(vllm_config: Any) -> dict[str, Any] | None:
+    """The model's text config as a dict, or None when vLLM has no model config (yet)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    hf = getattr(model_config, "hf_text_config", None)
+    if hf is None:
+        return None
+    return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
 # -- the layer -----------------------------------------------------------------------------
@@ -152,24 +168,24 @@ class SidecarTableMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         vllm_config = get_current_vllm_config()
         settings = settings_for_model(vllm_config)
-        if settings.ple_sidecar is None:  # off: this instance is vLLM's own layer
-            own: Any = self.vllm_class
+        own: Any = self.vllm_class
+        if settings.ple_sidecar is None:  # off for this model: the instance is vLLM's own layer
             self.__class__ = own
             own.__init__(self, *args, **kwargs)
             return
-        bound = dict(zip(_INIT_ARGS, args, strict=False), **kwargs)
-        method = NoTableMethod(bound["embedding_method"])
-        Qwen4ExpPLEEmbedding.__init__(self, *args[:2], **{**kwargs, "embedding_method": method})
+        bound = inspect.signature(own.__init__).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        method = NoTableMethod(bound.arguments["embedding_method"])
+        self._build(args, {**kwargs, "embedding_method": method}, bound.arguments)
         s: Any = self
         s.weight = _placeholder_weight(s.embedding_dim, s.params_dtype)
-        heads = int(bound.get("num_ngram_heads", 1))
-        s._num_ngram_heads = heads
-        s._output_dim = heads * s.embedding_dim
-        s._prefetch_rows = int(bound.get("max_total_tokens", 0)) * s.etp_data_parallel_size
-        s._prefetch_stream = None
-        s._prefetch_buffer = None
-        s._prefetch_alloc_lock = threading.Lock()
-        s._rows = open_rows(settings, s, vllm_config, s._prefetch_rows * heads)
+        heads = int(bound.arguments["num_ngram_heads"])
+        max_rows = int(bound.arguments["max_total_tokens"]) * s.etp_data_parallel_size
+        s._rows = open_rows(settings, s, vllm_config, max_rows * heads)
+
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any], bound: dict[str, Any]) -> None:
+        """Run vLLM's constructor with a method that allocates no table (see each class)."""
+        raise NotImplementedError
 
     def allocate_embedding_weight(self, *args: Any) -> torch.Tensor:
         raise RuntimeError("a sidecar PLE layer allocates no table")
@@ -220,6 +236,11 @@ class SidecarDeviceEmbedding(SidecarTableMixin, Qwen4ExpPLEDeviceEmbedding):
 
     vllm_class = Qwen4ExpPLEDeviceEmbedding
 
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any], bound: dict[str, Any]) -> None:
+        """vLLM's own ``__init__``, whole: with :class:`NoTableMethod` it allocates no table."""
+        del bound
+        Qwen4ExpPLEDeviceEmbedding.__init__(self, *args, **kwargs)
+
     def forward(self, ngram_ids: torch.Tensor) -> torch.Tensor:
         """Gather DP ids, look up, all-reduce the ETP ranks, select this DP rank's tokens."""
         slot_size, slot_offset = self._get_dp_gather_slot(ngram_ids.shape[0])
@@ -237,6 +258,24 @@ class SidecarPinnedEmbedding(SidecarTableMixin, Qwen4ExpPLEPinnedHostEmbedding):
     vllm_class = Qwen4ExpPLEPinnedHostEmbedding
     _prefetch_buffer: Any
     _prefetch_stream: Any
+
+    def _build(self, args: tuple[Any, ...], kwargs: dict[str, Any], bound: dict[str, Any]) -> None:
+        """vLLM's shared base ``__init__``, then the prefetch state its pinned ``__init__`` sets.
+
+        vLLM's pinned ``__init__`` itself cannot run here: it refuses without UVA (a CPU
+        device) and maps ``self.weight`` (a table this layer does not allocate) for the GPU.
+        So the base class's ``__init__`` (vLLM's code) runs, and the attributes of
+        :data:`PINNED_ATTRS` are set as vLLM's source sets them (tested against the installed
+        vLLM); the table views of :data:`PINNED_TABLE_ATTRS` are left out.
+        """
+        Qwen4ExpPLEEmbedding.__init__(self, *args, **kwargs)
+        heads = int(bound["num_ngram_heads"])
+        self._prefetch_stream = None
+        self._prefetch_buffer = None
+        self._prefetch_alloc_lock = threading.Lock()
+        self._prefetch_rows = int(bound["max_total_tokens"]) * self.etp_data_parallel_size
+        self._num_ngram_heads = heads
+        self._output_dim = heads * self.embedding_dim
 
     def _buffer(self, device: torch.device) -> torch.Tensor:
         """The bf16 ``[max rows, heads * dim]`` prefetch buffer, allocated on first use."""
@@ -316,13 +355,11 @@ def check() -> None:
         PluginError: a class, method or constructor argument is missing, or another plugin
             already registered a replacement under one of the names.
     """
-    import inspect
-
     for base in (Qwen4ExpPLEDeviceEmbedding, Qwen4ExpPLEPinnedHostEmbedding):
         if not issubclass(base, PluggableLayer):
             raise PluginError(f"{PART}: {base.__name__} is no longer a PluggableLayer")
         params = set(inspect.signature(base.__init__).parameters)
-        missing = [a for a in _INIT_ARGS if a not in params]
+        missing = [a for a in READ_ARGS if a not in params]
         missing += [
             m
             for m in ("start_prefetch", "finalize_prefetch", "_get_dp_gather_slot")

@@ -22,22 +22,32 @@ Two sources, read at different times:
   because a general plugin is called before vLLM has parsed its config. Parts switched on only
   here are applied at that point, still checked before they are applied.
 
+Nothing is registered in a process unless a part is switched on when vLLM calls
+:func:`~flashnext.integrations.vllm.register`: in the environment, or in an
+``--additional-config`` JSON on the command line that started the process (the form
+``--additional-config '{"flashnext": {...}}'`` or ``--additional-config={...}``;
+:meth:`PluginSettings.at_startup`). vLLM's worker processes see the same command line (fork
+inherits it, spawn copies it). A config given another way (``LLM(additional_config=...)``, a
+YAML ``--config``, the dotted ``--additional-config.flashnext.x`` form) is read at model build
+only when a part is already switched on; switch the sidecar on through the environment there.
+
 A switch set in both sources must agree (:class:`~flashnext.errors.PluginError` otherwise). Bad
 values are refused with the variable or key named.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from flashnext.errors import PluginError
+from flashnext.placement import PLACEMENT_SETTINGS, PlacementSetting
 
-Placement = Literal["auto", "device", "pinned", "staged"]
-PLACEMENTS: tuple[str, ...] = ("auto", "device", "pinned", "staged")
 #: The ``--additional-config`` section the plugin reads.
 CONFIG_SECTION = "flashnext"
 #: Setting name -> environment variable.
@@ -58,14 +68,15 @@ class PluginSettings:
 
     Attributes:
         ple_sidecar: directory of the sidecar(s) serving the PLE tables, or None (off).
-        ple_placement: where a GPU serves the rows from (see :mod:`.ple_layer`).
+        ple_placement: where a GPU reads the rows (:mod:`flashnext.placement`; ``auto`` lets
+            :func:`flashnext.kernels.serving.choose_placement` decide).
         moe_guard: the B12x guard (route sanitizer, shared workspaces).
         ple_loader_fix: the loader fix for checkpoints that keep the table.
         allow_untested_vllm: apply on a vLLM version not in :data:`.versions.CHECKED`.
     """
 
     ple_sidecar: Path | None = None
-    ple_placement: Placement = "auto"
+    ple_placement: PlacementSetting = "auto"
     moe_guard: bool = False
     ple_loader_fix: bool = False
     allow_untested_vllm: bool = False
@@ -88,6 +99,19 @@ class PluginSettings:
             PluginError: a value is not understood (the variable is named).
         """
         return cls.resolve(env=os.environ if env is None else env)
+
+    @classmethod
+    def at_startup(
+        cls, env: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
+    ) -> PluginSettings:
+        """Settings visible when vLLM calls the plugin: the environment and the command line's
+        ``--additional-config`` JSON (``sys.argv`` by default).
+
+        Raises:
+            PluginError: as :meth:`resolve`.
+        """
+        line = command_line_config(sys.argv if argv is None else argv)
+        return cls.resolve(env=os.environ if env is None else env, additional_config=line)
 
     @classmethod
     def resolve(
@@ -126,6 +150,25 @@ class PluginSettings:
                 "table, the loader fix loads it; switch one off"
             )
         return settings
+
+
+def command_line_config(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The ``--additional-config`` JSON object of a command line, or None.
+
+    A value that is not a JSON object is left to vLLM, which reports it itself.
+    """
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name not in ("--additional-config", "--additional_config"):
+            continue
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+    return None
 
 
 def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -168,8 +211,8 @@ def _value(name: str, raw: Any, where: str) -> Any:
             raise PluginError(f"{where} must be a sidecar directory, found {raw!r}")
         return Path(raw).expanduser()
     if name == "ple_placement":
-        if raw not in PLACEMENTS:
-            raise PluginError(f"{where}={raw!r}: expected one of {', '.join(PLACEMENTS)}")
+        if raw not in PLACEMENT_SETTINGS:
+            raise PluginError(f"{where}={raw!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
         return raw
     if isinstance(raw, bool):
         return raw

@@ -1,4 +1,7 @@
-"""Which vLLM versions the plugin's patches were checked against, and the refusal for others.
+"""THE list of vLLM versions flashnext was checked against, and the refusal for others.
+
+A pure data module: it imports nothing from vLLM at import time (``installed_vllm_version``
+imports vLLM when called), so ``flashnext check`` (deploy) reads the same list as the plugin.
 
 The patches reach into vLLM internals (the Qwen4Exp PLE storage classes, the PluggableLayer
 registry, the Qwen4Exp loader, FlashInfer's B12x experts) that vLLM may change in any release,
@@ -17,15 +20,29 @@ CHECKED: dict[str, str] = {
 }
 
 
-def installed_vllm_version() -> str:
+#: The checked releases, sorted, for messages.
+CHECKED_RELEASES: tuple[str, ...] = tuple(sorted(CHECKED))
+
+
+def checked_text() -> str:
+    """The checked releases for a message: ``0.32.0, 0.33.0``."""
+    return ", ".join(CHECKED_RELEASES)
+
+
+def installed_vllm_version(default: str | None = None) -> str:
     """``vllm.__version__`` of the vLLM this process imports.
 
+    Args:
+        default: returned when vLLM cannot be imported (for messages); None raises instead.
+
     Raises:
-        PluginError: vLLM cannot be imported.
+        PluginError: vLLM cannot be imported and no ``default`` was given.
     """
     try:
         import vllm
     except ImportError as exc:
+        if default is not None:
+            return default
         raise PluginError(
             f"the flashnext vLLM plugin needs vLLM ({exc}); pip install 'flashnext[vllm]'"
         ) from exc
@@ -52,6 +69,6 @@ def require_checked(version: str, allow_untested: bool) -> None:
         return
     raise PluginError(
         f"vLLM {version} is not a version the flashnext plugin was checked against "
-        f"({', '.join(sorted(CHECKED))}); nothing was applied. Install a checked vLLM, or set "
+        f"({checked_text()}); nothing was applied. Install a checked vLLM, or set "
         "FLASHNEXT_ALLOW_UNTESTED_VLLM=1 to apply anyway (each patch still checks what it patches)"
     )

@@ -6,24 +6,20 @@ walked too; the tests then fail until it is given an input here.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import socket
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import numpy as np
-import pytest
 
-from flashnext.cli import cli, main
+from flashnext.cli import cli
 from flashnext.ple import write_sidecar
 
-from .checkpoint.builder import build_checkpoint
+from ..checkpoint.builder import build_checkpoint
+from .runner import run
 
-PLAN_FIXTURES = Path(__file__).parent / "plan" / "fixtures"
+PLAN_FIXTURES = Path(__file__).parent.parent / "plan" / "fixtures"
 
 
 def deployment_record(i: Inputs) -> Path:
@@ -67,7 +63,7 @@ def build_profile_inputs(root: Path) -> ProfileInputs:
     from flashnext.synthetic import flash_next_config
 
     root.mkdir(parents=True)
-    found.text.write_text((Path(__file__).parents[1] / "README.md").read_text())
+    found.text.write_text((Path(__file__).parents[2] / "README.md").read_text())
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = tokenizers.trainers.BpeTrainer(
@@ -147,48 +143,9 @@ def build_inputs(root: Path, rng: np.random.Generator) -> Inputs:
     a_file = root / "a_file"
     a_file.write_text("not a directory\n")
     out = root / "validate-report"
-    code, _, err = run_subprocess(
-        [
-            *("validate", "--url", f"http://127.0.0.1:{closed_port()}", "--ready-timeout", "0.5"),
-            *("--out", str(out), "--no-png"),
-        ]
-    )
-    assert code == 1 and (out / "report.json").exists(), err
+    url = f"http://127.0.0.1:{closed_port()}"
+    proc = run("validate", "--url", url, "--ready-timeout", "0.5", "--out", out, "--no-png")
+    assert proc.returncode == 1 and (out / "report.json").exists(), proc.stderr
     return Inputs(root, ck, sidecar, out / "report.json", a_file)
 
 
-def run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``flashnext ARGV`` in this process: (exit status, stdout, stderr). An exception that
-    escapes ``main`` (a traceback a user would see) propagates and fails the test."""
-    capsys.readouterr()
-    code = 0
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def _drop_file_permission_override() -> None:
-    """In the child, before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the
-    bounding set, so that root obeys file modes (root bypasses them otherwise)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    pr_capbset_drop, cap_dac_override, cap_dac_read_search = 24, 1, 2
-    for cap in (cap_dac_override, cap_dac_read_search):
-        if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
-
-
-def run_subprocess(argv: list[str], unprivileged: bool = False) -> tuple[int, str, str]:
-    """``flashnext ARGV`` in a subprocess: (exit status, stdout, stderr). ``unprivileged``:
-    file permissions apply to it even when the tests run as root."""
-    drop = unprivileged and os.geteuid() == 0
-    proc = subprocess.run(
-        [sys.executable, "-m", "flashnext", *map(str, argv)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=_drop_file_permission_override if drop else None,
-    )
-    return proc.returncode, proc.stdout, proc.stderr

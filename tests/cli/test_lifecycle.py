@@ -9,7 +9,6 @@ CAP_DAC_READ_SEARCH (root otherwise bypasses permissions), so it is refused as a
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import resource
@@ -28,50 +27,14 @@ from flashnext.ple import open_sidecar, open_table, write_sidecar
 from flashnext.ple.destination import SidecarWriter
 from flashnext.synthetic import embedding_rows
 
+from .runner import assert_one_line_error, drop_file_permission_override, popen, run
+
 LINUX = sys.platform.startswith("linux")
-
-
-def _drop_dac() -> None:
-    """preexec_fn: as root, lose the capabilities that bypass file permissions."""
-    if os.geteuid() == 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
-            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
 
 def _limit_memory() -> None:
     """preexec_fn: 2 GiB of address space, so a runaway allocation fails instead of the host."""
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
-
-
-def flashnext(*args, preexec=None, timeout=120):
-    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "flashnext", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=preexec,
-        env=env,
-    )
-
-
-def assert_one_line_error(proc, *fragments, code=1):
-    """Non-zero exit, no traceback, exactly one stderr line ``error: ...`` holding ``fragments``.
-
-    Exit 2 is a bad argument caught by click's own checks, whose usage text above the error
-    line is the CLI's business (``flashnext.cli.main``); its last line must say it all.
-    """
-    err = proc.stderr
-    assert "Traceback" not in err, err[-3000:]
-    assert proc.returncode == code, (proc.returncode, err[-3000:])
-    lines = [line for line in err.splitlines() if line.strip()]
-    if code != 2:
-        assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[-1], (fragment, lines[-1])
-    return lines[-1]
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -94,10 +57,10 @@ def test_1_foreign_destination_is_refused_and_kept(tmp_path, rng):
     shutil.copy(dst / "shard_1.safetensors", dst / "shard_99.safetensors")
     (dst / "notes.txt").write_text("mine")
     before = snapshot(dst)
-    proc = flashnext("ple", "quantize", tmp_path / "src", dst, "--format", "int4")
+    proc = run("ple", "quantize", tmp_path / "src", dst, "--format", "int4")
     assert_one_line_error(proc, str(dst), "notes.txt", "shard_99.safetensors", "--force")
     assert snapshot(dst) == before
-    forced = flashnext("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--force")
+    forced = run("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--force")
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert sorted(p.name for p in dst.iterdir()) == ["META.json"] + [
         f"shard_{i}.safetensors" for i in range(4)
@@ -110,7 +73,7 @@ def test_1_foreign_destination_is_refused_and_kept(tmp_path, rng):
 def test_2_failed_rerun_leaves_finished_table_intact(tmp_path, rng):
     bf16_sidecar(tmp_path / "a", rng)
     dst = tmp_path / "dst"
-    assert flashnext("ple", "quantize", tmp_path / "a", dst, "--format", "int4").returncode == 0
+    assert run("ple", "quantize", tmp_path / "a", dst, "--format", "int4").returncode == 0
     before = snapshot(dst)
     # source b: a bf16 table with a NaN in its last shard, written around the codec's check
     x = embedding_rows(1200, 160, rng)
@@ -120,10 +83,10 @@ def test_2_failed_rerun_leaves_finished_table_intact(tmp_path, rng):
         w.write_shard(i, {"weight": x[i * 300 : (i + 1) * 300].astype(ml_dtypes.bfloat16)})
     w.finish()
     for extra in ([], ["--force"]):
-        proc = flashnext("ple", "quantize", tmp_path / "b", dst, "--format", "int4", *extra)
+        proc = run("ple", "quantize", tmp_path / "b", dst, "--format", "int4", *extra)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert snapshot(dst) == before, extra
-        info = flashnext("ple", "info", dst, "--json")
+        info = run("ple", "info", dst, "--json")
         assert info.returncode == 0 and json.loads(info.stdout)["checksums"] == "ok"
 
 
@@ -142,13 +105,7 @@ def _kill_when(proc, condition, deadline_s=60.0):
 
 
 def _start_quantize(src, dst, *opts):
-    return subprocess.Popen(
-        [sys.executable, "-m", "flashnext", "ple", "quantize", str(src), str(dst), *opts],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
-    )
+    return popen("ple", "quantize", src, dst, *opts)
 
 
 @pytest.fixture
@@ -164,10 +121,10 @@ def test_3_interrupted_output_is_unfinished(tmp_path, long_source):
     proc = _start_quantize(long_source, dst, "--format", "nvfp4")
     _kill_when(proc, lambda: (dst / "shard_1.safetensors").exists())
     for cmd in (["info", dst], ["lookup", dst, "--ids", "0"]):
-        out = flashnext("ple", *cmd)
+        out = run("ple", *cmd)
         assert_one_line_error(out, "unfinished: ", "of 24 shards, rerun the command that made it")
     # the same command again finishes it
-    again = flashnext("ple", "quantize", long_source, dst, "--format", "nvfp4", "--json")
+    again = run("ple", "quantize", long_source, dst, "--format", "nvfp4", "--json")
     assert again.returncode == 0, again.stderr[-3000:]
     assert open_sidecar(dst).num_rows == 24 * 1024
 
@@ -176,15 +133,15 @@ def test_3_interrupted_output_is_unfinished(tmp_path, long_source):
 def test_4_regenerated_source_is_not_resumed(tmp_path, rng):
     src, dst, fresh = tmp_path / "src", tmp_path / "dst", tmp_path / "fresh"
     bf16_sidecar(src, rng)
-    assert flashnext("ple", "quantize", src, dst, "--format", "fp8").returncode == 0
+    assert run("ple", "quantize", src, dst, "--format", "fp8").returncode == 0
     shutil.rmtree(src)
     bf16_sidecar(src, rng)  # regenerated at the same path: same sizes, other rows
     before = snapshot(dst)
-    proc = flashnext("ple", "quantize", src, dst, "--format", "fp8")
+    proc = run("ple", "quantize", src, dst, "--format", "fp8")
     assert_one_line_error(proc, "source changed since", "--force")
     assert snapshot(dst) == before
-    assert flashnext("ple", "quantize", src, dst, "--format", "fp8", "--force").returncode == 0
-    assert flashnext("ple", "quantize", src, fresh, "--format", "fp8").returncode == 0
+    assert run("ple", "quantize", src, dst, "--format", "fp8", "--force").returncode == 0
+    assert run("ple", "quantize", src, fresh, "--format", "fp8").returncode == 0
     for i in range(4):
         name = f"shard_{i}.safetensors"
         assert (dst / name).read_bytes() == (fresh / name).read_bytes()
@@ -197,10 +154,10 @@ def test_4_source_failing_its_checksums_is_refused(tmp_path, rng):
     data = bytearray(shard.read_bytes())
     data[-7] ^= 0x01  # same size, other bytes: only the checksum can tell
     shard.write_bytes(bytes(data))
-    proc = flashnext("ple", "quantize", src, tmp_path / "dst", "--format", "int4")
+    proc = run("ple", "quantize", src, tmp_path / "dst", "--format", "int4")
     assert_one_line_error(proc, "shard_2.safetensors", "--ignore-source-checksums")
     assert not (tmp_path / "dst").exists()
-    ok = flashnext(
+    ok = run(
         "ple", "quantize", src, tmp_path / "dst", "--format", "int4", "--ignore-source-checksums"
     )
     assert ok.returncode == 0, ok.stderr[-3000:]
@@ -217,14 +174,14 @@ def test_5_swapped_or_stray_shards_without_meta_are_refused(tmp_path, rng):
     stray = root / "shard_4.safetensors"
     shutil.copy(root / "shard_1.safetensors", stray)
     assert_one_line_error(
-        flashnext("ple", "info", root), "shard_4.safetensors", "row_start 50", "starts at row 200"
+        run("ple", "info", root), "shard_4.safetensors", "row_start 50", "starts at row 200"
     )
     stray.unlink()
     a, b = root / "shard_0.safetensors", root / "shard_1.safetensors"
     a.rename(tmp_path / "tmp")
     b.rename(a)
     (tmp_path / "tmp").rename(b)
-    assert_one_line_error(flashnext("ple", "info", root), "shard_0.safetensors", "row_start 50")
+    assert_one_line_error(run("ple", "info", root), "shard_0.safetensors", "row_start 50")
 
 
 # -- finding 7: META.json numbers are bounded before anything is allocated ------------------
@@ -243,7 +200,7 @@ def test_7_absurd_numbers_fail_fast(tmp_path, rng, meta, stray, fragment):
     if stray:
         shutil.copy(root / "shard_1.safetensors", root / stray)
     t0 = time.monotonic()
-    proc = flashnext("ple", "info", root, preexec=_limit_memory, timeout=60)
+    proc = run("ple", "info", root, preexec=_limit_memory, timeout=60)
     assert_one_line_error(proc, fragment)
     assert time.monotonic() - t0 < 30
 
@@ -389,7 +346,7 @@ CASES = [
 def test_bad_input_is_one_line(tmp_path, rng, case):
     args, fragments, *code = case(tmp_path, rng)
     try:
-        proc = flashnext(*args, preexec=_drop_dac)
+        proc = run(*args, unprivileged=True)
     finally:
         for p in [tmp_path / "t", tmp_path / "locked", *tmp_path.rglob("*")]:  # for cleanup
             if p.exists() and not p.is_symlink():
@@ -412,7 +369,7 @@ def test_reader_refuses_unreadable_directory_in_one_error(tmp_path, rng):
             capture_output=True,
             text=True,
             timeout=60,
-            preexec_fn=_drop_dac,
+            preexec_fn=drop_file_permission_override if os.geteuid() == 0 else None,
         )
     finally:
         root.chmod(0o700)
@@ -423,7 +380,7 @@ def test_reader_refuses_unreadable_directory_in_one_error(tmp_path, rng):
 @pytest.mark.parametrize("ids", ["99999999999999999999", "18446744073709551615", "-2"])
 def test_ids_outside_int64_or_below_padding(tmp_path, rng, ids):
     root = _good(tmp_path / "t", rng)
-    proc = flashnext("ple", "lookup", root, "--ids", f"0,{ids}")
+    proc = run("ple", "lookup", root, "--ids", f"0,{ids}")
     assert proc.returncode in (1, 2) and "Traceback" not in proc.stderr, proc.stderr
     assert ids in proc.stderr
 

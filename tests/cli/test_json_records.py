@@ -13,7 +13,7 @@ import pytest
 
 from flashnext.records import check_record
 
-from .cli_inputs import (
+from .inputs import (
     PLAN_FIXTURES,
     Inputs,
     closed_port,
@@ -21,8 +21,8 @@ from .cli_inputs import (
     has_option,
     leaf_commands,
     profile_inputs,
-    run_in_process,
 )
+from .runner import run_in_process
 
 # command -> the arguments of a real run with --json (built from the session's inputs)
 JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {

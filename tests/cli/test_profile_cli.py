@@ -17,8 +17,9 @@ from flashnext.ple import open_table
 from flashnext.ple.preflight import GIB
 from flashnext.ple.profile import load_profile
 
-from ..cli_inputs import ProfileInputs, build_profile_inputs, run_in_process
-from .test_preflight_fixtures import _limited
+from ..ple.test_preflight_fixtures import _limited
+from .inputs import ProfileInputs, build_profile_inputs
+from .runner import run_in_process
 
 
 @pytest.fixture(scope="module")

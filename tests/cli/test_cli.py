@@ -1,29 +1,19 @@
 """The console script end to end, as a user runs it (real subprocesses, real files)."""
 
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from flashnext.ple import write_sidecar
 from flashnext.synthetic import embedding_rows
 
-from .seeding import seeded_rng
-
-
-def run(*args, check=True):
-    proc = subprocess.run(
-        [sys.executable, "-m", "flashnext", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-        )
-    return proc
+from ..seeding import seeded_rng
+from .runner import BASE_ENV, run, run_ok
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +26,7 @@ def bf16(tmp_path_factory, request):
 
 def test_quantize_info_lookup(bf16):
     out = json.loads(
-        run(
+        run_ok(
             "ple",
             "quantize",
             bf16 / "bf16",
@@ -51,47 +41,47 @@ def test_quantize_info_lookup(bf16):
     assert out["num_rows"] == 2000 and out["num_shards"] == 4 and out["shards_written"] == 4
     assert 0.05 < out["rel_rmse"] < 0.13
     again = json.loads(
-        run("ple", "quantize", bf16 / "bf16", bf16 / "int4", "--format", "int4", "--json").stdout
+        run_ok("ple", "quantize", bf16 / "bf16", bf16 / "int4", "--format", "int4", "--json").stdout
     )
     assert again["shards_kept"] == 4 and again["shards_written"] == 0
 
-    info = json.loads(run("ple", "info", bf16 / "int4", "--json").stdout)
+    info = json.loads(run_ok("ple", "info", bf16 / "int4", "--json").stdout)
     assert info["format"] == "int4" and info["checksums"] == "ok" and info["bytes_per_row"] == 100
     assert info["rel_rmse"] == pytest.approx(out["rel_rmse"])
     assert info["resident_bytes"] == 2000 * 100 and info["resident_fits"] is True
 
-    rows = json.loads(run("ple", "lookup", bf16 / "int4", "--ids", "0,-1,1999", "--json").stdout)
+    rows = json.loads(run_ok("ple", "lookup", bf16 / "int4", "--ids", "0,-1,1999", "--json").stdout)
     assert len(rows["rows"]) == 3 and all(v == 0 for v in rows["rows"][1])
-    human = run("ple", "lookup", bf16 / "int4", "--ids", "5", "--raw").stdout
+    human = run_ok("ple", "lookup", bf16 / "int4", "--ids", "5", "--raw").stdout
     assert "row 5 (int4)" in human and "weight_scale" in human
 
 
 def test_errors_are_one_line_with_exit_status(bf16):
-    bad = run("ple", "lookup", bf16 / "bf16", "--ids", "2000", check=False)
+    bad = run("ple", "lookup", bf16 / "bf16", "--ids", "2000")
     assert bad.returncode == 1
     assert bad.stderr.startswith("error: --ids: row id 2000 at index (0,) is outside the table")
     assert bad.stderr.count("\n") == 1
-    empty = run("ple", "lookup", bf16 / "bf16", "--ids", "", check=False)
+    empty = run("ple", "lookup", bf16 / "bf16", "--ids", "")
     assert empty.returncode == 2 and "expected integers separated by commas" in empty.stderr
     (bf16 / "broken").mkdir()
     (bf16 / "broken" / "shard_0.safetensors").write_bytes(b"abc")
-    broken = run("ple", "info", bf16 / "broken", check=False)
+    broken = run("ple", "info", bf16 / "broken")
     assert broken.returncode == 1
     assert (
         broken.stderr.startswith("error: ") and "too short for a safetensors file" in broken.stderr
     )
     assert broken.stdout == ""
-    same = run("ple", "quantize", bf16 / "bf16", bf16 / "bf16", "--format", "fp8", check=False)
+    same = run("ple", "quantize", bf16 / "bf16", bf16 / "bf16", "--format", "fp8")
     assert same.returncode == 2 and "is the input" in same.stderr
 
 
 def test_info_reports_checksum_mismatch(bf16):
-    run("ple", "quantize", bf16 / "bf16", bf16 / "fp8", "--format", "fp8")
+    run_ok("ple", "quantize", bf16 / "bf16", bf16 / "fp8", "--format", "fp8")
     shard = bf16 / "fp8" / "shard_3.safetensors"
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0x40
     shard.write_bytes(bytes(data))
-    proc = run("ple", "info", bf16 / "fp8", "--json", check=False)
+    proc = run("ple", "info", bf16 / "fp8", "--json")
     assert proc.returncode == 1
     info = json.loads(proc.stdout)
     assert info["checksums"] == "1 mismatched" and info["problems"][0].startswith(
@@ -100,7 +90,7 @@ def test_info_reports_checksum_mismatch(bf16):
 
 
 def test_help_lists_commands():
-    out = run("--help").stdout
+    out = run_ok("--help").stdout
     assert "demo" in out and "ple" in out
 
 
@@ -120,3 +110,24 @@ def test_demo_runs_and_measures(demo_run):
     for row in result["rows"]:
         assert row["decode_us"]["mmap"] > 0 and row["prefill_ms"]["resident"] > 0
     assert (out_dir / "ple_nvfp4" / "META.json").exists()
+
+
+def test_readme_demo_command_runs_as_written(tmp_path):
+    """The README's main-job command, defaults included (no --out, --base or --json): its
+    temporary tables are removed at the end and the summary names every format."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    setup = next(c for c in re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S) if "demo" in c)
+    command = setup.split("&&")[-1].split()  # after the venv set-up: `.venv/bin/flashnext demo`
+    assert command == [".venv/bin/flashnext", "demo"], setup
+    script = Path(sys.executable).parent / "flashnext"  # this venv's console script
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run(
+        [str(script), *command[1:]], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, **BASE_ENV, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line.split("│")[1].strip() for line in proc.stdout.splitlines() if "│" in line]
+    assert table == ["bf16", "fp8", "int4", "nvfp4"], proc.stdout
+    assert "base 20,000" in proc.stdout  # the default geometry, not a test's smaller one
+    assert list(tmp.iterdir()) == []  # the default output directory is gone

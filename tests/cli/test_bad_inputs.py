@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from .cli_inputs import Inputs, leaf_commands, profile_inputs, run_in_process, run_subprocess
+from .inputs import Inputs, leaf_commands, profile_inputs
+from .runner import run, run_in_process
 
 CASES = ("missing", "wrong-kind", "unreadable", "out-of-range")
 LAYER_TYPE = ["--layer-type", "qwen_sparse_attention=full_attention"]
@@ -232,7 +233,8 @@ def test_bad_input_is_one_line(command, case, cli_inputs, capsys):
     assert callable(args), f"add `{command}` / {case} to BAD_INPUTS"
     argv = [*command.split(), *map(str, args(cli_inputs))]
     if case == "unreadable":
-        code, out, err = run_subprocess(argv, unprivileged=True)
+        proc = run(*argv, unprivileged=True)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
     else:
         code, out, err = run_in_process(argv, capsys)
     shown = f"flashnext {' '.join(argv)}\nexit {code}\nstdout:\n{out}\nstderr:\n{err}"
@@ -247,5 +249,5 @@ def test_bad_input_is_one_line(command, case, cli_inputs, capsys):
 def test_unreadable_really_is_unreadable(cli_inputs):
     """The privilege drop works: the subprocess cannot read a mode-000 file even as root."""
     target = _unreadable_file(cli_inputs)
-    code, _, err = run_subprocess(["validate", "compare", target, target], unprivileged=True)
-    assert code == 2 and f"Path '{target}' is not readable" in err, err
+    proc = run("validate", "compare", target, target, unprivileged=True)
+    assert proc.returncode == 2 and f"Path '{target}' is not readable" in proc.stderr, proc.stderr

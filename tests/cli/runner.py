@@ -1,0 +1,149 @@
+"""The one way tests run ``flashnext``: the console command in a fresh interpreter, as a user
+runs it, or (where a test walks hundreds of argument lists) ``main`` in this process.
+
+- :func:`run` -> ``subprocess.CompletedProcess`` (exit status, stdout, stderr as a user sees them);
+  ``unprivileged=True`` makes file permissions apply when the tests run as root.
+- :func:`run_ok` -> the same, raising with both streams when the exit status is not 0.
+- :func:`popen` -> a running command (interrupt and kill tests).
+- :func:`run_in_process` -> ``(exit status, stdout, stderr)`` of ``main(argv)`` under capsys.
+- :func:`assert_one_line_error` -> the one ``error:`` line a refused command prints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: The console command: ``python -m flashnext`` in the interpreter running the tests.
+FLASHNEXT = [sys.executable, "-m", "flashnext"]
+#: Environment every run adds: one BLAS thread (2-core CI), wide lines (no rich wrapping).
+BASE_ENV = {"OPENBLAS_NUM_THREADS": "1", "COLUMNS": "200"}
+
+
+def drop_file_permission_override() -> None:
+    """preexec_fn: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so
+    that root obeys file modes (root bypasses them otherwise)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, cap_dac_override, cap_dac_read_search = 24, 1, 2
+    for cap in (cap_dac_override, cap_dac_read_search):
+        if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def _preexec(
+    unprivileged: bool, preexec: Callable[[], None] | None
+) -> Callable[[], None] | None:
+    drop = unprivileged and os.geteuid() == 0
+    if not drop:
+        return preexec
+
+    def both() -> None:
+        drop_file_permission_override()
+        if preexec is not None:
+            preexec()
+
+    return both
+
+
+def _popen_kwargs(
+    env: Mapping[str, str] | None,
+    unprivileged: bool,
+    preexec: Callable[[], None] | None,
+    cwd: str | os.PathLike[str] | None,
+) -> dict[str, Any]:
+    return {
+        "env": {**os.environ, **BASE_ENV, **(env or {})},
+        "preexec_fn": _preexec(unprivileged, preexec),
+        "cwd": cwd,
+        "text": True,
+    }
+
+
+def run(
+    *args: object,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    unprivileged: bool = False,
+    preexec: Callable[[], None] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    input: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``flashnext ARGS`` in a subprocess; ``env`` is added to this process's environment."""
+    return subprocess.run(
+        [*FLASHNEXT, *map(str, args)],
+        capture_output=True,
+        timeout=timeout,
+        input=input,
+        **_popen_kwargs(env, unprivileged, preexec, cwd),
+    )
+
+
+def run_ok(*args: object, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """:func:`run`, raising AssertionError with both streams unless the exit status is 0."""
+    proc = run(*args, **kwargs)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"flashnext {' '.join(map(str, args))}: exit {proc.returncode}\n"
+            f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def popen(
+    *args: object,
+    env: Mapping[str, str] | None = None,
+    unprivileged: bool = False,
+    preexec: Callable[[], None] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> subprocess.Popen[str]:
+    """Start ``flashnext ARGS`` (stdout and stderr piped unless ``kwargs`` say otherwise)."""
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(
+        [*FLASHNEXT, *map(str, args)], **{**_popen_kwargs(env, unprivileged, preexec, cwd), **kwargs}
+    )
+
+
+def run_in_process(
+    argv: list[str] | list[object], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    """``flashnext ARGV`` in this process: (exit status, stdout, stderr). An exception that
+    escapes ``main`` (a traceback a user would see) propagates and fails the test."""
+    from flashnext.cli import main
+
+    capsys.readouterr()  # drop what fixtures printed
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_error(
+    proc: subprocess.CompletedProcess[str], *fragments: str | Path, code: int = 1
+) -> str:
+    """Non-zero exit, no traceback, exactly one stderr line ``error: ...`` holding ``fragments``.
+
+    Exit 2 is a bad argument caught by click's own checks, whose usage text above the error
+    line is the CLI's business (``flashnext.cli.main``); its last line must say it all.
+    Returns that line.
+    """
+    err = proc.stderr
+    assert "Traceback" not in err, err[-3000:]
+    assert proc.returncode == code, (proc.returncode, err[-3000:])
+    lines = [line for line in err.splitlines() if line.strip()]
+    if code != 2:
+        assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    for fragment in fragments:
+        assert str(fragment) in lines[-1], (fragment, lines[-1])
+    return lines[-1]

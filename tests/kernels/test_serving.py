@@ -1,0 +1,142 @@
+"""Serving policy without vLLM: which sidecar a layer reads, its geometry, where rows are placed.
+
+Runs with no vLLM, triton or GPU; one test needs torch (the CPU lookup into a torch tensor) and
+says so when it is missing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flashnext.errors import PluginError
+from flashnext.kernels.serving import (
+    PlacementChoice,
+    SidecarRows,
+    check_geometry,
+    choose_placement,
+    host_residency,
+    layer_geometry,
+    open_rows,
+    sidecar_dir_for,
+)
+from flashnext.ple.destination import write_sidecar
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.preflight import PreflightError
+from flashnext.ple.sidecar import open_sidecar
+from flashnext.ple.table import open_table
+from flashnext.synthetic import flash_next_config
+
+CONFIG = flash_next_config(
+    vocab_size=300, eos_token_id=7, ngram_vocab_size_base=1000, ple_layer_ids=[2, 4]
+)
+PREFIX = "model.layers.3.ple.ple_embedding.ngram_embedding"
+
+
+def _sidecar(path, geo, rng, fmt="int4"):
+    rows = rng.standard_normal((geo.num_rows, geo.width)).astype(np.float32)
+    return write_sidecar(path, fmt, rows, geo.shard_rows(), geometry=geo.to_dict())
+
+
+def test_import_loads_no_torch_triton_vllm_or_numba():
+    code = (
+        "import sys, flashnext.kernels.serving\n"
+        "heavy = [m for m in ('torch', 'triton', 'vllm', 'numba') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_sidecar_dir_per_layer_or_one(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG)
+    _sidecar(tmp_path / "all" / "layer_3", geo, rng)
+    assert sidecar_dir_for(tmp_path / "all", PREFIX) == tmp_path / "all" / "layer_3"
+    with pytest.raises(PluginError, match=r"no sidecar for model\.layers\.1\..*layer_1 or"):
+        sidecar_dir_for(tmp_path / "all", PREFIX.replace("3", "1"))
+    _sidecar(tmp_path / "one", geo, rng)
+    assert sidecar_dir_for(tmp_path / "one", PREFIX) == tmp_path / "one"
+
+
+def test_geometry_of_another_layer_is_refused_naming_both(tmp_path, rng):
+    first = PLEGeometry.from_config(CONFIG, layer_id=2)
+    second = PLEGeometry.from_config(CONFIG, layer_id=4)
+    sidecar = _sidecar(tmp_path / "s", first, rng)
+    check_geometry(sidecar, "p", first.num_rows, first.width, first)
+    # The layer's shape as asked, but the config's geometry is another layer's: META.json tells.
+    with pytest.raises(
+        PluginError, match=rf"num_rows is {first.num_rows} in its META\.json, {second.num_rows} "
+    ):
+        check_geometry(sidecar, "p", first.num_rows, first.width, second)
+    with pytest.raises(
+        PluginError, match=rf"holds {first.num_rows} rows x 160, but .* is 128 rows"
+    ):
+        check_geometry(sidecar, "p", 128, 160, None)
+
+
+def test_layer_geometry_from_the_config():
+    # decoder index 3 in the name = layer_id 4 = the second PLE layer of CONFIG
+    assert layer_geometry(CONFIG, PREFIX) == PLEGeometry.from_config(CONFIG, layer_id=4)
+    assert layer_geometry(None, PREFIX) is None
+    assert layer_geometry(CONFIG, "ngram_embedding") is None  # no decoder index in the name
+    with pytest.raises(PluginError, match=r"model\.layers\.0\..*PLE geometry"):
+        layer_geometry(CONFIG, PREFIX.replace("3", "0"))  # layer 1 has no PLE table
+
+
+def test_placement_choice():
+    # The host preflight reads this machine's memory for real: 1 MiB fits, 1 EiB does not.
+    assert choose_placement("pinned", "cpu", 1 << 40).placement == "cpu"
+    assert choose_placement("staged", "cuda:0", 1 << 40).placement == "staged"
+    assert choose_placement("auto", "cuda:0", 1 << 20).placement == "pinned"
+    auto = choose_placement("auto", "cuda:0", 1 << 60)
+    assert auto.placement == "staged" and "pinned does not fit" in auto.reason
+    with pytest.raises(PreflightError):
+        choose_placement("pinned", "cuda:0", 1 << 60)
+    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PLACEMENT=device: 4\.00 GiB"):
+        choose_placement("device", "cuda:0", 4 << 30, device_free=5 << 30)
+    assert choose_placement("device", "cuda", 1 << 30, device_free=5 << 30).placement == "device"
+    with pytest.raises(PluginError, match=r"placement 'host': expected one of auto, device"):
+        choose_placement("host", "cuda:0", 1)
+
+
+def test_host_residency_follows_the_setting():
+    cpu = PlacementChoice("cpu", "test")
+    assert host_residency(cpu, "pinned") == host_residency(cpu, "device") == "resident"
+    assert host_residency(cpu, "auto") == host_residency(cpu, "staged") == "mmap"
+    assert host_residency(PlacementChoice("staged", "test"), "staged") == "mmap"
+
+
+def test_open_rows_on_a_cpu_opens_this_ranks_rows(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "s" / "layer_3", geo, rng)
+    half = geo.num_rows // 2
+    shape = (geo.num_rows, geo.width)
+    rows, sidecar = open_rows(
+        tmp_path / "s", PREFIX, shape, (half, geo.num_rows), geo, "pinned", "cpu", None, 8
+    )
+    assert sidecar.path == tmp_path / "s" / "layer_3"
+    assert rows.choice.placement == "cpu" and rows.table.residency == "resident"
+    assert rows.table.row_range == (half, geo.num_rows)
+    other = PLEGeometry.from_config(CONFIG, layer_id=2)
+    with pytest.raises(PluginError, match="another PLE geometry"):
+        open_rows(tmp_path / "s", PREFIX, shape, (0, geo.num_rows), other, "auto", "cpu", None, 8)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_cpu_rows_equal_the_tables_bf16_lookup(tmp_path, rng, fmt):
+    torch = pytest.importorskip("torch", reason="torch is not installed (extra 'gpu' brings it)")
+    geo = PLEGeometry.from_config(CONFIG)
+    _sidecar(tmp_path / "s", geo, rng, fmt)
+    half = geo.num_rows // 2
+    table = open_table(open_sidecar(tmp_path / "s"), row_range=(half, geo.num_rows))
+    rows = SidecarRows(table, PlacementChoice("cpu", "test"), torch.device("cpu"), 0)
+    ids = rng.integers(0, geo.num_rows, size=(5, geo.num_heads))
+    out = torch.empty(5, geo.num_heads * geo.width, dtype=torch.bfloat16)
+    rows.lookup(torch.from_numpy(ids), out)
+    want = open_table(tmp_path / "s").reference_lookup(ids).reshape(5, -1)
+    want[np.repeat(ids < half, geo.width, axis=1)] = 0  # other rank's rows
+    got = out.float().numpy()
+    np.testing.assert_array_equal(got, torch.from_numpy(want).to(torch.bfloat16).float().numpy())
