@@ -117,6 +117,17 @@ def test_profile_default_output_is_beside_the_sidecar_and_quantize_resumes(
     assert code == 0 and (tmp_path / "s.hot_rows.safetensors").is_file(), err
 
 
+# -- demo ---------------------------------------------------------------------------------
+def test_demo_never_replaces_a_table_it_did_not_write(tmp_path, rng, capsys):
+    out = tmp_path / "dd"
+    write_sidecar(out / "ple_int4", "int4", embedding_rows(300, 160, rng), 100)
+    before = _digests(out / "ple_int4")
+    code, _, err = run_in_process(["demo", "--base", "1000", "--out", out], capsys)
+    line = _error_line(err)
+    assert code == 2 and str(out / "ple_int4") in line and "not written by `flashnext demo`" in line
+    assert _digests(out / "ple_int4") == before and os.listdir(out) == ["ple_int4"]
+
+
 # -- errors name the user's path ----------------------------------------------------------
 def test_atomic_errors_name_the_final_path_not_the_temporary_one(tmp_path):
     final = tmp_path / "v2"

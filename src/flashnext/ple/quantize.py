@@ -21,6 +21,7 @@ The destination's rules (refusal, ``force``, lock, resume, commit) belong to
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
@@ -553,8 +554,6 @@ def quantize_table(
 
 
 def _os_hint(exc: OSError) -> str:
-    import errno
-
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "free space or choose another destination (finished shards are kept for a rerun)"
     return "check the path and its permissions"
