@@ -218,7 +218,11 @@ def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng):
     write_sidecar(tmp_path / "src", "bf16", embedding_rows(16000, 160, rng), 2000)
     dst = tmp_path / "dst"
     proc = popen("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
-    _wait_for(proc, lambda: (dst / ".flashnext-quantize.json").exists())
+    # once a worker finished a shard the pool is up and the other worker busy: the case that
+    # used to leave the pool's semaphores to the resource tracker
+    _wait_for(
+        proc, lambda: dst.is_dir() and any(p.name.startswith("shard_") for p in dst.iterdir())
+    )
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
