@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from _common import say, spread  # noqa: E402  (bench/ is on the path)
 
 from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv  # noqa: E402
+from flashnext.deploy.probe import deployment_probe  # noqa: E402
 from flashnext.records import dumps, make_record  # noqa: E402
 from flashnext.validate.ab import AbConfig, deployments, prompt_tokens, run_ab  # noqa: E402
 from flashnext.validate.ab_prompts import load_prompts  # noqa: E402
@@ -93,7 +94,7 @@ async def one_repeat(
     if payload["summary"]["errors"] or payload["setup_error"]:
         raise SystemExit(f"validate ab failed during the bench: {payload['verdict']['reasons']}")
     t0 = time.monotonic()
-    deps = await deployments(cfg)
+    deps = await deployments(cfg, deployment_probe(cfg.api_key))
     capture_s = time.monotonic() - t0
     if deps["differences"] is None:
         say(f"note: a deployment record was not captured: {deps}")
@@ -150,7 +151,7 @@ def parse_args() -> argparse.Namespace:
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up, then ``--repeats`` rounds of floor, ab and capture against ``url``."""
     cfg = AbConfig(url, url, load_prompts(), max_tokens=args.max_tokens,
-                   top_logprobs=args.top_logprobs, capture_deployments=False)  # fmt: skip
+                   top_logprobs=args.top_logprobs)  # fmt: skip
     model, ids = asyncio.run(token_ids(cfg))
     say(f"{len(ids)} prompts, {sum(map(len, ids))} prompt tokens; warm-up")
     asyncio.run(floor(cfg, model, ids[:2]))

@@ -50,7 +50,6 @@ from pathlib import Path
 import numpy as np
 
 from flashnext import __version__
-from flashnext.demo import EOS, corpus_files, train_tokenizer
 from flashnext.ple import open_table
 from flashnext.ple.destination import SidecarWriter
 from flashnext.ple.geometry import PLEGeometry
@@ -58,6 +57,7 @@ from flashnext.ple.hashing import ngram_ids
 from flashnext.ple.preflight import page_cache_bytes
 from flashnext.ple.profile import build_profile
 from flashnext.synthetic import flash_next_config
+from flashnext.text import EOS, corpus_files, train_tokenizer
 
 REQUESTS = 32
 PREFILL_TOKENS = 8192

@@ -21,7 +21,7 @@ def text_files(limit_bytes: int) -> list[Path]:
     """``flashnext demo``'s corpus, then the standard library's subpackages (tests skipped)."""
     import sysconfig
 
-    from flashnext.demo import corpus_files
+    from flashnext.text import corpus_files
 
     files = corpus_files()
     total, seen = sum(p.stat().st_size for p in files), set(files)
@@ -38,13 +38,13 @@ def text_files(limit_bytes: int) -> list[Path]:
 
 def make_tokens(path: Path, limit_bytes: int) -> None:
     """Tokenize local text with the demo's BPE (trained on the demo corpus); write tokens + .json."""
-    from flashnext.demo import EOS, _documents, corpus_files, train_tokenizer
+    from flashnext.text import EOS, corpus_files, documents, train_tokenizer
 
     tok = train_tokenizer(corpus_files())
     eos = tok.token_to_id(EOS)
     files = text_files(limit_bytes)
     stream: list[int] = []
-    for enc in tok.encode_batch(list(_documents(files))):
+    for enc in tok.encode_batch(list(documents(files))):
         stream.extend(enc.ids)
         stream.append(eos)
     np.save(path, np.array(stream, dtype=np.int32))

@@ -15,16 +15,14 @@ import os
 import shutil
 import statistics
 import sys
-import sysconfig
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from flashnext._extras import require
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import recorded_source, write_sidecar
@@ -34,54 +32,10 @@ from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
 from flashnext.ple.quantize import SidecarSource, quantize_table
 from flashnext.ple.table import open_table
 from flashnext.synthetic import embedding_rows, flash_next_config
+from flashnext.text import EOS, corpus_files, token_stream, train_tokenizer
 
-EOS = "<|endoftext|>"
 DECODE_REQUESTS = 32
 PREFILL_TOKENS = 8192
-
-
-def corpus_files(limit_bytes: int = 6_000_000) -> list[Path]:
-    """Text files on this machine: licence texts and the Python standard library's sources."""
-    roots = corpus_roots()
-    files: list[Path] = []
-    total = 0
-    for root in roots:
-        if not root.is_dir():
-            continue
-        pattern = "*" if root.name == "common-licenses" else "*.py"
-        for path in sorted(root.glob(pattern)):
-            if path.is_file() and not path.is_symlink():
-                size = path.stat().st_size
-                if 0 < size < 400_000:
-                    files.append(path)
-                    total += size
-            if total >= limit_bytes:
-                return files
-    return files
-
-
-def _documents(files: list[Path]) -> Iterator[str]:
-    for path in files:
-        try:
-            yield path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-
-
-def train_tokenizer(files: list[Path], vocab_size: int = 8192) -> Any:
-    """A byte-level BPE with one special token, ``<|endoftext|>``, trained on ``files``."""
-    tokenizers = require("tokenizers", "demo", "flashnext demo")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_documents(files), trainer=trainer)
-    return tok
 
 
 @dataclass
@@ -151,7 +105,7 @@ def run_demo(
         f"geometry: {geo.num_rows:,} rows x {geo.width} ({geo.num_heads} heads, "
         f"{geo.split_ngram_parts} shards of {geo.shard_rows():,} rows)"
     )
-    tokens = _token_stream(tok, files[-40:], eos_id)
+    tokens = token_stream(tok, files[-40:], eos_id)
     ids = _hashed_ids(geo, tokens, rng)
 
     log("building the synthetic BF16 table")
@@ -236,11 +190,6 @@ def demo_output_problem(out: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def corpus_roots() -> list[Path]:
-    """The directories the demo reads its text from (inputs a destination must stay clear of)."""
-    return [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
-
-
 def _write_bf16_source(directory: Path, geo: PLEGeometry, source_rows: np.ndarray) -> Path:
     """Write ``source_rows`` (float32 [num_rows, width]) as the demo's BF16 sidecar."""
     write_sidecar(
@@ -265,16 +214,6 @@ def _quantize(bf16_dir: Path, directory: Path, fmt: str, geo: PLEGeometry, worke
         geometry=geo.to_dict(),
     )
     return result.rel_rmse
-
-
-def _token_stream(tok: Any, files: list[Path], eos_id: int) -> np.ndarray:
-    """int64 [T]: the documents of ``files`` tokenized and joined by EOS, as a serving engine
-    would see them."""
-    stream: list[int] = []
-    for enc in tok.encode_batch(list(_documents(files))):
-        stream.extend(enc.ids)
-        stream.append(eos_id)
-    return np.array(stream, dtype=np.int64)
 
 
 @dataclass

@@ -98,6 +98,11 @@ COMMANDS = {
         "file",
         lambda w: w.sidecar,
     ),
+    "ple slice": Command(
+        lambda w, d: ["ple", "slice", w.sidecar, d, "--tp", "2", "--ranks", "0"],
+        "dir",
+        lambda w: w.sidecar,
+    ),
     "demo": Command(lambda w, d: ["demo", "--base", "1000", "--out", d], "dir", None),
     "record capture": Command(
         lambda w, d: ["record", "capture", "--url", DEAD_URL, "--model", w.sidecar, "--out", d],

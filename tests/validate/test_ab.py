@@ -271,8 +271,8 @@ def test_candidate_killed_mid_run_is_a_recorded_failure(ab_servers, prompts_file
     assert len(errors) == 2 and {e["side"] for e in errors} == {"candidate"}
     assert errors[0]["kind"] == "unreachable" and payload["candidate"]["down"]
     assert sum(1 for r in payload["prompts"] if not r.get("error")) == 1
-    paths, _ = write_ab(make_record(KIND, payload), tmp_path / "mid")
-    assert "## Failures" in paths[1].read_text()
+    written = write_ab(make_record(KIND, payload), tmp_path / "mid")
+    assert written.failed == [] and "## Failures" in written.paths[1].read_text()
 
     # The CLI on a dead candidate: a report with the failure, exit status 1.
     rc, record = run_cli(base.url, victim.url, prompts_file, tmp_path / "cli")

@@ -132,6 +132,14 @@ def test_verdict_statuses():
         [_row(None, 1.0, [0.0], [True]), {"id": "y", "error": {"side": "candidate"}}]
     )
     assert verdict(broken, th)["status"] == "error"
+    # an interrupted run is never a pass, whatever its finished prompts say
+    for summary, n in ((ident, 1), (summarize([]), 0)):
+        stop = {"signal": "SIGINT", "prompts_done": n, "prompts_total": 3}
+        v = verdict(summary, th, None, stop)
+        assert v["status"] == "interrupted" and v["passed"] is False
+        assert v["reasons"][0] == (
+            f"interrupted by SIGINT after {n} of 3 prompts: the numbers cover those only"
+        )
 
 
 def test_default_prompt_set_is_varied():

@@ -87,7 +87,7 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     assert s["ready"]["key"]["max_model_len"] == 512
     assert s["short"]["key"]["completion_tokens"] > 0
     assert s["short"]["evidence"]["request"]["prompt_tokens"] > 0
-    assert s["multimodal"]["status"] == "skipped"
+    assert s["multimodal"]["status"] == "skip"
     assert s["multimodal"]["reason"].startswith("not a multimodal model (server: HTTP 400:")
     # long: filled to ~90% of 512 as counted by the server's /tokenize
     assert s["long"]["key"]["counted_with"] == "tokenize"
@@ -185,7 +185,7 @@ def test_never_healthy_server_hits_the_deadline(tmp_path: Path) -> None:
         "(last: ConnectError"
     )
     for s in report["stages"][1:]:
-        assert (s["status"], s["reason"]) == ("skipped", "the server never became ready")
+        assert (s["status"], s["reason"]) == ("skip", "the server never became ready")
     assert "unreachable" in report["deployment"]["error"]
     assert "did not answer HTTP 200" in p.stdout
     # stderr is not a terminal here: the wait is said as plain lines, not a silent spinner

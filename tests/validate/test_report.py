@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from flashnext.errors import ValidationError
 from flashnext.records import check_record
+from flashnext.status import STATUSES
 from flashnext.validate.report import (
+    REPORT_FILES,
     build_report,
     compare,
     load_report,
@@ -52,7 +55,7 @@ def make_result(
         ),
         StageResult(
             "multimodal",
-            "skipped",
+            "skip",
             "not a multimodal model (server: HTTP 400: no | pipes)",
             2.0,
             2.1,
@@ -138,7 +141,7 @@ def test_markdown_of_a_passing_run() -> None:
     assert "| ready | pass | 1.2 | time_to_ready_s 1.2, model m |" in lines
     # a "|" inside a reason would break the table
     assert (
-        "| multimodal | skipped: not a multimodal model (server: HTTP 400: no / pipes) | 0.1 |  |"
+        "| multimodal | skip: not a multimodal model (server: HTTP 400: no / pipes) | 0.1 |  |"
     ) in lines
     assert (
         "| concurrency | pass | 6.5 | completed 48/48, ttft_p90_s 0.25, output_tok_s 120, "
@@ -172,8 +175,9 @@ def test_markdown_and_record_of_an_interrupted_run() -> None:
 
 def test_write_then_load_round_trip(tmp_path: Path) -> None:
     report = build_report(make_result(), ARGV)
-    paths = write_report(report, tmp_path, png=True)
-    assert [p.name for p in paths] == ["report.json", "report.md", "report.png"]
+    written = write_report(report, tmp_path, png=True)
+    assert [p.name for p in written.paths] == ["report.json", "report.md", "report.png"]
+    assert written.failed == [] and written.notes == []
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "report.md").read_text() == render_markdown(report)
     assert load_report(tmp_path / "report.json") == report
@@ -247,9 +251,7 @@ def test_compare_json_is_a_record(tmp_path: Path, capsys: pytest.CaptureFixture[
     argv = ["validate", "compare", tmp_path / "a/report.json", tmp_path / "b/report.json", "--json"]
     code, out, err = run_in_process(argv, capsys)
     assert code == 0, err
-    record = check_record(
-        json.loads(out), kind="flashnext.validate.compare", schema_version=1
-    )
+    record = check_record(json.loads(out), kind="flashnext.validate.compare", schema_version=1)
     assert record["a"]["passed"] is True and record["b"]["interrupted"] is None
     rows = {r["name"]: r for r in record["stages"]}
     assert rows["concurrency"]["changed"]["output_tok_s"]["ratio"] == 2.0
@@ -269,3 +271,47 @@ def test_load_report_refuses_what_it_cannot_read(tmp_path: Path) -> None:
         load_report(p)
     with pytest.raises(ValidationError, match=r"cannot read a report.json \(Is a directory\)"):
         load_report(tmp_path)
+
+
+def test_png_and_markdown_of_every_stage_status(tmp_path: Path) -> None:
+    """A stage span per status, interrupted included (report.png once crashed on it)."""
+    stop = Interruption(signal="SIGTERM", stage="concurrency", t=4.0)
+    report = build_report(make_result(interrupted=stop), ARGV)
+    assert [s["status"] for s in report["stages"]] == ["pass", "pass", "skip", "interrupted"]
+    report["stages"][3]["t_end"] = 9.5  # a span the plot shades
+    written = write_report(report, tmp_path, png=True)
+    assert written.failed == [] and [p.name for p in written.paths] == list(REPORT_FILES)
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_old_reports_say_skipped_and_are_read_as_skip(tmp_path: Path) -> None:
+    old = build_report(make_result(), ARGV)
+    old["stages"][2]["status"] = "skipped"  # as flashnext wrote it before flashnext.status
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    (tmp_path / "v1.json").write_text(json.dumps(v1_of(old)))
+    for name in ("old.json", "v1.json"):
+        assert [s["status"] for s in load_report(tmp_path / name)["stages"]] == [
+            "pass", "pass", "skip", "pass"
+        ]  # fmt: skip
+    new = build_report(make_result(), ARGV)
+    rows = {r["name"]: r for r in compare(load_report(tmp_path / "old.json"), new)["stages"]}
+    assert rows["multimodal"]["status"] == ["skip", "skip"]  # not a change
+
+
+@pytest.mark.parametrize(
+    ("status", "why"),
+    [("passed", "status 'passed'"), (None, "status None"), (7, "status 7")],
+)
+def test_compare_refuses_a_stage_status_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], status: object, why: str
+) -> None:
+    report = build_report(make_result(), ARGV)
+    report["stages"][1]["status"] = status
+    (tmp_path / "a.json").write_text(json.dumps(report))
+    line = f"{tmp_path / 'a.json'}: stages[1]: {why}: expected one of {', '.join(STATUSES)}"
+    with pytest.raises(ValidationError, match=re.escape(line)):
+        load_report(tmp_path / "a.json")
+    code, out, err = run_in_process(
+        ["validate", "compare", tmp_path / "a.json", tmp_path / "a.json"], capsys
+    )
+    assert (code, out, err) == (1, "", f"error: {line}\n")

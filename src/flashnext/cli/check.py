@@ -88,10 +88,12 @@ def _print_table(checks) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from flashnext.status import STYLES, label
+
     table = Table(show_lines=False)
     for col in ("check", "status", "why", "fix"):
         table.add_column(col, overflow="fold")
-    style = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
     for c in checks:
-        table.add_row(c.name, Text(c.status, style=style[c.status]), Text(c.why), Text(c.fix))
+        status = Text(label(c.status), style=STYLES[c.status].colour)
+        table.add_row(c.name, status, Text(c.why), Text(c.fix))
     out_console.print(table)

@@ -166,6 +166,11 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
             say(f"  note: {text}")
         for rank, copies in enumerate(r.ranks):
             say(f"  rank {rank}: " + "; ".join(row_copy_text(c) for c in copies))
+        if r.ranks:
+            say(
+                f"  a node's ranks only: flashnext ple slice SIDECAR DST --tp {len(r.ranks)} "
+                "--ranks R[,R...] (copies the shards holding those ranks' rows)"
+            )
 
 
 @checkpoint.command("override")

@@ -40,7 +40,8 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
 
     --out must be new, empty, or an earlier demo's output (its tables are rebuilt).
     """
-    from flashnext.demo import corpus_roots, demo_output_problem, run_demo
+    from flashnext.demo import demo_output_problem, run_demo
+    from flashnext.text import corpus_roots
 
     check_output(out_dir, corpus_roots(), hint="--out")
     problem = demo_output_problem(out_dir) if out_dir is not None else None

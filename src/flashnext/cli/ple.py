@@ -52,6 +52,7 @@ from flashnext.ple.profile import (
 from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
 from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
 from flashnext.ple.sidecar import open_sidecar
+from flashnext.ple.slicing import slice_sidecar
 from flashnext.ple.table import PLETable, Warming, open_table
 
 
@@ -419,6 +420,53 @@ def warm(directory: Path, as_json: bool) -> None:
         f"warmed {directory}: read {human_bytes(warming.bytes_read)} in {seconds:.1f} s "
         f"({human_bytes(rate)}/s); page cache held {human_bytes(before)} of its "
         f"{human_bytes(file_bytes)} before, {human_bytes(after)} after"
+    )
+
+
+def _ranks_option(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        ranks = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected ranks like 0 or 2,3") from None
+    if not ranks or min(ranks) < 0:
+        raise click.BadParameter(f"{value!r}: expected non-negative ranks like 0 or 2,3")
+    return ranks
+
+
+@ple.command(name="slice")
+@click.argument("sidecar", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel size.")
+@click.option("--ranks", required=True, callback=_ranks_option,
+              help="Consecutive ranks this node serves: R or R,R,...")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+def slice_(sidecar: Path, dst: Path, tp: int, ranks: list[int], as_json: bool) -> None:
+    """Copy the shards of SIDECAR that hold RANKS' rows (of --tp) into a new DST.
+
+    Byte-for-byte copies, each sha256 checked against SIDECAR's META.json; DST's META.json says
+    which rows are present, and open_table / the plugin serve a rank whose rows lie inside.
+    """
+    check_output(dst, [sidecar], hint="DST")
+    part = slice_sidecar(sidecar, dst, tp, ranks)
+    kept = sorted(set(ranks))
+    record = {
+        "path": str(part.path),
+        "source": str(sidecar),
+        "tp": tp,
+        "ranks": kept,
+        "rows_present": list(part.rows_present),
+        "num_rows": part.num_rows,
+        "shards": len(part.shards),
+        "bytes": part.nbytes,
+    }
+    if as_json:
+        print_record("flashnext.ple.slice", record)
+        return
+    lo, hi = part.rows_present
+    say(
+        f"sliced {sidecar} -> {part.path}: {len(part.shards)} shards, rows {lo}..{hi} of "
+        f"{part.num_rows} ({human_bytes(part.nbytes)}) for --tp {tp} ranks "
+        f"{','.join(map(str, kept))}"
     )
 
 

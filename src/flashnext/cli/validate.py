@@ -24,6 +24,9 @@ from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
 if TYPE_CHECKING:
+    from flashnext.validate.ab import AbConfig
+    from flashnext.validate.deployment import DeploymentProbe
+    from flashnext.validate.output import Written
     from flashnext.validate.stages import Config, ValidationResult
 
 
@@ -236,6 +239,7 @@ def _config(opts: dict[str, Any]) -> Config:
 
 def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     """Build the config from parsed flags, run, write and print; return the exit status."""
+    from flashnext.validate.interrupts import deferred
     from flashnext.validate.report import build_report, check_out_dir, write_report
 
     cfg = _config(opts)
@@ -243,15 +247,20 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
     check_output(out_dir, hint="--out")
     check_out_dir(out_dir, png=not opts["no_png"])
-    result = asyncio.run(_run_with_progress(cfg))
+    from flashnext.deploy.probe import deployment_probe
+
+    probe = deployment_probe(cfg.api_key, cfg.container)
+    result = asyncio.run(_run_with_progress(cfg, probe))
     report = build_report(result, argv)
-    report["deployment"] = _deployment_record(cfg)
-    paths = write_report(report, out_dir, png=not opts["no_png"])
-    if opts["as_json"]:
-        sys.stdout.write(dumps(report, indent=None))
-    else:
-        _print_summary(report)
-    click.echo("wrote " + ", ".join(str(p) for p in paths), err=True)
+    with deferred():  # a signal now would leave the report half written
+        written = write_report(report, out_dir, png=not opts["no_png"])
+        # stdout either way: a report that could not be written (a full disk) still shows.
+        if opts["as_json"]:
+            sys.stdout.write(dumps(report, indent=None))
+            sys.stdout.flush()
+        else:
+            _print_summary(report)
+        _tell_written(written)
     if result.interrupted is not None:
         stop = result.interrupted
         done = sum(s.status in ("pass", "fail") for s in result.stages)
@@ -261,19 +270,19 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
             err=True,
         )
         return 128 + signal.Signals[stop.signal].value
+    if written.failed:
+        return 1
     return 0 if report["passed"] else 1
 
 
-def _deployment_record(cfg: Config) -> dict[str, Any]:
-    """What ran, as a flashnext.deploy.record (captured after the stages, so a pass is tied
-    to exactly this launch), or why it could not be captured."""
-    from flashnext.deploy.record import capture
-    from flashnext.errors import FlashnextError
-
-    try:
-        return capture(cfg.url, api_key=cfg.api_key, container=cfg.container)
-    except (FlashnextError, OSError) as exc:
-        return {"error": str(exc)}
+def _tell_written(written: Written) -> None:
+    """The files written and the notes on stderr, then an ``error:`` line per file that was
+    not (the summary or record is on stdout already)."""
+    if written.paths or written.notes:
+        click.echo("wrote " + ", ".join(str(p) for p in written.paths)
+                   + "".join(f"; {n}" for n in written.notes), err=True)  # fmt: skip
+    for line in written.failed:
+        click.echo(f"error: {line}", err=True)
 
 
 class _LineProgress:
@@ -299,13 +308,13 @@ class _LineProgress:
               file=sys.stderr, flush=True)  # fmt: skip
 
 
-async def _run_with_progress(cfg: Config) -> ValidationResult:
+async def _run_with_progress(cfg: Config, probe: DeploymentProbe) -> ValidationResult:
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from flashnext.validate.stages import run_validation
 
     if not err_console.is_terminal:
-        return await run_validation(cfg, _LineProgress())
+        return await run_validation(cfg, _LineProgress(), probe)
     with Progress(
         SpinnerColumn(),
         TextColumn("[bold]{task.fields[stage]:<13}"),
@@ -323,17 +332,17 @@ async def _run_with_progress(cfg: Config) -> ValidationResult:
             else:
                 progress.update(task, description=message, stage=stage, completed=fraction)
 
-        return await run_validation(cfg, update)
+        return await run_validation(cfg, update, probe)
 
 
 def _print_summary(report: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from flashnext.status import STYLES, label
     from flashnext.validate.report import key_text
 
     console = out_console
-    colours = {"pass": "green", "fail": "red", "skipped": "yellow", "interrupted": "magenta"}
     verdict = "PASSED" if report["passed"] else "FAILED"
     if report["interrupted"]:
         verdict = f"INTERRUPTED ({report['interrupted']['signal']})"
@@ -343,10 +352,10 @@ def _print_summary(report: dict[str, Any]) -> None:
     for col in ("stage", "status", "s", "key numbers"):
         table.add_column(col)
     for s in report["stages"]:
-        status = s["status"] + (f": {s['reason']}" if s["status"] == "skipped" else "")
+        status = label(s["status"]) + (f": {s['reason']}" if s["status"] == "skip" else "")
         table.add_row(
             Text(s["name"]),
-            Text(status, style=colours[s["status"]]),
+            Text(status, style=STYLES[s["status"]].colour),
             f"{s['duration_s']:.1f}",
             Text(key_text(s["key"])),
         )
@@ -441,9 +450,11 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     flashnext validate ab --baseline http://127.0.0.1:8000 --candidate http://127.0.0.1:8001
     """
     from flashnext.records import make_record
-    from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds, run_ab
+    from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds
     from flashnext.validate.ab_prompts import load_prompts
-    from flashnext.validate.ab_report import render_markdown, write_ab
+    from flashnext.validate.ab_report import AB_FILES, render_markdown, write_ab
+    from flashnext.validate.interrupts import deferred
+    from flashnext.validate.output import check_writable, printable
 
     check_output(o["out_dir"], [o["prompts_file"]], hint="--out")
     cfg = AbConfig(
@@ -461,20 +472,47 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
         timeout_s=o["timeout_s"],
         thresholds=Thresholds(o["min_top1"], o["max_mean_kl"], o["min_token_agreement"]),
     )
+    # Before the run: a report that cannot be written loses every prompt's evidence.
+    check_writable(o["out_dir"], AB_FILES if not o["no_png"] else AB_FILES[:2])
+    payload = _run_ab_with_progress(cfg)
+    record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
+    with deferred():  # a signal now would leave the report half written
+        written = write_ab(record, o["out_dir"], png=not o["no_png"])
+        if o["as_json"]:
+            sys.stdout.write(dumps(record, indent=None))
+            sys.stdout.flush()
+        else:
+            click.echo(printable(render_markdown(record)))
+        _tell_written(written)
+    stop = record["interrupted"]
+    if stop:
+        click.echo(
+            f"interrupted by {stop['signal']}: the report holds the {stop['prompts_done']} of "
+            f"{stop['prompts_total']} prompt(s) that finished",
+            err=True,
+        )
+        ctx.exit(128 + signal.Signals[stop["signal"]].value)
+    ctx.exit(0 if record["verdict"]["passed"] and not written.failed else 1)
+
+
+def _run_ab_with_progress(cfg: AbConfig) -> dict[str, Any]:
+    """``run_ab`` with a progress bar on a terminal, plain lines otherwise (a log, CI, a pipe)."""
     from rich.progress import Progress
 
+    from flashnext.deploy.probe import deployment_probe
+    from flashnext.validate.ab import run_ab
+
+    probe = deployment_probe(cfg.api_key)
+    if not err_console.is_terminal:
+
+        def line(done: int, total: int, pid: str) -> None:
+            print(f"validate ab: prompt {done}/{total} done ({pid})", file=sys.stderr, flush=True)
+
+        return asyncio.run(run_ab(cfg, line, probe))
     with Progress(console=err_console) as bar:
         task = bar.add_task("prompts", total=len(cfg.prompts))
-        payload = asyncio.run(
-            run_ab(cfg, lambda done, total, pid: bar.update(task, completed=done, description=pid))
-        )
-    record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
-    paths, note = write_ab(record, o["out_dir"], png=not o["no_png"])
-    if o["as_json"]:
-        sys.stdout.write(dumps(record, indent=None))
-    else:
-        click.echo(render_markdown(record))
-    click.echo(
-        "wrote " + ", ".join(str(p) for p in paths) + (f"; {note}" if note else ""), err=True
-    )
-    ctx.exit(0 if record["verdict"]["passed"] else 1)
+
+        def update(done: int, total: int, pid: str) -> None:
+            bar.update(task, completed=done, description=pid)
+
+        return asyncio.run(run_ab(cfg, update, probe))

@@ -1,7 +1,8 @@
 """Pre-boot compatibility check: what would make this ``vllm serve`` fail, before it boots.
 
 Each rule reads the checkpoint (config.json, tensor headers), the planned arguments and
-environment, the GPU and host memory, and returns one :class:`Check` row: status, why, fix.
+environment, the GPU and host memory, and returns one :class:`Check` row: status (``pass``,
+``warn``, ``fail`` or ``skip``, from :mod:`flashnext.status`), why, fix.
 A ``fail`` of a blocking rule makes :func:`run_checks`'s caller exit non-zero. The rules encode
 what the deployment notes learned one boot at a time (../shared/seeds 000/001):
 
@@ -25,7 +26,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from flashnext.checkpoint.config import read_config
 from flashnext.deploy.gpu import GpuSpec
@@ -34,8 +35,8 @@ from flashnext.deploy.serve_args import ServeArgs
 from flashnext.errors import FlashnextError
 from flashnext.integrations.vllm.settings import PluginSettings
 from flashnext.integrations.vllm.versions import checked_text, is_checked
+from flashnext.status import Status
 
-Status = Literal["ok", "warn", "fail", "skip"]
 B12X_BACKENDS = ("flashinfer_b12x", "b12x")
 B12X_CAPABILITIES = ((12, 0), (12, 1))
 B12X_FORMATS = ("nvfp4", "mxfp4")
@@ -133,7 +134,7 @@ def check_vllm_version(ctx: CheckContext) -> Check:
             "pass --vllm-version of the runtime you will boot", blocking=False,
         )  # fmt: skip
     if is_checked(v):  # the plugin's own list: check and plugin agree on every version
-        return Check("vllm-version", "ok", f"vLLM {v}: these rules were checked against it")
+        return Check("vllm-version", "pass", f"vLLM {v}: these rules were checked against it")
     why = f"vLLM {v}: not a release flashnext was checked against ({checked_text()})"
     plugin = _plugin_settings(ctx.args.env)
     if plugin is not None and plugin.parts and not plugin.allow_untested_vllm:
@@ -176,7 +177,7 @@ def check_b12x_gpu(ctx: CheckContext) -> Check:
             "use --moe-backend marlin (or the default) on this GPU",
         )  # fmt: skip
     cuda = "CUDA unknown" if gpu.cuda is None else f"CUDA {gpu.cuda[0]}.{gpu.cuda[1]}"
-    return Check("b12x-gpu", "ok", f"{gpu.sm}, {cuda}")
+    return Check("b12x-gpu", "pass", f"{gpu.sm}, {cuda}")
 
 
 def check_b12x_expert_parallel(ctx: CheckContext) -> Check:
@@ -188,7 +189,7 @@ def check_b12x_expert_parallel(ctx: CheckContext) -> Check:
             "--enable-expert-parallel with B12x MoE: B12x does not support expert parallelism",
             "drop --enable-expert-parallel (tensor parallelism works) or pick another backend",
         )  # fmt: skip
-    return Check("b12x-expert-parallel", "ok", "no expert parallelism")
+    return Check("b12x-expert-parallel", "pass", "no expert parallelism")
 
 
 def check_b12x_formats(ctx: CheckContext) -> Check:
@@ -218,7 +219,7 @@ def check_b12x_formats(ctx: CheckContext) -> Check:
             f"dense W4A16 layers need another linear backend (B12x covers MoE only){extra}",
             "check that vLLM picks a W4A16 kernel (Marlin) for the dense layers", blocking=False,
         )  # fmt: skip
-    return Check("b12x-formats", "ok", f"MoE {'/'.join(sorted(moe))}{extra}")
+    return Check("b12x-formats", "pass", f"MoE {'/'.join(sorted(moe))}{extra}")
 
 
 def check_b12x_mtp(ctx: CheckContext) -> Check:
@@ -229,7 +230,7 @@ def check_b12x_mtp(ctx: CheckContext) -> Check:
             "b12x-mtp", "skip", "no B12x backend or no speculative decoding", blocking=False
         )
     if "mtp" not in method:
-        return Check("b12x-mtp", "ok", f"speculative method {method or '?'} has no MoE draft")
+        return Check("b12x-mtp", "pass", f"speculative method {method or '?'} has no MoE draft")
     if ctx.tensors is None:
         return Check("b12x-mtp", "warn", "weight headers unreadable", blocking=False)
     mtp = layer_formats(ctx.tensors).get("mtp_moe", {})
@@ -241,21 +242,21 @@ def check_b12x_mtp(ctx: CheckContext) -> Check:
             "boot without --speculative-config, or serve the draft with a backend that runs "
             "unquantized MoE (triton)",
         )  # fmt: skip
-    return Check("b12x-mtp", "ok", f"MTP draft MoE {'/'.join(sorted(mtp)) or 'not found'}")
+    return Check("b12x-mtp", "pass", f"MTP draft MoE {'/'.join(sorted(mtp)) or 'not found'}")
 
 
 def check_sparse_attention(ctx: CheckContext) -> Check:
     types = ctx.text_config.get("layer_types") or []
     sparse = sum(1 for t in types if t == "qwen_sparse_attention")
     if not sparse:
-        return Check("sparse-attention", "ok", "no qwen_sparse_attention layers")
+        return Check("sparse-attention", "pass", "no qwen_sparse_attention layers")
     overrides = ctx.args.json_flag("--hf-overrides")
     patched = (overrides.get("text_config") or {}).get("layer_types") or overrides.get(
         "layer_types"
     )
     if patched and "qwen_sparse_attention" not in patched:
         return Check(
-            "sparse-attention", "ok", f"{sparse} sparse layers overridden by --hf-overrides"
+            "sparse-attention", "pass", f"{sparse} sparse layers overridden by --hf-overrides"
         )
     return Check(
         "sparse-attention", "warn", f"{sparse} layer_types entries are qwen_sparse_attention; "
@@ -271,16 +272,16 @@ def check_context_length(ctx: CheckContext) -> Check:
     cfg = ctx.text_config
     native = int(cfg.get("max_position_embeddings") or NATIVE_CONTEXT)
     if want is None:
-        return Check("max-model-len", "ok", f"not set: vLLM uses the native {native:,}")
+        return Check("max-model-len", "pass", f"not set: vLLM uses the native {native:,}")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = str(rope.get("rope_type") or rope.get("type") or "")
     if want <= native:
-        return Check("max-model-len", "ok", f"{want:,} <= native {native:,}")
+        return Check("max-model-len", "pass", f"{want:,} <= native {native:,}")
     if rope_type == "yarn":
         factor = float(rope.get("factor", 1.0))
         original = int(rope.get("original_max_position_embeddings") or native)
         if want <= factor * original:
-            return Check("max-model-len", "ok", f"{want:,} within YaRN x{factor:g} of {original:,}")
+            return Check("max-model-len", "pass", f"{want:,} within YaRN x{factor:g} of {original:,}")
         return Check(
             "max-model-len", "fail", f"{want:,} > YaRN x{factor:g} x {original:,}",
             f"--max-model-len {int(factor * original)} or a larger YaRN factor",
@@ -310,12 +311,12 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     source = f"{len(tables)} table(s), {tables[0].format}, {total / 1024**3:.1f} GiB"
     if sidecar:
         return Check(
-            "ple-host-memory", "ok", f"{source} in the checkpoint; served from the sidecar "
+            "ple-host-memory", "pass", f"{source} in the checkpoint; served from the sidecar "
             f"{sidecar} (FLASHNEXT_PLE_SIDECAR): `flashnext ple preflight {sidecar}` sizes it",
             blocking=False,
         )  # fmt: skip
     if not ctx.args.ple_cpu_offload:
-        return Check("ple-host-memory", "ok", f"{source} in {where}, not host RAM", blocking=False)
+        return Check("ple-host-memory", "pass", f"{source} in {where}, not host RAM", blocking=False)
     host = ctx.host_memory
     if host is None:
         return Check(
@@ -331,7 +332,7 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
         )  # fmt: skip
     return Check(
         "ple-host-memory",
-        "ok",
+        "pass",
         f"{source}: {per_worker * tp / 1024**3:.1f} of {host / 1024**3:.1f} GiB host RAM",
     )
 
@@ -365,7 +366,7 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
             f"{root}/layer_L --layer N (flashnext checkpoint ple MODEL lists L and N)",
         )  # fmt: skip
     where = ", ".join(f"layers.{i - 1}" for i in layer_ids)
-    return Check("ple-sidecar", "ok", f"{root}: a sidecar of this model's geometry for {where}")
+    return Check("ple-sidecar", "pass", f"{root}: a sidecar of this model's geometry for {where}")
 
 
 def _check_layer_sidecar(serving: Any, root: Path, config: dict[str, Any], layer_id: int) -> None:
@@ -408,7 +409,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
     if plan.problems:
         return Check("memory-plan", "fail", "; ".join(plan.problems), f"{command} for options")
     return Check(
-        "memory-plan", "ok", f"KV fits: up to {plan.max_model_len_one:,} tokens for one request, "
+        "memory-plan", "pass", f"KV fits: up to {plan.max_model_len_one:,} tokens for one request, "
         f"{plan.max_num_seqs_state:,} sequences' state",
     )  # fmt: skip
 
@@ -461,7 +462,7 @@ def check_expandable_segments(ctx: CheckContext, probe: Callable[[], tuple[str, 
             "expandable-segments", "warn", f"{probe_text}: workers sharing memory by pidfd fail",
             "run with CAP_SYS_PTRACE or kernel.yama.ptrace_scope=0", blocking=False,
         )  # fmt: skip
-    return Check("expandable-segments", "ok", f"expandable_segments not set; {probe_text}")
+    return Check("expandable-segments", "pass", f"expandable_segments not set; {probe_text}")
 
 
 RULES: tuple[Callable[[CheckContext], Check], ...] = (

@@ -44,6 +44,26 @@ def sort_keys(ids, lo, hi, keys, inverse):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
+def sort_keys_cached(ids, lo, hi, slot_map, keys, inverse):  # type: ignore[no-untyped-def]
+    """:func:`sort_keys` in front of a device cache: an id whose row has a cache slot
+    (``slot_map`` int32 [hi - lo], -1 = not cached) gets ``inverse = -(slot + 2)`` and no key,
+    so only the misses are deduplicated and gathered. Returns the number of keys written."""
+    m = 0
+    for i in range(ids.size):
+        row = ids[i]
+        if row < lo or row >= hi:
+            inverse[i] = -1
+            continue
+        slot = slot_map[row - lo]
+        if slot >= 0:
+            inverse[i] = -(slot + 2)
+        else:
+            keys[m] = (row << POS_BITS) | i
+            m += 1
+    return m
+
+
+@numba.njit(nogil=True, cache=True)
 def unique_sorted(keys, inverse, uniq):  # type: ignore[no-untyped-def]
     """From sorted ``keys`` (see :func:`sort_keys`): ascending unique rows into ``uniq`` and
     each id's index into them into ``inverse``. Returns the unique count."""

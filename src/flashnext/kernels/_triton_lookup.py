@@ -5,7 +5,9 @@ their rows. Per id: ``valid = row_start <= id < row_end`` (so -1 and other ranks
 +0.0 rows), the record is read from the hot-row cache when the slot map has the row, else from
 the table (device memory or pinned host memory through UVA), and dequantized in float32 in the
 order of :mod:`flashnext.ple.formats` (``E2M1[code] * scale`` is exact, then ``* scale_2``),
-then rounded once to bf16. With a permutation the ids come sorted (neighbouring programs read
+then rounded once to bf16. With ``CODED`` (the staged path's device cache) an id ``<= -2`` names
+cache slot ``-id - 2`` instead of a row (and its nvfp4 ``scale_2`` comes from ``cache_s2``): the
+host already split the step into hits and misses. With a permutation the ids come sorted (neighbouring programs read
 neighbouring rows: measured up to 3.6x faster over UVA at 1M ids) and each row is written to
 its id's original place. Lookup tables for e2m1 and e4m3 codes come from ``formats`` too.
 """
@@ -64,6 +66,7 @@ def _lookup_kernel(
     row_start,
     row_end,
     perm_ptr,
+    cache_s2_ptr,
     FMT: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -73,6 +76,7 @@ def _lookup_kernel(
     S2_MODE: tl.constexpr,
     SHARD_STEPS: tl.constexpr,
     HAS_PERM: tl.constexpr,
+    CODED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gather + dequant of BLOCK ids per program into bf16 rows (see ``launch_lookup``).
@@ -89,6 +93,15 @@ def _lookup_kernel(
     if HAS_CACHE:
         slot = tl.load(slot_ptr + local, mask=valid, other=-1)
         base = tl.where(slot >= 0, cache_ptr + slot.to(tl.int64) * REC, base)
+    row_ok = valid
+    if CODED:  # noqa: SIM108 (constexpr branch)  ids <= -2 are device-cache slots
+        hit = gid <= -2
+    else:
+        hit = gid < gid  # never
+    cslot = tl.where(hit, -gid - 2, 0)
+    if CODED:
+        base = tl.where(hit, cache_ptr + cslot * REC, base)
+        valid = valid | hit
     c = tl.arange(0, BLOCK_W)
     cmask = c < WIDTH
     m2 = valid[:, None] & cmask[None, :]
@@ -113,7 +126,9 @@ def _lookup_kernel(
             if S2_MODE == 1:
                 s2 = tl.load(s2_ptr + _shard_of(gid, starts_ptr, n_shards, SHARD_STEPS))
             else:
-                s2 = tl.load(s2_ptr + local, mask=valid, other=0.0)
+                s2 = tl.load(s2_ptr + local, mask=row_ok, other=0.0)
+                if CODED:
+                    s2 = tl.where(hit, tl.load(cache_s2_ptr + cslot, mask=hit, other=0.0), s2)
             val = val * s2[:, None]
     val = tl.where(m2, val, 0.0)
     if HAS_PERM:  # noqa: SIM108 (constexpr branch)  ids were sorted: id r goes to row perm[r]
@@ -143,9 +158,13 @@ def launch_lookup(
     slot_map: Any = None,
     cache: Any = None,
     perm: Any = None,
+    coded_cache: Any = None,
+    cache_s2: Any = None,
 ) -> None:
     """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n]
-    (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``).
+    (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``; with ``coded_cache``
+    uint8 [slots, record_bytes] (and ``cache_s2`` float32 [slots] for nvfp4): ids ``<= -2`` read
+    slot ``-id - 2`` of it; the staged path's device cache, exclusive with ``slot_map``).
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
@@ -166,7 +185,7 @@ def launch_lookup(
         n,
         records,
         slot_map if has_cache else ids,
-        cache if has_cache else records,
+        cache if has_cache else (coded_cache if coded_cache is not None else records),
         e2m1,
         e4m3,
         s2,
@@ -175,6 +194,7 @@ def launch_lookup(
         row_start,
         row_end,
         perm if perm is not None else ids,
+        cache_s2 if cache_s2 is not None else s2,
         FMT=FMT_CODES[fmt],
         WIDTH=width,
         BLOCK_W=triton.next_power_of_2(width),
@@ -184,6 +204,7 @@ def launch_lookup(
         S2_MODE=s2_mode,
         SHARD_STEPS=max(1, n_shards.bit_length()),
         HAS_PERM=perm is not None,
+        CODED=coded_cache is not None,
         BLOCK=block,
         num_warps=NUM_WARPS,
     )

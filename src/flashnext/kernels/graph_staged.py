@@ -84,7 +84,7 @@ class GraphStagedTable(StagedTable):
             raise KernelError(f"graph-staged lookups need a CUDA device, found {device!r}")
         self.shape = (int(shape[0]), int(shape[1]))
         super().__init__(table, self.shape[0] * self.shape[1], 1, device, prefault, workers)
-        self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._flag = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
         self._flag_np = self._flag.numpy()
         self._lib = _cuda_driver()
 

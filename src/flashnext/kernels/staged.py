@@ -9,6 +9,12 @@ the inverse index as row ids (-1 = a zero row). ``buffers`` slots (2 = double-bu
 host gather step N+1 while the GPU still runs step N: :meth:`StagedTable.stage` waits only for
 the copy that last read the slot it is about to overwrite.
 
+A device cache of hot rows (:meth:`StagedTable.set_hot_rows`, the profile format and size rule of
+``GpuTable.set_hot_rows``) sits in front: the host looks each id up in a slot map (int32 per
+served row, host RAM, not pinned); a hit is written into the inverse index as ``-(slot + 2)``
+and never gathered, so only the misses are deduplicated, gathered and copied, and the one kernel
+reads hits from the cache and misses from the staged slot.
+
 :class:`StagedTable` runs outside CUDA graphs (the copy's size is known only after the gather);
 :mod:`flashnext.kernels.graph_staged` is the variant that lives inside one.
 """
@@ -25,7 +31,7 @@ import numpy as np
 from flashnext.errors import KernelError
 from flashnext.kernels import _staging
 from flashnext.kernels.records import RecordLayout, record_layout
-from flashnext.kernels.table import _lookup, code_luts, torch
+from flashnext.kernels.table import CacheInfo, _lookup, code_luts, hot_row_ids, torch
 from flashnext.ple.table import PLETable, StoredTable
 
 #: Unique rows per gather thread at least (fewer: handing work out costs more than it saves).
@@ -133,8 +139,11 @@ class StagedTable:
         self._src = row_source(table.stored(), self.layout)
         self._slot_bytes = self._offsets(self.max_ids, self.max_ids)[-1]
         pin = self.device.type != "cpu"
+        # device="cpu" spelled out: vLLM builds layers under `with torch.device("cuda")`, which
+        # would otherwise put these host slots on the GPU ("Only dense CPU tensors can be pinned").
         self._host = [
-            torch.empty(self._slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)
+            torch.empty(self._slot_bytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+            for _ in range(buffers)
         ]
         self._host_np = [h.numpy() for h in self._host]
         self._dev = [
@@ -151,6 +160,9 @@ class StagedTable:
         self._e2m1, self._e4m3 = code_luts(self.device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._workers = workers or min(8, os.cpu_count() or 1)
+        self._slot_map: np.ndarray | None = None  # int32 [served rows], host
+        self._cache: Any = None  # uint8 [slots, record_bytes], device
+        self._cache_s2: Any = None  # float32 [slots] (nvfp4 scale_2 of each cached row)
         if prefault:
             prefault_pages(table)
 
@@ -215,7 +227,10 @@ class StagedTable:
         inverse = host[: 4 * n].view(np.int32)
         s2 = host[s2_at : s2_at + (4 * n if src.scalars.size else 0)].view(np.float32)
         records = host[rec_at : rec_at + n * rb].reshape(n, rb)
-        m = _staging.sort_keys(flat, lo, hi, self._keys, inverse)
+        if self._slot_map is None:
+            m = _staging.sort_keys(flat, lo, hi, self._keys, inverse)
+        else:
+            m = _staging.sort_keys_cached(flat, lo, hi, self._slot_map, self._keys, inverse)
         keys = self._keys[:m]
         keys.sort()
         n_unique = _staging.stage_rows(
@@ -255,8 +270,79 @@ class StagedTable:
             s2=dev[s2_at : s2_at + 4 * n_rec].view(torch.float32),
             s2_mode=_lookup.S2_PER_ROW if self._src.scalars.size else _lookup.S2_NONE,
             shard_starts=self._zero,
+            coded_cache=self._cache,
+            cache_s2=self._cache_s2,
         )
         return out
+
+    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
+        """Cache the first rows of ``hot_rows`` that fit in ``cache_bytes`` on the device.
+
+        The rule of ``GpuTable.set_hot_rows``: ``hot_rows`` is a HotRowProfile (``.row_ids``)
+        or 1-D int row ids in priority order; rows outside the table's ``row_range`` are
+        skipped, repeats keep their first place, and ``cache_bytes // record_bytes`` rows are
+        kept. The slot map (4 bytes per served row) lives in host RAM here, not on the device.
+        Call between steps, with no staged step pending (and before capturing a graph: the
+        cache tensors are replaced). ``cache_bytes = 0`` turns the cache off.
+
+        Returns:
+            CacheInfo: cached rows and the device bytes they take (records + nvfp4 scale_2).
+
+        Raises:
+            KernelError: ids are not 1-D integers.
+        """
+        lo, hi = self.table.row_range
+        ids = hot_row_ids(hot_rows)
+        ids = ids[(ids >= lo) & (ids < hi)]
+        _, first = np.unique(ids, return_index=True)
+        keep = ids[np.sort(first)][: max(0, int(cache_bytes)) // self.layout.record_bytes]
+        if keep.size == 0:
+            self._slot_map = self._cache = self._cache_s2 = None
+            return self.cache_info
+        rows = np.sort(keep)  # slot order: ascending rows gather fastest
+        src = self._src
+        records = np.empty((rows.size, self.layout.record_bytes), np.uint8)
+        s2 = np.empty(rows.size if src.scalars.size else 0, np.float32)
+        _staging.gather_records(
+            rows, 0, rows.size, src.seg_start, src.bases, src.row_bytes, src.field_off,
+            records, src.shard_starts, src.scalars, s2,
+        )  # fmt: skip
+        slot_map = np.full(hi - lo, -1, np.int32)
+        slot_map[rows - lo] = np.arange(rows.size, dtype=np.int32)
+        self._cache = torch.from_numpy(records).to(self.device)
+        self._cache_s2 = torch.from_numpy(s2).to(self.device) if s2.size else None
+        self._slot_map = slot_map
+        return self.cache_info
+
+    def share_cache(self, other: StagedTable) -> CacheInfo:
+        """Serve from ``other``'s device cache (same table and row range; e.g. one
+        :class:`GraphStagedTable` per step shape over one cache). Same rules as
+        :meth:`set_hot_rows` for when to call it.
+
+        Raises:
+            KernelError: ``other`` serves another table or row range.
+        """
+        if other.table is not self.table and (
+            other.table.row_range != self.table.row_range or other.layout != self.layout
+        ):
+            raise KernelError("share_cache: the other staged table serves other rows")
+        self._slot_map, self._cache, self._cache_s2 = (
+            other._slot_map, other._cache, other._cache_s2,
+        )  # fmt: skip
+        return self.cache_info
+
+    @property
+    def cache_info(self) -> CacheInfo:
+        """The device cache: rows and device bytes (0, 0 when off)."""
+        if self._cache is None:
+            return CacheInfo(0, 0)
+        s2 = 0 if self._cache_s2 is None else self._cache_s2.numel() * 4
+        return CacheInfo(int(self._cache.shape[0]), int(self._cache.numel() + s2))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this table pins (its staging slots; no table rows)."""
+        return sum(int(h.numel()) for h in self._host) if self.device.type != "cpu" else 0
 
 
 def prefault_pages(table: PLETable, page: int = 4096) -> None:

@@ -245,7 +245,7 @@ def _cached_tokenizer(name: str) -> Path | None:
 @functools.lru_cache(maxsize=1)
 def _demo_tokenizer() -> tuple[Any, int]:
     """``flashnext demo``'s BPE and its EOS id (trained once per process: ~2 s)."""
-    from flashnext.demo import EOS, corpus_files, train_tokenizer
+    from flashnext.text import EOS, corpus_files, train_tokenizer
 
     tok = train_tokenizer(corpus_files())
     return tok, tok.token_to_id(EOS)

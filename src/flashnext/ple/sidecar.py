@@ -22,6 +22,13 @@ A sidecar is a directory holding one PLE layer's table, split by rows:
 
   META.json holds no timestamp, so the same input always gives byte-identical files.
 
+  A *partial* sidecar (``flashnext ple slice``: some tensor-parallel ranks' rows) adds
+  ``"rows_present": [a, b]`` (on shard bounds) and ``"sliced_for": {"tp", "ranks", "rows"}``;
+  it holds exactly shards ``a // S`` .. ``ceil(b / S) - 1``, byte-identical to the full
+  sidecar's, and ``num_rows``/``num_shards`` stay the whole table's (so ``row_start`` and
+  ``table_rows`` in each shard still check). ``Sidecar.rows_present`` says which rows a
+  directory holds; tables refuse row ranges outside it.
+
   Readers ignore unknown fields and accept the alternative key names other tools use
   (``shard_rows``, ``total_rows``, ``variant``). Where META.json gives ``rows_per_shard``,
   ``num_rows``, ``num_shards`` or ``width``, every shard is checked against it.
@@ -131,6 +138,12 @@ class Sidecar:
     def nbytes(self) -> int:
         """Bytes on disk of all shard files."""
         return sum(s.path.stat().st_size for s in self.shards)
+
+    @property
+    def rows_present(self) -> tuple[int, int]:
+        """``(start, end)`` global rows the shard files hold: the whole table, or a slice's
+        (``flashnext ple slice``, META.json ``rows_present``)."""
+        return self.shards[0].row_start, self.shards[-1].row_start + self.shards[-1].rows
 
     @property
     def geometry(self) -> PLEGeometry | None:
@@ -393,7 +406,13 @@ def _open_sidecar(root: Path) -> Sidecar:
     rows_per_shard = _meta_int(root, meta, "rows_per_shard", "shard_rows")
     num_rows = _meta_int(root, meta, "num_rows", "total_rows")
     meta_width = _meta_int(root, meta, "width", limit=MAX_WIDTH)
-    headers = _read_headers(_shard_order(root, _list_shards(root), num_shards))
+    present = _rows_present(root, meta, num_rows, rows_per_shard)
+    found = _list_shards(root)
+    if present is None:
+        first, paths = 0, _shard_order(root, found, num_shards)
+    else:
+        first, paths = _partial_order(root, found, present, rows_per_shard or 1)
+    headers = _read_headers(paths)
     codec = _detect_codec(root, headers[0], meta)
     rows_per_shard = rows_per_shard or _rows_of(headers[0], codec)
     width = meta_width or _width_of(headers[0], codec)
@@ -403,22 +422,74 @@ def _open_sidecar(root: Path) -> Sidecar:
         source = META_NAME if meta_width else headers[0].path.name
         raise SidecarError(f"{root}: width {width} from {source}: {exc}") from None
     shards = []
-    row_start = 0
+    row_start = first * rows_per_shard
+    table_end = present[2] if present is not None else None
     for i, header in enumerate(headers):
-        rows = _check_shard(header, codec, width, rows_per_shard, is_last=i == len(headers) - 1)
+        last = i == len(headers) - 1 and (present is None or present[1] == table_end)
+        rows = _check_shard(header, codec, width, rows_per_shard, is_last=last)
         _check_shard_metadata(header, codec, row_start)
         shards.append(
-            Shard(i, header.path, row_start, rows, header.tensors, _scalars(header, codec))
+            Shard(first + i, header.path, row_start, rows, header.tensors, _scalars(header, codec))
         )
         row_start += rows
-    if num_rows is not None and num_rows != row_start:
+    if present is not None and row_start != present[1]:
         raise SidecarError(
-            f"{root}: shards hold {row_start} rows in all, but {META_NAME} says num_rows={num_rows}"
+            f"{root}: its shards end at row {row_start}, but {META_NAME} says rows_present ends "
+            f"at {present[1]}; re-run `flashnext ple slice`"
+        )
+    total = table_end if table_end is not None else row_start
+    if num_rows is not None and num_rows != total:
+        raise SidecarError(
+            f"{root}: shards hold {total} rows in all, but {META_NAME} says num_rows={num_rows}"
         )
     for header in headers:
-        _check_table_rows(header, row_start)
-    _meta_geometry(root, meta, row_start, width)
-    return Sidecar(root, codec, width, rows_per_shard, row_start, shards, meta)
+        _check_table_rows(header, total)
+    _meta_geometry(root, meta, total, width)
+    return Sidecar(root, codec, width, rows_per_shard, total, shards, meta)
+
+
+def _rows_present(
+    root: Path, meta: Mapping[str, Any], num_rows: int | None, rows_per_shard: int | None
+) -> tuple[int, int, int] | None:
+    """``(start, end, num_rows)`` of a partial sidecar's META.json ``rows_present``, else None.
+
+    A partial sidecar (``flashnext ple slice``) holds whole shards ``[start, end)`` of a table of
+    ``num_rows`` rows; META.json must give ``rows_per_shard`` and ``num_rows`` beside it.
+    """
+    value = meta.get("rows_present")
+    if value is None:
+        return None
+    where = f"{root / META_NAME}: rows_present"
+    if num_rows is None or rows_per_shard is None:
+        raise SidecarError(f"{where} needs num_rows and rows_per_shard beside it")
+    ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
+    start, end = (value[0], value[1]) if ok else (-1, -1)
+    if not (0 <= start < end <= num_rows and start % rows_per_shard == 0) or (
+        end % rows_per_shard and end != num_rows
+    ):
+        raise SidecarError(
+            f"{where} is {value!r}, expected [start, end] on shard bounds (multiples of "
+            f"{rows_per_shard}, or the table's end {num_rows}) inside the table's rows"
+        )
+    return start, end, num_rows
+
+
+def _partial_order(
+    root: Path, found: dict[int, Path], present: tuple[int, int, int], rows_per_shard: int
+) -> tuple[int, list[Path]]:
+    """The first shard index and the shard files of a partial sidecar, all and only those
+    holding ``rows_present``."""
+    first = present[0] // rows_per_shard
+    want = list(range(first, -(-present[1] // rows_per_shard)))
+    missing = [i for i in want if i not in found]
+    stray = sorted(set(found) - set(want))
+    if missing or stray:
+        what = f"missing {_names(missing)}" if missing else f"{_names(stray)} do not belong"
+        raise SidecarError(
+            f"{root}: a partial sidecar of rows {present[0]}..{present[1]} holds shards "
+            f"{shard_name(want[0])} .. {shard_name(want[-1])}: {what}; re-run `flashnext ple slice`"
+        )
+    return first, [found[i] for i in want]
 
 
 def _scalars(header: Header, codec: Codec) -> dict[str, float]:

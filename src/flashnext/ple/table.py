@@ -143,6 +143,7 @@ class PLETable:
                 f"{sidecar.path}: row_range ({start}, {end}) is not inside the table's "
                 f"{sidecar.num_rows} rows"
             )
+        _check_present(sidecar, start, end)
         self.row_range = (start, end)
         self._set_layout()
         self._shards = [
@@ -818,6 +819,23 @@ def open_table(
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
     return PLETable(sidecar, residency, row_range, preflight, hot_rows, threads)
+
+
+def _check_present(sidecar: Sidecar, start: int, end: int) -> None:
+    """Refuse rows ``[start, end)`` that a partial sidecar (``flashnext ple slice``) lacks.
+
+    Raises:
+        SidecarError: naming the rows asked for, the rows present and the rows missing.
+    """
+    lo, hi = sidecar.rows_present
+    if lo <= start and end <= hi:
+        return
+    missing = [f"{a}..{b}" for a, b in ((start, min(end, lo)), (max(start, hi), end)) if a < b]
+    raise SidecarError(
+        f"{sidecar.path}: a partial sidecar with rows {lo}..{hi} of {sidecar.num_rows}; rows "
+        f"{start}..{end} were asked for and rows {', '.join(missing)} are missing: slice the "
+        "full sidecar for this rank (flashnext ple slice SIDECAR DST --tp N --ranks R)"
+    )
 
 
 def dequantize_raw(codec: Codec, raw: Mapping[str, np.ndarray], width: int) -> np.ndarray:

@@ -16,13 +16,17 @@ The payload of the ``flashnext.validate.ab`` record (schema version 1):
 - ``prompts``: per prompt id, category, prompt_tokens, both continuations (text, token ids,
   finish reason), first_difference, token_agreement, ``tf`` (teacher-forced: positions,
   top1_agreement, kl/tv/logprob_delta_abs {mean, max}, per-position kl and tv), error;
-- ``summary``: pooled numbers; ``verdict``: status (identical | pass | fail | error), checks,
-  reasons; ``cost``: requests per server and wall time (the comparison only);
+- ``summary``: pooled numbers; ``verdict``: status (identical | pass | fail | error |
+  interrupted), checks, reasons; ``cost``: requests per server and wall time (the comparison
+  only);
+- ``interrupted``: null, or {``signal``, ``prompts_done``, ``prompts_total``} when SIGINT or
+  SIGTERM stopped the run: ``prompts`` and ``summary`` then hold the prompts that finished;
 - ``deployments``: ``baseline`` and ``candidate``, each server's deployment record
-  (``flashnext.deploy.record``, captured after the prompts by the URL's port, as
-  ``flashnext validate`` does) or ``{"error": why}``; ``differences``: what
-  :func:`~flashnext.deploy.record_diff.record_diff` finds between the two (group, name,
-  before, after, variable), null unless both were captured. Null when capture was off.
+  (``flashnext.deploy.record``, captured after the prompts by the caller's
+  :class:`~flashnext.validate.deployment.DeploymentProbe`, as ``flashnext validate`` does) or
+  ``{"error": why}``; ``summaries``: a line naming each; ``differences``: what the probe's
+  ``diff`` finds between the two (group, name, before, after, variable), null unless both were
+  captured. Null when no probe was given.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from flashnext.validate import ab_metrics as M
 from flashnext.validate.ab_prompts import Prompt, fill_repeats
 from flashnext.validate.ab_server import RequestFailed, Side
 from flashnext.validate.client import Client
+from flashnext.validate.deployment import DeploymentProbe
+from flashnext.validate.interrupts import Interrupts
 
 KIND = "flashnext.validate.ab"
 SCHEMA_VERSION = 1
@@ -74,70 +80,101 @@ class AbConfig:
     concurrency: int = 1
     timeout_s: float = 180.0
     thresholds: Thresholds = field(default_factory=Thresholds)
-    capture_deployments: bool = True
 
 
 Progress = Callable[[int, int, str], None]
 
 
-async def run_ab(cfg: AbConfig, progress: Progress | None = None) -> dict[str, Any]:
+async def run_ab(
+    cfg: AbConfig, progress: Progress | None = None, deployment: DeploymentProbe | None = None
+) -> dict[str, Any]:
     """Run the comparison; return the record payload (see the module docstring). Never raises
-    for a server failure: that is recorded (``verdict.status == "error"``)."""
+    for a server failure: that is recorded (``verdict.status == "error"``).
+
+    The first SIGINT/SIGTERM (when run in the main thread) stops the prompts in flight: the
+    payload then holds the finished ones and ``interrupted``; a second ends the process.
+    ``deployment`` captures both servers' deployments after the prompts.
+    """
     t0 = time.monotonic()
     base = Side("baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s))
     cand = Side("candidate", Client(cfg.candidate_url, cfg.api_key, cfg.timeout_s))
-    results: list[dict[str, Any]] = []
+    finished: dict[int, dict[str, Any]] = {}
     setup_error = None
+    interrupts = Interrupts()
     try:
-        try:
-            await asyncio.gather(
-                base.load_info(cfg.baseline_model), cand.load_info(cfg.candidate_model)
+        with interrupts.installed():
+            interrupts.task = asyncio.ensure_future(
+                _setup_and_prompts(cfg, base, cand, progress, finished)
             )
-        except RequestFailed as exc:
-            setup_error = _error(exc)
-        if setup_error is None:
-            results = await _run_prompts(cfg, base, cand, progress)
+            try:
+                setup_error = await interrupts.task
+            except asyncio.CancelledError:
+                if interrupts.signal is None:
+                    raise
     finally:
         await asyncio.gather(base.client.aclose(), cand.client.aclose())
     wall_s = round(time.monotonic() - t0, 3)
+    results = [finished[i] for i in sorted(finished)]
     summary = summarize(results)
+    stop = _interruption(interrupts, len(results), len(cfg.prompts))
     return {
         "baseline": base.info(),
         "candidate": cand.info(),
         "config": _config_dict(cfg),
         "setup_error": setup_error,
+        "interrupted": stop,
         "prompts": results,
         "summary": summary,
-        "verdict": verdict(summary, cfg.thresholds, setup_error),
+        "verdict": verdict(summary, cfg.thresholds, setup_error, stop),
         "cost": {
             "requests": {"baseline": base.requests, "candidate": cand.requests},
             "wall_s": wall_s,
         },
-        "deployments": await deployments(cfg) if cfg.capture_deployments else None,
+        "deployments": await deployments(cfg, deployment, stop) if deployment else None,
     }
 
 
-async def deployments(cfg: AbConfig) -> dict[str, Any]:
-    """Both servers' deployment records and their differences (see the module docstring).
-    Never raises: a capture that fails is recorded with its reason."""
-    from flashnext.deploy.record import capture
-    from flashnext.deploy.record_diff import record_diff
-    from flashnext.errors import FlashnextError
+async def _setup_and_prompts(
+    cfg: AbConfig, base: Side, cand: Side, progress: Progress | None,
+    finished: dict[int, dict[str, Any]],
+) -> dict[str, str] | None:  # fmt: skip
+    """Read both servers' facts, then run the prompts into ``finished`` (by prompt index, as
+    each completes, so an interrupt keeps them); the setup error, if any."""
+    try:
+        await asyncio.gather(
+            base.load_info(cfg.baseline_model), cand.load_info(cfg.candidate_model)
+        )
+    except RequestFailed as exc:
+        return _error(exc)
+    await _run_prompts(cfg, base, cand, progress, finished)
+    return None
 
-    def one(url: str) -> dict[str, Any]:
-        try:
-            return capture(url, api_key=cfg.api_key)
-        except (FlashnextError, OSError) as exc:
-            return {"error": str(exc)}
 
-    base, cand = await asyncio.gather(
-        asyncio.to_thread(one, cfg.baseline_url), asyncio.to_thread(one, cfg.candidate_url)
-    )
-    both = "error" not in base and "error" not in cand
+def _interruption(interrupts: Interrupts, done: int, total: int) -> dict[str, Any] | None:
+    if interrupts.signal is None:
+        return None
+    return {"signal": interrupts.signal.name, "prompts_done": done, "prompts_total": total}
+
+
+async def deployments(
+    cfg: AbConfig, probe: DeploymentProbe, stop: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Both servers' deployment records, a line naming each and their differences (see the
+    module docstring). Never raises: a capture that fails is recorded with its reason; after an
+    interrupt nothing is captured (the report comes first)."""
+    if stop is not None:
+        why = f"the run was interrupted by {stop['signal']}"
+        base = cand = probe.skipped(why)
+    else:
+        base, cand = await asyncio.gather(
+            asyncio.to_thread(probe.take, cfg.baseline_url),
+            asyncio.to_thread(probe.take, cfg.candidate_url),
+        )
     return {
-        "baseline": base,
-        "candidate": cand,
-        "differences": [asdict(c) for c in record_diff(base, cand)] if both else None,
+        "baseline": base.record,
+        "candidate": cand.record,
+        "summaries": {"baseline": base.summary, "candidate": cand.summary},
+        "differences": probe.compare(base, cand),
     }
 
 
@@ -154,24 +191,22 @@ def _error(exc: RequestFailed) -> dict[str, str]:
 
 
 async def _run_prompts(
-    cfg: AbConfig, base: Side, cand: Side, progress: Progress | None
-) -> list[dict[str, Any]]:
+    cfg: AbConfig, base: Side, cand: Side, progress: Progress | None,
+    finished: dict[int, dict[str, Any]],
+) -> None:  # fmt: skip
     sem = asyncio.Semaphore(cfg.concurrency)
-    done = 0
 
-    async def one(p: Prompt) -> dict[str, Any]:
-        nonlocal done
+    async def one(i: int, p: Prompt) -> None:
         async with sem:
             try:
                 out = await compare_prompt(cfg, p, base, cand)
             except RequestFailed as exc:
                 out = {"id": p.id, "category": p.category, "error": _error(exc)}
-        done += 1
+        finished[i] = out
         if progress:
-            progress(done, len(cfg.prompts), p.id)
-        return out
+            progress(len(finished), len(cfg.prompts), p.id)
 
-    return list(await asyncio.gather(*(one(p) for p in cfg.prompts)))
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(cfg.prompts)))
 
 
 async def prompt_tokens(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> list[int]:
@@ -297,10 +332,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def verdict(
-    summary: dict[str, Any], th: Thresholds, setup_error: dict[str, str] | None = None
+    summary: dict[str, Any],
+    th: Thresholds,
+    setup_error: dict[str, str] | None = None,
+    stop: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``status``: ``error`` (a server failed), ``identical`` (same tokens, zero divergence),
-    ``pass`` (within every threshold) or ``fail``; ``checks`` lists each limit and value."""
+    """``status``: ``interrupted`` (a signal stopped the run: never a pass), ``error`` (a server
+    failed), ``identical`` (same tokens, zero divergence), ``pass`` (within every threshold) or
+    ``fail``; ``checks`` lists each limit and value over the prompts that finished."""
     checks = []
 
     def check(name: str, value: float | None, limit: float, ok: bool) -> None:
@@ -330,6 +369,13 @@ def verdict(
         status = "pass"
     if summary["compared"] and summary["tf_prompts"] == 0:
         reasons.append("no teacher-forced scores: verdict from token agreement only")
+    if stop is not None:
+        status = "interrupted"
+        reasons.insert(
+            0,
+            f"interrupted by {stop['signal']} after {stop['prompts_done']} of "
+            f"{stop['prompts_total']} prompts: the numbers cover those only",
+        )
     return {
         "status": status,
         "passed": status in ("identical", "pass"),

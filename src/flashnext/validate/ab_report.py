@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from flashnext._extras import require
-from flashnext.atomic import atomic_write
-from flashnext.errors import MissingExtraError
 from flashnext.records import dumps
+from flashnext.validate.output import Render, Written, write_files
 
 WORST = 3
+AB_FILES = ("ab.json", "ab.md", "ab.png")
 _SNIPPET = 400
 
 
@@ -56,7 +56,9 @@ def _side_line(name: str, s: dict[str, Any]) -> str:
 def render_markdown(record: dict[str, Any]) -> str:
     """The one-page report (see the module docstring)."""
     v, s, cost = record["verdict"], record["summary"], record["cost"]
-    lines = [f"# flashnext validate ab: {v['status'].upper()}", ""]
+    stop = record.get("interrupted")
+    title = v["status"].upper() + (f" ({stop['signal']})" if stop else "")
+    lines = [f"# flashnext validate ab: {title}", ""]
     lines += [f"- {r}" for r in v["reasons"]] + ([""] if v["reasons"] else [])
     lines += [
         _side_line("baseline", record["baseline"]),
@@ -113,10 +115,12 @@ def _deployment_section(deployments: dict[str, Any] | None) -> list[str]:
     """Both servers' deployment records in a line each, then what differs between them."""
     if not deployments:
         return []
-    from flashnext.deploy.record import describe
-
+    summaries = deployments.get("summaries") or {}
     lines = ["", "## Deployments", ""]
-    lines += [f"- {side}: {describe(deployments[side])}" for side in ("baseline", "candidate")]
+    lines += [
+        f"- {side}: {summaries.get(side) or 'no summary recorded'}"
+        for side in ("baseline", "candidate")
+    ]
     diff = deployments.get("differences")
     if diff is None:
         return [*lines, "", "Differences: unknown (a record is missing)."]
@@ -194,27 +198,14 @@ def render_png(record: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def write_ab(
-    record: dict[str, Any], out_dir: Path, png: bool = True
-) -> tuple[list[Path], str | None]:
-    """Write ab.json, ab.md and (when ``png`` and matplotlib is there) ab.png into ``out_dir``.
-
-    Returns the paths written and a note when the plot was skipped.
-    """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "ab.json", out_dir / "ab.md"]
-    with atomic_write(paths[0], "w") as fh:
-        fh.write(dumps(record))
-    with atomic_write(paths[1], "w") as fh:
-        fh.write(render_markdown(record))
-    note = None
+def write_ab(record: dict[str, Any], out_dir: Path, png: bool = True) -> Written:
+    """Write ab.json, ab.md and (when ``png`` and matplotlib is there) ab.png into ``out_dir``,
+    each on its own: one that cannot be written is named in the result, the others are still
+    written; a plot left out for want of matplotlib is a note."""
+    files: dict[str, Render] = {
+        "ab.json": lambda: dumps(record),
+        "ab.md": lambda: render_markdown(record),
+    }
     if png:
-        try:
-            data = render_png(record)
-        except MissingExtraError as exc:
-            note = f"ab.png skipped: {exc}"
-        else:
-            with atomic_write(out_dir / "ab.png") as fh:
-                fh.write(data)
-            paths.append(out_dir / "ab.png")
-    return paths, note
+        files["ab.png"] = lambda: render_png(record)
+    return write_files(out_dir, files)

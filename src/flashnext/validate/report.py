@@ -9,7 +9,8 @@
 - ``config``: the :class:`~flashnext.validate.stages.Config` used, the API key redacted;
 - ``passed`` (bool: not interrupted and no selected stage failed), ``failed_stages`` (names),
   ``interrupted`` ({``signal``, ``stage``, ``t``} or null), ``duration_s``;
-- ``stages``: list of {``name``, ``status`` (pass | fail | skipped | interrupted), ``reason``,
+- ``stages``: list of {``name``, ``status`` (pass | fail | skip | interrupted, from
+  :mod:`flashnext.status`), ``reason``,
   ``t_start``, ``t_end``, ``duration_s``, ``key`` (headline numbers), ``failures`` (messages),
   ``evidence`` (stage specific; always ``probes`` {``server``, ``gpu``} for stages that ran)};
 - ``probes``: ``metrics`` {``interval_s``, ``available``, ``samples`` [{``t``, ``ok``,
@@ -19,12 +20,16 @@
   [{``t``, ``used``, ``free``, ``procs``}]}, ``container`` {``name``, ``runtime``,
   ``restart_count_start``, ``restart_count_end``} or {};
 - ``server`` {``server_version``, ``served_model``, ``max_model_len``, ``models``,
-  ``cache_config_info`` (label dict), ``gpu`` (NVML device or its status)}.
+  ``cache_config_info`` (label dict), ``gpu`` (NVML device or its status)};
+- ``deployment``: the deployment record captured after the stages by the caller's function
+  (``{"error": why}`` when it could not be, null when none was given) and
+  ``deployment_summary``, the one line naming it.
 
 Version 1 (before records) kept the host block at the top level (``tool``, ``created``,
 ``command``, ``python``, ``platform``) and the server's block under ``environment``;
 :func:`load_report` reads it into the version 2 shape. Times ``t`` are seconds since the run
-started. Every file is written to a temporary name and renamed when complete.
+started. Older reports wrote ``skipped`` for ``skip``: :func:`load_report` reads it as ``skip``.
+Every file is written to a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -32,13 +37,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-import tempfile
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from flashnext._extras import require
-from flashnext.atomic import atomic_write
 from flashnext.errors import ValidationError
 from flashnext.records import (
     REDACTED,
@@ -50,6 +53,8 @@ from flashnext.records import (
     redact_url,
     to_jsonable,
 )
+from flashnext.status import STYLES, read_status
+from flashnext.validate.output import Render, Written, check_writable, write_files
 from flashnext.validate.stages.result import ValidationResult
 
 REPORT_KIND = "flashnext.validate.report"
@@ -106,35 +111,21 @@ def build_report(result: ValidationResult, argv: list[str]) -> dict[str, Any]:
         "stages": [s.to_dict() for s in result.stages],
         "probes": {"metrics": result.metrics, "nvml": result.nvml, "container": result.container},
         "server": result.server,
+        "deployment": result.deployment.record if result.deployment else None,
+        "deployment_summary": result.deployment.summary if result.deployment else None,
     }
     body = _redact_deep(to_jsonable(payload), secrets)
     return make_record(REPORT_KIND, body, schema_version=SCHEMA_VERSION, argv=argv, secrets=secrets)
 
 
 def check_out_dir(out_dir: Path, png: bool = True) -> None:
-    """Make sure the report can be written into ``out_dir`` before a run starts.
-
-    Creates the directory, writes and removes a probe file in it, and checks that no
-    report file name is taken by a directory.
+    """Make sure the report can be written into ``out_dir`` before a run starts (see
+    :func:`flashnext.validate.output.check_out_dir`).
 
     Raises:
         ValidationError: one line naming ``--out`` and what is in the way.
     """
-    try:
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ValidationError(f"--out {out_dir}: exists and is not a directory")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for name in REPORT_FILES if png else REPORT_FILES[:2]:
-            if (out_dir / name).is_dir():
-                raise ValidationError(
-                    f"--out {out_dir}: {name} there is a directory; remove it or choose "
-                    "another --out"
-                )
-        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".flashnext-probe-"):
-            pass
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        raise ValidationError(f"--out {out_dir}: cannot write a report there ({why})") from None
+    check_writable(out_dir, REPORT_FILES if png else REPORT_FILES[:2])
 
 
 def _fmt(v: Any) -> str:
@@ -169,7 +160,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for s in report["stages"]:
-        status = s["status"] if s["status"] != "skipped" else f"skipped: {s['reason']}"
+        status = s["status"] if s["status"] != "skip" else f"skip: {s['reason']}"
         status = status.replace("|", "/")
         lines.append(
             f"| {s['name']} | {status} | {s['duration_s']:.1f} | "
@@ -183,19 +174,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             "complete, the later ones were not run.",
         ]
     lines += _failure_lines(report)
-    lines += _deployment_lines(report.get("deployment"))
+    lines += _deployment_lines(report)
     lines += ["", f"Command: `{' '.join(report['environment']['command'])}`", ""]
     return "\n".join(lines)
 
 
-def _deployment_lines(record: dict[str, Any] | None) -> list[str]:
-    """The launch this report belongs to (from the embedded deployment record)."""
-    if not record:
+def _deployment_lines(report: dict[str, Any]) -> list[str]:
+    """The launch this report belongs to (the line the capture function gave for it)."""
+    record, summary = report.get("deployment"), report.get("deployment_summary")
+    if not record or not summary:
         return []
-    from flashnext.deploy.record import describe
-
     label = "Deployment record" if "error" in record else "Deployment"
-    return ["", f"{label}: {describe(record)}"]
+    return ["", f"{label}: {summary}"]
 
 
 def _failure_lines(report: dict[str, Any]) -> list[str]:
@@ -254,12 +244,12 @@ def render_png(report: dict[str, Any]) -> bytes:
     ax_run.set_ylabel("requests")
     ax_run.set_xlabel("seconds since start")
     ax_run.legend(loc="upper right")
-    colours = {"pass": "tab:green", "fail": "tab:red", "skipped": "tab:gray"}
     for s in report["stages"]:
         if s["t_end"] <= s["t_start"]:
             continue
+        colour = STYLES[read_status(s["status"])].plot
         for ax in axes:
-            ax.axvspan(s["t_start"], s["t_end"], color=colours[s["status"]], alpha=0.12)
+            ax.axvspan(s["t_start"], s["t_end"], color=colour, alpha=0.12)
         ax_gpu.annotate(
             s["name"],
             (s["t_start"], 1.0),
@@ -279,32 +269,16 @@ def render_png(report: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def write_report(report: dict[str, Any], out_dir: Path, png: bool = True) -> list[Path]:
-    """Write report.json, report.md and (when ``png``) report.png into ``out_dir``.
-
-    Raises:
-        ValidationError: a file cannot be written (the message names it and why).
-    """
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValidationError(f"--out {out_dir}: cannot create ({exc.strerror or exc})") from None
-    files = {
-        "report.json": dumps(report, indent=1).encode(),
-        "report.md": render_markdown(report).encode(),
+def write_report(report: dict[str, Any], out_dir: Path, png: bool = True) -> Written:
+    """Write report.json, report.md and (when ``png``) report.png into ``out_dir``, each on its
+    own: one that cannot be written is named in the result, the others are still written."""
+    files: dict[str, Render] = {
+        "report.json": lambda: dumps(report, indent=1),
+        "report.md": lambda: render_markdown(report),
     }
     if png:
-        files["report.png"] = render_png(report)
-    paths = []
-    for name, data in files.items():
-        path = out_dir / name
-        try:
-            with atomic_write(path) as fh:
-                fh.write(data)
-        except OSError as exc:
-            raise ValidationError(f"{path}: cannot write ({exc.strerror or exc})") from None
-        paths.append(path)
-    return paths
+        files["report.png"] = lambda: render_png(report)
+    return write_files(out_dir, files)
 
 
 def _from_v1(data: dict[str, Any]) -> dict[str, Any]:
@@ -352,7 +326,7 @@ def load_report(path: Path) -> dict[str, Any]:
             raise ValidationError(
                 f"{path}: not a flashnext validate report (no {', '.join(missing)})"
             )
-        return _from_v1(data)
+        return _read_statuses(_from_v1(data), path)
     try:
         check_record(data, kind=REPORT_KIND, source=str(path))
     except RecordError as exc:
@@ -360,7 +334,24 @@ def load_report(path: Path) -> dict[str, Any]:
     missing = [k for k in ("server", "stages", "target", "passed", "probes") if k not in data]
     if missing:
         raise ValidationError(f"{path}: not a flashnext validate report (no {', '.join(missing)})")
-    return data
+    return _read_statuses(data, path)
+
+
+def _read_statuses(report: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``report`` with every stage's status in today's words (older reports wrote ``skipped``).
+
+    Raises:
+        ValidationError: ``stages`` is not a list of objects, or a status is not a status word.
+    """
+    stages = report["stages"]
+    if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+        raise ValidationError(f"{path}: stages: expected a list of stage objects")
+    for i, stage in enumerate(stages):
+        try:
+            stage["status"] = read_status(stage.get("status"))
+        except ValueError as exc:
+            raise ValidationError(f"{path}: stages[{i}]: {exc}") from None
+    return report
 
 
 def _server_changes(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:

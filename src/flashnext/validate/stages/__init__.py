@@ -2,7 +2,7 @@
 
 Stages, in run order (:data:`STAGES`): ``ready``, ``short``, ``long``, ``multimodal``
 (:mod:`.single`), ``concurrency``, ``sustained`` (:mod:`.load`), ``prefix-cache`` (:mod:`.cache`).
-Each fills a :class:`StageResult`: ``pass``, ``fail`` or ``skipped`` with a reason (or
+Each fills a :class:`StageResult`: ``pass``, ``fail`` or ``skip`` with a reason (or
 ``interrupted``), the headline numbers (``key``) and the evidence. :func:`run_validation`
 (:mod:`.runner`) returns a :class:`ValidationResult`. Prompts live in
 :mod:`flashnext.validate.stages.prompts`, statistics in :mod:`flashnext.validate.stats`.

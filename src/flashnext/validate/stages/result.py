@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flashnext.status import STATUSES, Status
+from flashnext.validate.deployment import Deployment
 from flashnext.validate.stages.config import Config
 
-#: A stage's status: ``interrupted`` only for the stage running when SIGINT/SIGTERM arrived.
-STATUSES = ("pass", "fail", "skipped", "interrupted")
+# A stage's status is one of STATUSES (flashnext.status): ``pass``, ``fail``, ``skip`` (with a
+# reason), or ``interrupted`` for the stage running when SIGINT/SIGTERM arrived; never ``warn``.
+__all__ = ["STATUSES", "Interruption", "ServerEnvironment", "StageResult", "ValidationResult"]
 
 
 @dataclass
@@ -20,7 +23,7 @@ class StageResult:
     """One stage's verdict. ``key`` holds the headline numbers shown in the Markdown table."""
 
     name: str
-    status: str = "pass"  # one of STATUSES
+    status: Status = "pass"
     reason: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
@@ -37,7 +40,7 @@ class StageResult:
 
     def skip(self, reason: str) -> None:
         """Mark the stage skipped for a stated reason (not a failure)."""
-        self.status, self.reason = "skipped", reason
+        self.status, self.reason = "skip", reason
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict, with ``duration_s``."""
@@ -73,7 +76,9 @@ class ValidationResult:
     the report record.
 
     ``metrics`` and ``nvml`` are the probes' records (``MetricsProbe.to_dict()``,
-    ``NvmlSampler.to_dict()``); ``container`` is {} without ``--container``.
+    ``NvmlSampler.to_dict()``); ``container`` is {} without ``--container``; ``deployment`` is
+    what the caller's :class:`~flashnext.validate.deployment.DeploymentProbe` captured after the
+    stages, or None when none was given.
     """
 
     config: Config
@@ -84,6 +89,7 @@ class ValidationResult:
     container: dict[str, Any] = field(default_factory=dict)
     duration_s: float = 0.0
     interrupted: Interruption | None = None
+    deployment: Deployment | None = None
 
     @property
     def failed_stages(self) -> list[str]:

@@ -10,15 +10,15 @@ process at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flashnext.errors import ValidationError
 from flashnext.validate import stats
+from flashnext.validate.deployment import Deployment, DeploymentProbe
+from flashnext.validate.interrupts import Interrupts
 from flashnext.validate.probes import container_restart_count
 from flashnext.validate.stages.cache import stage_prefix_cache
 from flashnext.validate.stages.config import STAGES, Config
@@ -51,43 +51,20 @@ STAGE_FUNCS: dict[str, StageFn] = {
 }
 
 
-class _Interrupts:
-    """The first SIGINT/SIGTERM cancels the running stage; a second ends the process."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+class _Interrupts(Interrupts):
+    """:class:`~flashnext.validate.interrupts.Interrupts` naming the stage it stopped."""
 
     def __init__(self, run: Run) -> None:
+        super().__init__()
         self.run = run
         self.caught: Interruption | None = None
         self.stage: str | None = None
-        self.task: asyncio.Future[Any] | None = None
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[_Interrupts]:
-        loop = asyncio.get_running_loop()
-        added = []
-        for sig in self.SIGNALS:
-            # Only the main thread may own signals; a run in another thread is not interruptible.
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self._on_signal, sig)
-                added.append(sig)
-        try:
-            yield self
-        finally:
-            for sig in added:
-                loop.remove_signal_handler(sig)
-
-    def _on_signal(self, sig: signal.Signals) -> None:
-        if self.caught is not None:
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
-            return
+    def on_interrupt(self, sig: signal.Signals) -> None:
         self.caught = Interruption(signal=sig.name, stage=self.stage, t=self.run.now())
         self.run.progress(
             self.stage or "", f"{sig.name}: stopping; the report of finished stages follows", None
         )
-        if self.task is not None:
-            self.task.cancel()
 
 
 def _skip_reason(run: Run, results: list[StageResult], caught: Interruption | None) -> str:
@@ -107,7 +84,7 @@ async def _run_stages(
     for name in (n for n in STAGES if n in run.cfg.stages):
         reason = _skip_reason(run, results, interrupts.caught)
         if reason:
-            results.append(StageResult(name, "skipped", reason, run.now(), run.now()))
+            results.append(StageResult(name, "skip", reason, run.now(), run.now()))
             continue
         res = StageResult(name=name, t_start=run.now())
         interrupts.stage = name
@@ -216,10 +193,14 @@ async def _check_reachable_without_ready(run: Run) -> None:
         raise ValidationError(err + hint)
 
 
-async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> ValidationResult:
+async def run_validation(
+    cfg: Config, progress: ProgressFn | None = None, deployment: DeploymentProbe | None = None
+) -> ValidationResult:
     """Run the selected stages in order with the probes running; return what they found.
 
     ``progress(stage, message, fraction)`` is called as stages start, advance and end.
+    ``deployment`` captures what ran after the stages (so a pass is tied to exactly this
+    launch); the result carries it.
     SIGINT/SIGTERM (when run in the main thread) stop the run early: the result then has
     ``interrupted`` set and holds the stages that finished.
 
@@ -247,6 +228,7 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> Val
         await run.close()
     if cfg.container:
         container["restart_count_end"] = restarts[-1] if restarts else None
+    deployed = await _deployment(deployment, cfg.url, interrupts.caught)
     return ValidationResult(
         config=cfg,
         stages=results,
@@ -256,7 +238,20 @@ async def run_validation(cfg: Config, progress: ProgressFn | None = None) -> Val
         container=container,
         duration_s=run.now(),
         interrupted=interrupts.caught,
+        deployment=deployed,
     )
+
+
+async def _deployment(
+    probe: DeploymentProbe | None, url: str, caught: Interruption | None
+) -> Deployment | None:
+    """What ran, unless the user stopped the run: then the report comes first (a capture waits
+    on the server, which may be why they stopped it)."""
+    if probe is None:
+        return None
+    if caught is not None:
+        return probe.skipped(f"the run was interrupted by {caught.signal}")
+    return await asyncio.to_thread(probe.take, url)
 
 
 async def _server_environment(run: Run) -> ServerEnvironment:

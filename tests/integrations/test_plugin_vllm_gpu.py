@@ -1,0 +1,206 @@
+"""The plugin's layers inside vLLM's real classes on a CUDA GPU, bit for bit against vLLM's own.
+
+vLLM's ``Qwen4ExpNGramEmbedding`` is built under a world-of-one process group, as vLLM builds it
+under its target device: once with the plugin off (vLLM's ``Qwen4ExpPLEPinnedHostEmbedding``,
+the checkpoint's bf16 rows in pinned host memory, its Triton UVA gather), then with a bf16
+sidecar of the same rows switched on through ``--additional-config`` for every placement
+(``auto``, ``pinned``, ``staged``, ``device``), as ``SidecarPinnedEmbedding`` (the real
+``start_prefetch`` on vLLM's side stream, ``_buffer``, ``finalize_prefetch``) and as
+``SidecarDeviceEmbedding`` (``forward``). Every output must equal vLLM's bit for bit, and vLLM's
+must equal the table's rows at the ids ``flashnext.ple.hashing`` computes (an independent
+reference for both). Steps of changing sizes reuse the prefetch buffer; work on the main stream
+runs between ``start_prefetch`` and ``finalize_prefetch``, as the previous decoder layer would.
+
+Needs vLLM (0.32.0's Python tree: ``devtools/vllm_gpu_carry.py`` packs it for a GPU machine
+without vLLM) and a CUDA GPU; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from flashnext.ple import write_sidecar
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.hashing import ngram_ids_packed
+from flashnext.synthetic import embedding_rows, flash_next_config
+
+torch = pytest.importorskip("torch", reason="torch not installed: pip install 'flashnext[gpu]'")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (vLLM's pinned layer gathers over UVA)", allow_module_level=True)
+pytest.importorskip("vllm", reason="vLLM not installed: pip install 'flashnext[vllm]'")
+
+from vllm.config import EngramConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import (  # noqa: E402
+    ensure_model_parallel_initialized,
+    init_distributed_environment,
+)
+from vllm.distributed.parallel_state import (  # noqa: E402
+    destroy_distributed_environment,
+    destroy_model_parallel,
+)
+from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding  # noqa: E402
+
+from devtools.vllm_cpu import free_port  # noqa: E402
+from flashnext.integrations.vllm import apply_parts  # noqa: E402
+from flashnext.integrations.vllm.settings import PluginSettings  # noqa: E402
+
+CONFIG = flash_next_config(ngram_vocab_size_base=20_000, ple_layer_ids=[1])
+PREFIX = "model.layers.0.ple.ple_embedding"
+MAX_TOKENS = 4096
+PLACEMENTS = ("auto", "pinned", "staged", "device")
+STEPS = (8, 1000, 1, 4096, 33)  # decode, prefill, one token, the whole buffer, odd
+
+
+@pytest.fixture(scope="module")
+def world():
+    """vLLM's process groups for a world of one (ETP = TP = DP = 1)."""
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            1, 0, f"tcp://127.0.0.1:{free_port()}", 0, backend="gloo"
+        )
+        ensure_model_parallel_initialized(1, 1)
+    yield
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def geometry() -> PLEGeometry:
+    return PLEGeometry.from_config(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def table(geometry, tmp_path_factory):
+    """(bf16 rows as vLLM loads them [rows, width], the bf16 sidecar of the same rows)."""
+    from tests.seeding import seeded_rng
+
+    rows = embedding_rows(geometry.num_rows, geometry.width, seeded_rng("plugin_vllm_gpu"))
+    bf16 = torch.from_numpy(rows).to(torch.bfloat16)
+    rows = bf16.float().numpy()  # bf16 values: the sidecar stores them exactly
+    sidecar = write_sidecar(
+        tmp_path_factory.mktemp("sidecar") / "bf16",
+        "bf16",
+        rows,
+        geometry.shard_rows(),
+        geometry=geometry.to_dict(),
+    )
+    return bf16, sidecar
+
+
+def _text_config():
+    from transformers import Qwen4ExpTextConfig
+
+    return Qwen4ExpTextConfig(**CONFIG)
+
+
+def _build(cpu_offload: bool, additional: dict | None) -> Qwen4ExpNGramEmbedding:
+    """vLLM's PLE embedding module, built as the model builds it (current config, CUDA device)."""
+    config = VllmConfig()
+    config.engram_config = EngramConfig(cpu_offload=cpu_offload)
+    config.additional_config = additional or {}
+    with set_current_vllm_config(config), torch.device("cuda"):
+        return Qwen4ExpNGramEmbedding(
+            _text_config(),
+            CONFIG["ple_embed_dim"],
+            0,
+            MAX_TOKENS,
+            data_parallel_rank=0,
+            prefix=PREFIX,
+            params_dtype=torch.bfloat16,
+        )
+
+
+def _checkpoint(rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    parts = CONFIG["split_ngram_parts"]
+    size = -(-rows.shape[0] // parts)
+    return [
+        (f"ngram_embedding.shard_{k}.weight", rows[k * size : (k + 1) * size]) for k in range(parts)
+    ]
+
+
+def _batch(rng: np.random.Generator, tokens: int) -> dict[str, np.ndarray]:
+    """A packed batch of up to 3 requests (one continues a chunked prompt), EOS inside."""
+    toks = rng.integers(0, CONFIG["vocab_size"], size=tokens)
+    toks[rng.integers(0, tokens)] = CONFIG["eos_token_id"]
+    cuts = np.sort(rng.integers(0, tokens + 1, size=2))
+    qsl = np.array([0, *cuts, tokens], dtype=np.int64)
+    ctx = np.full((3, 2), CONFIG["eos_token_id"], dtype=np.int64)
+    ctx[1] = rng.integers(0, CONFIG["vocab_size"], size=2)
+    return {"tokens": toks, "qsl": qsl, "ctx": ctx}
+
+
+def _step(layer: Qwen4ExpNGramEmbedding, batch: dict[str, np.ndarray]) -> torch.Tensor:
+    """One PLE lookup as vLLM's model runs it; returns bf16 ``[T, heads * width]`` on the host."""
+    ids = torch.from_numpy(batch["tokens"]).cuda()
+    qsl = torch.from_numpy(batch["qsl"]).to(torch.int32).cuda()
+    ctx = torch.from_numpy(batch["ctx"]).cuda()
+    hidden = torch.randn(ids.shape[0], 64, device="cuda", dtype=torch.bfloat16)
+    layer.start_prefetch(ids, qsl, ctx)  # no-op for the device class
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(4):  # the previous decoder layer, on the main stream
+        busy = busy @ busy / 2048
+    out = layer(hidden, ids, qsl, ctx)
+    out = layer.ngram_embedding.dequantize(out, torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.isfinite(busy).all()
+    return out.cpu()
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy()
+
+
+@pytest.fixture(scope="module")
+def vllm_pinned(world, table):
+    """vLLM's own pinned layer (plugin off), loaded from the checkpoint's bf16 rows."""
+    layer = _build(True, None)
+    emb = layer.ngram_embedding
+    assert type(emb).__name__ == "Qwen4ExpPLEPinnedHostEmbedding"
+    assert type(emb).__module__.startswith("vllm."), "the plugin replaced vLLM's layer while off"
+    layer.load_weights(_checkpoint(table[0]))
+    assert emb.weight.is_pinned()
+    return layer
+
+
+def test_vllm_pinned_layer_reads_the_rows_flashnext_hashes(vllm_pinned, table, geometry, rng):
+    rows = table[0]
+    for tokens in (8, 1000):
+        batch = _batch(rng, tokens)
+        got = _step(vllm_pinned, batch)
+        ids = ngram_ids_packed(geometry, batch["tokens"], batch["qsl"], batch["ctx"])
+        want = rows[torch.from_numpy(ids).reshape(-1)].reshape(tokens, -1)
+        assert np.array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("cpu_offload", [True, False], ids=["pinned_class", "device_class"])
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_sidecar_layer_equals_vllm_pinned_layer(
+    vllm_pinned, table, placement, cpu_offload, rng, caplog
+):
+    """The sidecar layers, every placement, bit for bit against vLLM's own pinned layer."""
+    apply_parts(("ple_sidecar",), PluginSettings())  # what register() does in every process
+    additional = {"flashnext": {"ple_sidecar": str(table[1].path), "ple_placement": placement}}
+    with caplog.at_level(logging.INFO, logger="flashnext.integrations.vllm"):
+        layer = _build(cpu_offload, additional)
+    emb = layer.ngram_embedding
+    want_class = "SidecarPinnedEmbedding" if cpu_offload else "SidecarDeviceEmbedding"
+    assert type(emb).__name__ == want_class
+    assert emb.weight.numel() == 0  # no table in the layer: the sidecar serves the rows
+    chosen = emb._rows.choice.placement
+    expected = "pinned" if placement == "auto" else placement  # the H200 host holds the table
+    assert chosen == expected, emb._rows.choice.reason
+    line = [r.getMessage() for r in caplog.records if PREFIX in r.getMessage()]
+    assert line and f"{chosen}: " in line[-1], line
+    layer.load_weights(_checkpoint(table[0]))  # taken and dropped, as from a checkpoint
+    for tokens in STEPS:
+        batch = _batch(rng, tokens)
+        ours, theirs = _step(layer, batch), _step(vllm_pinned, batch)
+        assert ours.dtype == theirs.dtype == torch.bfloat16
+        assert np.array_equal(_bits(ours), _bits(theirs)), f"T={tokens}"
+    if cpu_offload:
+        buffer = emb._prefetch_buffer
+        assert buffer is not None and buffer.shape == (MAX_TOKENS, emb._output_dim)
+        assert emb._buffer(buffer.device) is buffer  # allocated once, reused by every step
