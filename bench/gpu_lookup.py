@@ -465,7 +465,8 @@ def build_repeated(root: Path, rows: int, rng: np.random.Generator) -> Path:
     Timings depend on which addresses are read, not on the values."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flashnext.ple.sidecar import SidecarWriter, write_shard_file
+    from flashnext.ple.destination import SidecarWriter
+    from flashnext.ple.sidecar import write_shard_file
 
     shard_rows = min(SHARD_ROWS, rows)
     writer = SidecarWriter(root / "int4", "int4", WIDTH, rows // shard_rows * shard_rows,

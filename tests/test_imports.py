@@ -211,7 +211,7 @@ def test_ple_exports_load_lazily() -> None:
         "assert 'flashnext.ple.table' not in sys.modules\n"
         "from flashnext.ple import quantize_table, write_sidecar\n"
         "from flashnext.ple.quantize import quantize_table as q\n"
-        "from flashnext.ple.sidecar import write_sidecar as w\n"
+        "from flashnext.ple.destination import write_sidecar as w\n"
         "assert quantize_table is q and write_sidecar is w\n"
         "for name in ple.__all__:\n"
         "    assert getattr(ple, name) is not None, name\n"

@@ -21,9 +21,14 @@ from flashnext._extras import require
 EOS = "<|endoftext|>"
 
 
+def corpus_roots() -> list[Path]:
+    """Where :func:`corpus_files` reads: inputs a writing command's destination stays clear of."""
+    return [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+
+
 def corpus_files(limit_bytes: int = 6_000_000) -> list[Path]:
     """Text files on this machine: licence texts and the Python standard library's sources."""
-    roots = [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+    roots = corpus_roots()
     files: list[Path] = []
     total = 0
     for root in roots:

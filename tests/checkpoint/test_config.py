@@ -107,11 +107,12 @@ def test_bad_override_requests(tmp_path, capsys):
         capsys,
     )
     assert code == 1 and "no layer_types entry equals ['mamba']" in err
+    # the destination rule every writing command shares (exit 2, before any work)
     code, _, err = run_in_process(["checkpoint", "override", root, *MAPPING, "--out", root], capsys)
-    assert code == 1 and "never edited in place" in err
+    assert code == 2 and "is the input" in err
     inside = str(built.root / "patched")
     code, _, err = run_in_process(["checkpoint", "override", root, *MAPPING, "--out", inside], capsys)
-    assert code == 1 and "is the checkpoint or inside it" in err
+    assert code == 2 and "lies inside the input" in err
     assert not (built.root / "patched").exists()
     code, _, err = run_in_process(["checkpoint", "override", root, *MAPPING], capsys)
     assert code == 2 and "exactly one of" in err

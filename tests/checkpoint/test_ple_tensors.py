@@ -312,10 +312,10 @@ def test_layer_choice(tmp_path):
 
 
 def test_cli_ple_json(tmp_path, capsys):
-    from .test_snapshot import run_cli
+    from ..cli.runner import run_in_process
 
     b = build_checkpoint(tmp_path / "ck", fmt="fp8", layout="empty-shard", prefix="short", base=400)
-    code, out, _ = run_cli(["checkpoint", "ple", str(b.root), "--json", "--tp", "2"], capsys)
+    code, out, _ = run_in_process(["checkpoint", "ple", str(b.root), "--json", "--tp", "2"], capsys)
     doc = json.loads(out)
     (t,) = doc["tables"]
     assert (
@@ -326,11 +326,11 @@ def test_cli_ple_json(tmp_path, capsys):
     )
     ranks = t["tp"]["ranks"]
     assert [r[0]["src_offset"] for r in ranks] == [0, t["num_rows"] // 2]
-    code, out, _ = run_cli(["checkpoint", "ple", str(b.root)], capsys)
+    code, out, _ = run_in_process(["checkpoint", "ple", str(b.root)], capsys)
     assert code == 0 and "vLLM 0.33.0 rejects" in out
     # a bad checkpoint: one `error:` line and exit 1
     (b.root / "config.json").write_text(json.dumps({**b.config, "ple_layer_ids": [3]}))
-    code, _, err = run_cli(["checkpoint", "ple", str(b.root)], capsys)
+    code, _, err = run_in_process(["checkpoint", "ple", str(b.root)], capsys)
     assert code == 1 and err.startswith("error: ")
 
 

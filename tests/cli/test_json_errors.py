@@ -42,6 +42,7 @@ FAILING: dict[str, Callable[[Path, Path], list[object]]] = {
     "ple profile": lambda f, e: [e, "--text", f, "--tokenizer", f],
     "ple quantize": lambda f, e: [e, e.parent / "q", "--format", "int4"],
     "ple warm": lambda f, e: [e],
+    "ple slice": lambda f, e: [e, e.parent / "s", "--tp", "2", "--ranks", "1"],
     "record diff": lambda f, e: [f, f],
     "validate": lambda f, e: ["--url", "ftp://x", "--out", e / "r"],
     "validate ab": lambda f, e: ["--baseline", "ftp://x", "--candidate", _url()],

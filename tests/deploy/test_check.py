@@ -254,8 +254,8 @@ def test_check_does_not_load_numba(tmp_path):
     """`flashnext check` reads headers, configs and sidecar headers: the PLE table's numba
     kernels (seconds to import) are never loaded, also for a checkpoint with a PLE table served
     from a sidecar."""
+    from flashnext.ple.destination import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.sidecar import write_sidecar
 
     root = model(tmp_path)
     config = json.loads((root / "config.json").read_text())
@@ -287,8 +287,8 @@ def test_check_does_not_load_numba(tmp_path):
 
 def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
     """FLASHNEXT_PLE_SIDECAR in the planned environment: a sidecar per PLE layer, this geometry."""
+    from flashnext.ple.destination import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.sidecar import write_sidecar
 
     rng = current_test_rng("sidecar")
     root = model(tmp_path)

@@ -23,9 +23,10 @@ from flashnext.kernels.serving import (
     open_rows,
     sidecar_dir_for,
 )
+from flashnext.ple.destination import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar, write_sidecar
+from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
 from flashnext.synthetic import flash_next_config
 

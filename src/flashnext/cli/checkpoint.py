@@ -24,6 +24,7 @@ from flashnext.cli._common import (
     say,
     show,
 )
+from flashnext.cli._destination import check_output
 from flashnext.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -210,6 +211,7 @@ def override(
 
     if (out is None) == (not hf):
         raise click.UsageError("choose exactly one of --out DIR2 and --hf-overrides")
+    check_output(out, [directory], hint="--out")
     plan = plan_override(directory, layer_types, reason)
     if out is not None:
         plan.write(out)

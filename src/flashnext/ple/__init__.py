@@ -11,11 +11,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from flashnext.ple.destination import SidecarWriter, write_sidecar
     from flashnext.ple.formats import FORMATS, detect_format, get_codec
     from flashnext.ple.geometry import PLEGeometry
     from flashnext.ple.hashing import next_context, ngram_ids, ngram_ids_packed
     from flashnext.ple.quantize import quantize_table
-    from flashnext.ple.sidecar import Sidecar, SidecarWriter, open_sidecar, write_sidecar
+    from flashnext.ple.sidecar import Sidecar, open_sidecar
     from flashnext.ple.table import PLETable, StoredSegment, StoredTable, open_table
 
 #: Each exported name and the submodule that defines it.
@@ -29,9 +30,9 @@ _EXPORTS = {
     "ngram_ids_packed": "hashing",
     "quantize_table": "quantize",
     "Sidecar": "sidecar",
-    "SidecarWriter": "sidecar",
+    "SidecarWriter": "destination",
     "open_sidecar": "sidecar",
-    "write_sidecar": "sidecar",
+    "write_sidecar": "destination",
     "PLETable": "table",
     "StoredSegment": "table",
     "StoredTable": "table",

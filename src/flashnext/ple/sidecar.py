@@ -41,8 +41,9 @@ swapped or stray shard is refused even without META.json.
 
 Completeness (finished vs unfinished)
 -------------------------------------
-While a writer works, the directory holds ``.flashnext-quantize.json`` (:data:`STATE_NAME`, a
-``flashnext.ple.quantize_state`` record: the settings, the source's identity, the shards done).
+While a writer works (:mod:`flashnext.ple.destination` owns writing), the directory holds
+``.flashnext-quantize.json`` (:data:`STATE_NAME`, a ``flashnext.ple.quantize_state`` record:
+the settings, the source's identity, the shards done).
 META.json is written last and the state file removed after it, so a directory is *finished*
 exactly when it has no state file. Readers refuse an unfinished directory ("unfinished: N of M
 shards, rerun the command that made it").
@@ -67,11 +68,10 @@ from typing import Any
 import numpy as np
 
 from flashnext import __version__
-from flashnext.atomic import write_json
 from flashnext.errors import FlashnextError, FormatError, GeometryError, SidecarError
-from flashnext.ple.formats import FORMATS, Codec, detect_format, get_codec
+from flashnext.ple.formats import FORMATS, Codec, detect_format
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.records import PLE_QUANTIZE_STATE, check_record, make_record
+from flashnext.records import PLE_QUANTIZE_STATE, check_record
 from flashnext.safetensors_file import (
     Header,
     SafetensorsError,
@@ -98,6 +98,12 @@ _SHARD_RE = re.compile(r"^shard_(\d+)\.safetensors$")
 def shard_name(index: int) -> str:
     """``shard_{index}.safetensors``."""
     return f"shard_{index}.safetensors"
+
+
+def shard_index(name: str) -> int | None:
+    """The index of a shard file name (``shard_7.safetensors`` -> 7), None for other names."""
+    m = _SHARD_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -589,144 +595,6 @@ def _check_shard(
     return rows
 
 
-class SidecarWriter:
-    """Writes a sidecar shard by shard; :meth:`finish` writes META.json last.
-
-    :meth:`start` marks the directory unfinished (the state record :data:`STATE_NAME`) before
-    anything else is written, and only then removes an old META.json, so at every instant the
-    directory is either finished or refused by readers as unfinished. :meth:`finish` writes
-    META.json, then removes the state record. Shards may be written in any order (parallel
-    workers: :meth:`adopt` counts a shard written elsewhere); each lands atomically.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        fmt: str,
-        width: int,
-        num_rows: int,
-        rows_per_shard: int,
-        geometry: PLEGeometry | Mapping[str, Any] | None = None,
-        source: Mapping[str, Any] | None = None,
-        settings: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self.codec = get_codec(fmt)
-        self.codec.check_width(width)
-        if num_rows <= 0 or rows_per_shard <= 0:
-            raise SidecarError(
-                f"{self.path}: num_rows={num_rows} and rows_per_shard={rows_per_shard} must be positive"
-            )
-        self.width = width
-        self.num_rows = num_rows
-        self.rows_per_shard = rows_per_shard
-        self.num_shards = -(-num_rows // rows_per_shard)
-        if isinstance(geometry, PLEGeometry):
-            geometry = geometry.to_dict()
-        self.geometry = dict(geometry) if geometry is not None else None
-        self.source = dict(source or {})
-        #: What the output depends on besides the source; recorded in the state and META.json.
-        self.settings = dict(settings) if settings else self.default_settings()
-        self.records: dict[int, dict[str, Any]] = {}
-        self._started = False
-
-    def default_settings(self) -> dict[str, Any]:
-        return {
-            "format": self.codec.name,
-            "rows_per_shard": self.rows_per_shard,
-            "num_rows": self.num_rows,
-            "width": self.width,
-            "flashnext_version": __version__,
-        }
-
-    @property
-    def params(self) -> dict[str, Any]:
-        """The identity of this output: settings and the source's identity."""
-        return {"settings": self.settings, "source": self.source}
-
-    def shard_rows(self, index: int) -> tuple[int, int]:
-        """Global row range ``[start, end)`` of shard ``index``."""
-        start = index * self.rows_per_shard
-        return start, min(start + self.rows_per_shard, self.num_rows)
-
-    def start(self, kept: Mapping[int, Mapping[str, Any]] | None = None) -> None:
-        """Mark the directory unfinished (creating it), counting ``kept`` shards as written."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.records = {int(i): dict(r) for i, r in (kept or {}).items()}
-        self._save_state()
-        (self.path / META_NAME).unlink(missing_ok=True)
-        self._started = True
-
-    def _save_state(self) -> None:
-        payload = {
-            "directory": str(self.path),
-            "num_shards": self.num_shards,
-            "params": self.params,
-            "shards": {str(k): v for k, v in sorted(self.records.items())},
-        }
-        write_json(self.path / STATE_NAME, make_record(STATE_KIND, payload))
-
-    def write_shard(
-        self, index: int, tensors: Mapping[str, np.ndarray], **extra: Any
-    ) -> dict[str, Any]:
-        """Check ``tensors`` against the format and write shard ``index`` atomically.
-
-        ``extra`` (e.g. ``rel_rmse``) is stored in the shard's META.json record.
-        Returns the record ``{"file", "rows", "sha256", **extra}``.
-        """
-        if not 0 <= index < self.num_shards:
-            raise SidecarError(f"{self.path}: shard index {index} outside [0, {self.num_shards})")
-        if not self._started:
-            self.start()
-        start, end = self.shard_rows(index)
-        record = write_shard_file(
-            self.path,
-            self.codec,
-            self.width,
-            index,
-            start,
-            end - start,
-            tensors,
-            table_rows=self.num_rows,
-            **extra,
-        )
-        self.adopt(record)
-        return record
-
-    def adopt(self, record: Mapping[str, Any]) -> None:
-        """Count a shard already on disk (written by a worker or verified) as written."""
-        m = _SHARD_RE.match(str(record.get("file", "")))
-        if not m:
-            raise SidecarError(f"{self.path}: record {record!r} names no shard file")
-        if not self._started:
-            self.start()
-        self.records[int(m.group(1))] = dict(record)
-        self._save_state()
-
-    def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:
-        """Write META.json once every shard is written, drop the state record, re-open."""
-        missing = [i for i in range(self.num_shards) if i not in self.records]
-        if missing:
-            raise SidecarError(f"{self.path}: cannot finish, shards {missing[:8]} not written")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "format": self.codec.name,
-            "width": self.width,
-            "rows_per_shard": self.rows_per_shard,
-            "num_rows": self.num_rows,
-            "num_shards": self.num_shards,
-            "shards": [self.records[i] for i in range(self.num_shards)],
-            "geometry": self.geometry,
-            "source": self.source,
-            "settings": self.settings,
-            "quantization": dict(quantization) if quantization else None,
-            "flashnext_version": __version__,
-        }
-        write_json(self.path / META_NAME, meta)
-        (self.path / STATE_NAME).unlink(missing_ok=True)
-        return open_sidecar(self.path)
-
-
 def write_shard_file(
     root: Path,
     codec: Codec,
@@ -770,26 +638,3 @@ def write_shard_file(
         },
     )
     return {"file": shard_name(index), "rows": rows, "sha256": digest, **extra}
-
-
-def write_sidecar(
-    path: str | os.PathLike[str],
-    fmt: str,
-    rows: np.ndarray,
-    rows_per_shard: int,
-    geometry: Mapping[str, Any] | None = None,
-    source: Mapping[str, Any] | None = None,
-) -> Sidecar:
-    """Quantize float32 ``rows`` [num_rows, width] to ``fmt`` and write a whole sidecar.
-
-    Convenience for tables that fit in memory (tests, the demo); large tables stream through
-    :func:`flashnext.ple.quantize.quantize_table`.
-    """
-    rows = np.asarray(rows)
-    writer = SidecarWriter(
-        path, fmt, rows.shape[1], rows.shape[0], rows_per_shard, geometry, source
-    )
-    for i in range(writer.num_shards):
-        start, end = writer.shard_rows(i)
-        writer.write_shard(i, writer.codec.quantize(rows[start:end]))
-    return writer.finish()

@@ -17,6 +17,7 @@ from typing import Any
 
 from flashnext.atomic import write_json
 from flashnext.errors import SidecarError
+from flashnext.ple.destination import destination_problem
 from flashnext.ple.sidecar import META_NAME, Sidecar, open_sidecar
 from flashnext.safetensors_file import sha256_file
 
@@ -55,10 +56,10 @@ def slice_rows(num_rows: int, tp: int, ranks: list[int]) -> tuple[int, int]:
 
 
 def _check_destination(src: Path, dst: Path) -> None:
-    """The destination rule (TODO(lead): call flashnext.ple.destination's rule once merged)."""
-    s, d = src.resolve(), dst.resolve()
-    if d == s or s in d.parents or d in s.parents:
-        raise SidecarError(f"{dst}: is, contains or lies inside the input {src}; choose another")
+    """The shared destination rule, and a slice is always written into a new directory."""
+    problem = destination_problem(dst, [src])
+    if problem:
+        raise SidecarError(problem)
     if dst.exists():
         raise SidecarError(f"{dst}: already exists; slice into a new directory")
 

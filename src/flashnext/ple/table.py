@@ -34,7 +34,7 @@ from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
 from flashnext.ple.mapping import advise, cached_pages
 from flashnext.ple.preflight import HostMemory, check_fits
-from flashnext.ple.profile import PROFILE_NAME, HotRowProfile, load_profile
+from flashnext.ple.profile import HotRowProfile, load_profile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
 
 #: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
@@ -334,7 +334,7 @@ class PLETable:
         if isinstance(hot_rows, int):
             if hot_rows < 0:
                 raise SidecarError(f"hot_rows must be >= 0, found {hot_rows}")
-            ids = load_profile(self.sidecar.path / PROFILE_NAME).row_ids[:hot_rows]
+            ids = load_profile(self.sidecar.path).row_ids[:hot_rows]
         elif isinstance(hot_rows, HotRowProfile):
             ids = hot_rows.row_ids
         elif isinstance(hot_rows, (str, os.PathLike)):
