@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from _common import build_sidecar
 
 from flashnext import __version__
 from flashnext.demo import EOS, corpus_files, train_tokenizer
@@ -56,7 +57,6 @@ from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.ple.preflight import page_cache_bytes
 from flashnext.ple.profile import build_profile
-from flashnext.ple.sidecar import SidecarWriter
 from flashnext.synthetic import flash_next_config
 
 REQUESTS = 32
@@ -150,23 +150,9 @@ def make_workload(geo: PLEGeometry, tok: object, eos: int, steps: int) -> Worklo
 
 
 def build_table(root: Path, geo: PLEGeometry, rng: np.random.Generator) -> Path:
-    """An int4 sidecar of random valid stored tensors with ``geo``'s rows in 128 shards."""
-    path = root / "int4"
-    width = geo.width
-    writer = SidecarWriter(path, "int4", width, geo.num_rows, geo.shard_rows(), geo.to_dict())
-    for i in range(writer.num_shards):
-        start, end = writer.shard_rows(i)
-        writer.write_shard(
-            i,
-            {
-                "weight_i4": rng.integers(0, 256, size=(end - start, width // 2), dtype=np.uint8),
-                "weight_scale": (rng.random((end - start, 10), dtype=np.float32) * 0.01).astype(
-                    np.float16
-                ),
-            },
-        )
-    writer.finish()
-    return path
+    """An int4 sidecar of random valid stored tensors with ``geo``'s rows, laid out as
+    bench/_common.py says (128 shards, as ``geo``'s ``split_ngram_parts``)."""
+    return build_sidecar(root, "int4", geo.num_rows, rng, geometry=geo.to_dict())
 
 
 # -- scenarios -----------------------------------------------------------------------------
