@@ -84,7 +84,7 @@ def test_rows_default_path_and_its_consumers(inputs, tmp_path, capsys):
     assert "rows kept" in stdout and "50 of" in stdout and "hashing text" in err
     profile = load_profile(sidecar)  # hot_rows.safetensors beside the shards
     assert len(profile) == 50 and np.all(np.diff(profile.counts) <= 0)
-    with open_table(sidecar, hot_rows=50) as table:
+    with open_table(sidecar, hot_rows=profile) as table:
         assert table.hot_rows == 50
     for hot in ("50", str(sidecar / "hot_rows.safetensors")):
         code, stdout, err = run_in_process(["ple", "preflight", sidecar, "--hot-rows", hot], capsys)
