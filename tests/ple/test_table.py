@@ -1,3 +1,4 @@
+import mmap
 import os
 import resource
 from pathlib import Path
@@ -335,3 +336,63 @@ def test_hot_rows_takes_a_profile_or_ids_only(hot, tmp_path, rng):
     write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)
     with pytest.raises(SidecarError, match="HotRowProfile or 1-D integer row ids"):
         open_table(tmp_path / "t", "mmap", hot_rows=hot)
+
+
+@pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux only: elsewhere warming reads"
+)
+def test_warming_waits_for_running_lookups_before_each_piece(tmp_path, rng):
+    """Background warming asks the table whether a lookup runs before each 2 MiB piece and
+    waits while one does (issue 26: a lookup's fault must not queue behind the warmer's reads)."""
+    from flashnext.ple.mapping import HUGE_PAGE, Warming
+
+    path = tmp_path / "blob.bin"
+    path.write_bytes(rng.integers(0, 256, size=3 * HUGE_PAGE + 4096, dtype=np.uint8).tobytes())
+    answers = iter([True, True, False] + [False] * 100)
+    asked = []
+
+    def busy():
+        asked.append(next(answers))
+        return asked[-1]
+
+    warming = Warming([(path, 0, path.stat().st_size)], busy=busy)
+    warming.run()
+    warming.wait()
+    assert warming.bytes_read == warming.total_bytes
+    # one question per piece (3 x 2 MiB and 4 KiB), plus the two answers that said "wait"
+    assert asked == [True, True, False, False, False, False]
+
+
+def test_table_tells_its_warmer_when_lookups_run(tables, rng):
+    root, _ = tables
+    table = open_table(root / "int4")
+    assert not table._lookup_running()
+    table.lookup(rng.integers(0, 1000, size=64))
+    table.gather_raw(rng.integers(0, 1000, size=64))
+    assert not table._lookup_running() and table._ended >= table._started > 0
+    warming = table.warm(background=False)
+    assert warming._busy == table._lookup_running
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_hot_tier_maps_what_it_read_so_lookups_take_no_faults(tmp_path, rng):
+    """The hot tier's read covers its rows' file ranges; open then maps those ranges into the
+    table's own maps (issue 26), not only the rows it gathered, so later lookups of any row
+    in them take no page fault on any boot, 4 KiB or 2 MiB pages alike."""
+    rows = 40_000  # int4: 4 MB per shard file
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(2 * rows, 160, rng), rows)
+    files = sorted((tmp_path / "t").glob("*.safetensors"))
+    _evict(files)
+    for path in files:  # cached by plain reads: small folios, which no fault maps 2 MiB at once
+        path.read_bytes()
+    hot = np.arange(0, 2 * rows, 2_500) + rng.integers(0, 2_500, size=2 * rows // 2_500)
+    table = open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    ranges = table.row_ranges(np.sort(hot))
+    for path in files:
+        want = sum(n for p, _, n in ranges if p == path) // 1024
+        assert _mapped_kb(path) >= want - 8, (path.name, _mapped_kb(path), want)
+    ids = rng.integers(0, 2 * rows, size=4096)
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    got = table.lookup(ids)
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults < 64  # out buffer only
+    np.testing.assert_array_equal(got, table.reference_lookup(ids))

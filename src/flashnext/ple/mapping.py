@@ -15,6 +15,7 @@ import functools
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -79,9 +80,15 @@ def advise(view: mmap.mmap, advice: int, offset: int = 0, length: int | None = N
 
 
 class Warming:
-    """Reads byte ranges of files so the kernel caches them; see :meth:`PLETable.warm`."""
+    """Reads byte ranges of files so the kernel caches them; see :meth:`PLETable.warm`.
 
-    CHUNK = 16 << 20
+    ``busy``: a predicate, true while lookups run. The warmer then waits (up to ``YIELD_S``)
+    before its next 2 MiB piece: on a disk queue without priorities a lookup's page fault
+    (one 4 KiB read) otherwise queues behind every read the warmer has asked for."""
+
+    CHUNK = 16 << 20  # read() buffer
+    PIECE = HUGE_PAGE  # populated per call: all a lookup's fault may wait behind
+    YIELD_S = 0.05  # the longest one piece waits for lookups (they cannot starve warming)
 
     def __init__(
         self,
@@ -89,9 +96,11 @@ class Warming:
         progress: Callable[[int], None] | None = None,
         then: Callable[[], None] | None = None,
         maps: Mapping[Path, mmap.mmap] | None = None,
+        busy: Callable[[], bool] | None = None,
     ):
         self.ranges = ranges
         self._then = then
+        self._busy = busy
         self._maps = dict(maps or {})  # the table's maps of these files, by path
         self.total_bytes = sum(length for _, _, length in ranges)
         self.bytes_read = 0
@@ -169,11 +178,13 @@ class Warming:
             started = False
             try:
                 for piece in self._partly_cached(view):
+                    self._let_lookups_go()
                     self._reread(fh, view, base, piece, table_map)
             except OSError:
                 return False  # nothing populated yet: read instead
-            for pos in range(first, end - base, self.CHUNK):
-                step = min(self.CHUNK, end - base - pos)
+            for pos in range(first, end - base, self.PIECE):
+                step = min(self.PIECE, end - base - pos)
+                self._let_lookups_go()
                 try:
                     advise(view, MADV_POPULATE_READ, pos, step)
                 except OSError:
@@ -185,6 +196,14 @@ class Warming:
         finally:
             view.close()
         return True
+
+    def _let_lookups_go(self) -> None:
+        """Wait while lookups run (at most ``YIELD_S``), so their faults find the disk free."""
+        if self._busy is None:
+            return
+        deadline = time.monotonic() + self.YIELD_S
+        while self._busy() and time.monotonic() < deadline:
+            time.sleep(0.0002)
 
     @staticmethod
     def _partly_cached(view: mmap.mmap) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,6 +143,7 @@ class PLETable:
                 f"{sidecar.num_rows} rows"
             )
         self.row_range = (start, end)
+        self._started = self._ended = 0  # monotonic ns of the latest kernel call's start / end
         self._set_layout()
         self._shards = [
             sh for sh in sidecar.shards if sh.row_start < end and sh.row_start + sh.rows > start
@@ -352,9 +354,27 @@ class PLETable:
         The file ranges holding them are read first, in order and in large pieces: gathering
         straight from the ``MADV_RANDOM`` maps would fault them in one 4 KiB page at a time
         (a 4 KiB page holds ~40 int4 rows, so a 5% tier touches most pages of the files)."""
-        Warming(self.row_ranges(hot_ids), maps=self._maps).run()
+        ranges = self.row_ranges(hot_ids)
+        Warming(ranges, maps=self._maps).run()
+        self._map_ranges(ranges)
         raw = self.gather_raw(hot_ids)
         return {spec.name: raw[spec.name] for spec in self._row_specs}
+
+    def _map_ranges(self, ranges: list[tuple[Path, int, int]]) -> None:
+        """Map the cached pages of ``ranges`` (page-aligned offsets) into the table's maps now
+        (``MADV_POPULATE_READ``, GIL released). The hot tier's read leaves them cached but
+        mapped only in its temporary maps; unmapped, every row a lookup reads later takes a
+        page fault of its own wherever the page cache holds 4 KiB folios (no 2 MiB folio to
+        map at once: a fragmented or busy host), ~0.8 us per row, 40 ms over 100 decode
+        steps (issue 26). Mapping them costs a fraction of that, once, at open."""
+        for path, offset, length in ranges:
+            view = self._maps.get(path)
+            if view is None:
+                continue
+            try:
+                advise(view, MADV_POPULATE_READ, offset, length)
+            except (OSError, ValueError):  # an older kernel or another OS
+                return
 
     def _warm_up(self) -> None:
         """Load the kernels now (from numba's on-disk cache) so no request pays for it."""
@@ -364,6 +384,12 @@ class PLETable:
         self.gather_raw(pad)
 
     # -- lookups -------------------------------------------------------------------------
+    def _lookup_running(self) -> bool:
+        """True while a lookup's kernel runs (the latest one to start has not ended): the
+        warmer waits then. Two timestamps, not a counter, so that concurrent callers can
+        only make the answer briefly wrong, never stuck at True."""
+        return self._started > self._ended
+
     def _state_or_raise(self) -> _Locator:
         state = self._state
         if state is None:
@@ -428,7 +454,11 @@ class PLETable:
             else:
                 arr_flat = arr
             args = (state.loc, state.scalars, bits)
-            bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
+            self._started = time.monotonic_ns()
+            try:
+                bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
+            finally:
+                self._ended = time.monotonic_ns()
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return out
@@ -467,7 +497,11 @@ class PLETable:
                 scal = given[self._scalar_specs[0].name].reshape(n)
         second = dst[1] if len(dst) > 1 else _NO_ROWS
         args = (state.loc, state.scalars, dst[0], second, self._pads, scal)
-        bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
+        self._started = time.monotonic_ns()
+        try:
+            bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
+        finally:
+            self._ended = time.monotonic_ns()
         if bad >= 0:
             self._raise_bad(arr, bad)
         if out is not None:
@@ -557,7 +591,9 @@ class PLETable:
                 for another one, such as ``flashnext ple warm``).
         """
         then = self.populate_maps if populate else None
-        warming = Warming(self.file_ranges(), progress, then=then, maps=self._maps)
+        warming = Warming(
+            self.file_ranges(), progress, then=then, maps=self._maps, busy=self._lookup_running
+        )
         if background:
             warming.start()
         else:
