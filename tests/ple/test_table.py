@@ -1,4 +1,3 @@
-import mmap
 import os
 import resource
 from pathlib import Path
@@ -338,42 +337,6 @@ def test_hot_rows_takes_a_profile_or_ids_only(hot, tmp_path, rng):
         open_table(tmp_path / "t", "mmap", hot_rows=hot)
 
 
-@pytest.mark.skipif(
-    not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux only: elsewhere warming reads"
-)
-def test_warming_waits_for_running_lookups_before_each_piece(tmp_path, rng):
-    """Background warming asks the table whether a lookup runs before each 2 MiB piece and
-    waits while one does (issue 26: a lookup's fault must not queue behind the warmer's reads)."""
-    from flashnext.ple.mapping import HUGE_PAGE, Warming
-
-    path = tmp_path / "blob.bin"
-    path.write_bytes(rng.integers(0, 256, size=3 * HUGE_PAGE + 4096, dtype=np.uint8).tobytes())
-    answers = iter([True, True, False] + [False] * 100)
-    asked = []
-
-    def busy():
-        asked.append(next(answers))
-        return asked[-1]
-
-    warming = Warming([(path, 0, path.stat().st_size)], busy=busy)
-    warming.run()
-    warming.wait()
-    assert warming.bytes_read == warming.total_bytes
-    # one question per piece (3 x 2 MiB and 4 KiB), plus the two answers that said "wait"
-    assert asked == [True, True, False, False, False, False]
-
-
-def test_table_tells_its_warmer_when_lookups_run(tables, rng):
-    root, _ = tables
-    table = open_table(root / "int4")
-    assert not table._lookup_running()
-    table.lookup(rng.integers(0, 1000, size=64))
-    table.gather_raw(rng.integers(0, 1000, size=64))
-    assert not table._lookup_running() and table._ended >= table._started > 0
-    warming = table.warm(background=False)
-    assert warming._busy == table._lookup_running
-
-
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
 def test_hot_tier_maps_what_it_read_so_lookups_take_no_faults(tmp_path, rng):
     """The hot tier's read covers its rows' file ranges; open then maps those ranges into the
@@ -396,3 +359,51 @@ def test_hot_tier_maps_what_it_read_so_lookups_take_no_faults(tmp_path, rng):
     got = table.lookup(ids)
     assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults < 64  # out buffer only
     np.testing.assert_array_equal(got, table.reference_lookup(ids))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_lookups_read_their_pages_ahead_while_warming(tmp_path, rng):
+    """While background warming runs, a decode-sized lookup first asks for all its rows'
+    pages at once (issue 26); here the asking alone, on evicted files, brings them in."""
+    import time
+
+    from flashnext.ple import lookup_kernels as kern
+    from flashnext.ple.mapping import Warming, cached_pages
+
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(40_000, 160, rng), 10_000)
+    table = open_table(tmp_path / "t", "mmap")
+    files = sorted((tmp_path / "t").glob("*.safetensors"))
+    _evict(files)
+    ids = rng.integers(0, 40_000, size=64)
+    pages = kern.row_pages(ids, table._state.loc)
+    bases = {seg.start: seg for seg in table.stored().segments}  # each row's first, last byte
+    for row in ids.tolist():
+        seg = bases[max(s for s in bases if s <= row)]
+        for arr in seg.tensors.values():
+            first = arr.ctypes.data + (row - seg.start) * arr.strides[0]
+            for address in (first, first + arr.strides[0] - 1):
+                assert address // 4096 * 4096 in set(pages.tolist())
+    assert kern.row_pages(np.full(4, -1, np.int64), table._state.loc).size == 0
+    maps = list(table._maps.values())
+    want = set(pages.tolist())
+
+    def cached() -> set[int]:
+        got = set()
+        for view in maps:
+            start = np.frombuffer(view, np.uint8, count=1).ctypes.data
+            hits = np.flatnonzero(cached_pages(view)) * 4096 + start
+            got |= want & set(hits.tolist())
+        return got
+
+    if cached():
+        pytest.skip("the page cache kept the files (eviction refused on this filesystem)")
+    table._warming = Warming([])  # a warming not yet done: lookups read ahead
+    table._read_ahead(table._state, ids)
+    deadline = time.monotonic() + 5
+    while cached() != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cached() == want
+    np.testing.assert_array_equal(table.lookup(ids), table.reference_lookup(ids))
+    table._warming._done.set()  # once warming is done, lookups stop reading ahead
+    table.lookup(ids)
+    assert table._warming is None

@@ -797,6 +797,25 @@ def _fill(dst, n, byte):  # type: ignore[no-untyped-def]
 
 #: Batches smaller than this run on the calling thread (a thread hand-off costs ~20 us).
 PARALLEL_MIN_IDS = 16_384
+
+
+def row_pages(ids: np.ndarray, loc: np.ndarray, page: int = mmap.PAGESIZE) -> np.ndarray:
+    """int64 [P]: the distinct page addresses holding the stored bytes of rows ``ids`` (int64
+    [n]; padding and other ranks' rows give none), every per-row tensor's, found through
+    ``loc`` as the kernels find them. Empty when an id is out of bounds (the lookup reports it).
+    """
+    n_t = int(loc[6])
+    sizes = loc[_HEAD + int(loc[5]) + n_t * (int(loc[5]) + 1) :][:n_t]
+    where = np.empty((ids.size, n_t + 1), np.int64)
+    if ids.size == 0 or _resolve(ids, 0, ids.size, loc, where) >= 0:
+        return np.zeros(0, np.int64)
+    addresses = where[:, :n_t]
+    ends = addresses + sizes - 1
+    used = addresses >= 0
+    mask = np.int64(-page)
+    return np.unique(np.concatenate([addresses[used] & mask, ends[used] & mask]))
+
+
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 

@@ -15,7 +15,6 @@ import functools
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -60,6 +59,19 @@ def cached_pages(view: mmap.mmap) -> np.ndarray | None:
     return vec & 1
 
 
+def will_need(pages: np.ndarray) -> None:
+    """Ask the kernel to start reading the pages at addresses ``pages`` (int64, page-aligned,
+    mapped) now, all at once (``MADV_WILLNEED``, asynchronous): the page faults that follow
+    then wait on reads already in flight together instead of issuing one 4 KiB read each, in
+    turn. Best effort: a no-op where ``madvise`` is unavailable or refuses."""
+    libc = _libc()
+    if libc is None:
+        return
+    willneed = mmap.MADV_WILLNEED
+    for address in pages.tolist():
+        libc.madvise(ctypes.c_void_p(address), mmap.PAGESIZE, willneed)
+
+
 def advise(view: mmap.mmap, advice: int, offset: int = 0, length: int | None = None) -> None:
     """``view.madvise(advice, offset, length)``, with the GIL released during the call
     (ctypes releases it). ``offset`` must be a multiple of the page size.
@@ -80,15 +92,9 @@ def advise(view: mmap.mmap, advice: int, offset: int = 0, length: int | None = N
 
 
 class Warming:
-    """Reads byte ranges of files so the kernel caches them; see :meth:`PLETable.warm`.
+    """Reads byte ranges of files so the kernel caches them; see :meth:`PLETable.warm`."""
 
-    ``busy``: a predicate, true while lookups run. The warmer then waits (up to ``YIELD_S``)
-    before its next 2 MiB piece: on a disk queue without priorities a lookup's page fault
-    (one 4 KiB read) otherwise queues behind every read the warmer has asked for."""
-
-    CHUNK = 16 << 20  # read() buffer
-    PIECE = HUGE_PAGE  # populated per call: all a lookup's fault may wait behind
-    YIELD_S = 0.05  # the longest one piece waits for lookups (they cannot starve warming)
+    CHUNK = 16 << 20
 
     def __init__(
         self,
@@ -96,11 +102,9 @@ class Warming:
         progress: Callable[[int], None] | None = None,
         then: Callable[[], None] | None = None,
         maps: Mapping[Path, mmap.mmap] | None = None,
-        busy: Callable[[], bool] | None = None,
     ):
         self.ranges = ranges
         self._then = then
-        self._busy = busy
         self._maps = dict(maps or {})  # the table's maps of these files, by path
         self.total_bytes = sum(length for _, _, length in ranges)
         self.bytes_read = 0
@@ -178,13 +182,11 @@ class Warming:
             started = False
             try:
                 for piece in self._partly_cached(view):
-                    self._let_lookups_go()
                     self._reread(fh, view, base, piece, table_map)
             except OSError:
                 return False  # nothing populated yet: read instead
-            for pos in range(first, end - base, self.PIECE):
-                step = min(self.PIECE, end - base - pos)
-                self._let_lookups_go()
+            for pos in range(first, end - base, self.CHUNK):
+                step = min(self.CHUNK, end - base - pos)
                 try:
                     advise(view, MADV_POPULATE_READ, pos, step)
                 except OSError:
@@ -196,14 +198,6 @@ class Warming:
         finally:
             view.close()
         return True
-
-    def _let_lookups_go(self) -> None:
-        """Wait while lookups run (at most ``YIELD_S``), so their faults find the disk free."""
-        if self._busy is None:
-            return
-        deadline = time.monotonic() + self.YIELD_S
-        while self._busy() and time.monotonic() < deadline:
-            time.sleep(0.0002)
 
     @staticmethod
     def _partly_cached(view: mmap.mmap) -> list[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 from flashnext.errors import RowIdError, SidecarError
 from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
-from flashnext.ple.mapping import MADV_POPULATE_READ, Warming, advise
+from flashnext.ple.mapping import MADV_POPULATE_READ, Warming, advise, will_need
 from flashnext.ple.preflight import HostMemory, check_fits
 from flashnext.ple.profile import HotRowProfile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
@@ -143,7 +142,7 @@ class PLETable:
                 f"{sidecar.num_rows} rows"
             )
         self.row_range = (start, end)
-        self._started = self._ended = 0  # monotonic ns of the latest kernel call's start / end
+        self._warming: Warming | None = None  # background warming in progress
         self._set_layout()
         self._shards = [
             sh for sh in sidecar.shards if sh.row_start < end and sh.row_start + sh.rows > start
@@ -384,11 +383,15 @@ class PLETable:
         self.gather_raw(pad)
 
     # -- lookups -------------------------------------------------------------------------
-    def _lookup_running(self) -> bool:
-        """True while a lookup's kernel runs (the latest one to start has not ended): the
-        warmer waits then. Two timestamps, not a counter, so that concurrent callers can
-        only make the answer briefly wrong, never stuck at True."""
-        return self._started > self._ended
+    def _read_ahead(self, state: _Locator, ids: np.ndarray) -> None:
+        """While warming runs: start the reads of every page rows ``ids`` need at once. Each
+        lookup page fault is a 4 KiB read that waits in the disk's queue behind the warmer's
+        2 MiB reads (no I/O priorities on a VM's queue); one at a time, 512 of them made the
+        first decode step 318-420 ms (issue 26). Asked together, they wait once."""
+        if self._warming is not None and self._warming.done:
+            self._warming = None  # warm: nothing left to read ahead
+            return
+        will_need(kern.row_pages(ids, state.loc))
 
     def _state_or_raise(self) -> _Locator:
         state = self._state
@@ -454,11 +457,9 @@ class PLETable:
             else:
                 arr_flat = arr
             args = (state.loc, state.scalars, bits)
-            self._started = time.monotonic_ns()
-            try:
-                bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
-            finally:
-                self._ended = time.monotonic_ns()
+            if self._warming is not None and n <= kern.PARALLEL_MIN_IDS:
+                self._read_ahead(state, arr_flat)
+            bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
         return out
@@ -497,11 +498,9 @@ class PLETable:
                 scal = given[self._scalar_specs[0].name].reshape(n)
         second = dst[1] if len(dst) > 1 else _NO_ROWS
         args = (state.loc, state.scalars, dst[0], second, self._pads, scal)
-        self._started = time.monotonic_ns()
-        try:
-            bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
-        finally:
-            self._ended = time.monotonic_ns()
+        if self._warming is not None and n <= kern.PARALLEL_MIN_IDS:
+            self._read_ahead(state, flat)
+        bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
         if bad >= 0:
             self._raise_bad(arr, bad)
         if out is not None:
@@ -591,10 +590,9 @@ class PLETable:
                 for another one, such as ``flashnext ple warm``).
         """
         then = self.populate_maps if populate else None
-        warming = Warming(
-            self.file_ranges(), progress, then=then, maps=self._maps, busy=self._lookup_running
-        )
+        warming = Warming(self.file_ranges(), progress, then=then, maps=self._maps)
         if background:
+            self._warming = warming  # lookups read their rows ahead until it is done
             warming.start()
         else:
             warming.run()
