@@ -180,14 +180,15 @@ class Warming:
             view.madvise(mmap.MADV_RANDOM)
             first = (offset - base) // mmap.PAGESIZE * mmap.PAGESIZE
             started = False
-            try:
-                for piece in self._partly_cached(view):
-                    self._reread(fh, view, base, piece, table_map)
-            except OSError:
-                return False  # nothing populated yet: read instead
-            for pos in range(first, end - base, self.CHUNK):
-                step = min(self.CHUNK, end - base - pos)
+            # piece by piece, each checked right before it is read: a lookup meanwhile (its
+            # faults, its read-ahead while warming) may have cached part of it in 4 KiB
+            # folios, which would keep the 2 MiB folio out
+            pos = first
+            while pos < end - base:
+                step = min(huge - pos % huge, end - base - pos)
                 try:
+                    for piece in self._partly_cached(view, pos // huge * huge):
+                        self._reread(fh, view, base, piece, table_map)
                     advise(view, MADV_POPULATE_READ, pos, step)
                 except OSError:
                     if not started:
@@ -195,16 +196,18 @@ class Warming:
                     raise
                 started = True
                 self._advance(pos + step - max(pos, offset - base))
+                pos += step
         finally:
             view.close()
         return True
 
     @staticmethod
-    def _partly_cached(view: mmap.mmap) -> list[int]:
-        """Offsets in ``view`` of its 2 MiB pieces of which some but not all pages are
-        cached: a 2 MiB folio is cached whole or not at all, so these hold small folios and
-        would stay on 4 KiB pages. The file's last piece, when it is not a whole 2 MiB, is
-        left out: it cannot be huge. Empty where ``mincore`` is unavailable."""
+    def _partly_cached(view: mmap.mmap, piece: int | None = None) -> list[int]:
+        """Offsets in ``view`` of its 2 MiB pieces (or of the one at offset ``piece``) of
+        which some but not all pages are cached: a 2 MiB folio is cached whole or not at
+        all, so these hold small folios and would stay on 4 KiB pages. The file's last
+        piece, when it is not a whole 2 MiB, is left out: it cannot be huge. Empty where
+        ``mincore`` is unavailable."""
         huge = HUGE_PAGE
         cached = cached_pages(view)
         if cached is None:
@@ -212,7 +215,8 @@ class Warming:
         per = huge // mmap.PAGESIZE
         whole = len(view) // huge
         counts = cached[: whole * per].reshape(whole, per).sum(axis=1, dtype=np.int64)
-        return [int(k) * huge for k in np.flatnonzero((counts > 0) & (counts < per))]
+        found = [int(k) * huge for k in np.flatnonzero((counts > 0) & (counts < per))]
+        return found if piece is None else [p for p in found if p == piece]
 
     @staticmethod
     def _reread(
