@@ -28,7 +28,13 @@ cold while serving, and a resident copy beside it, run the workload ``--passes``
 alternating.
 
 Prints the median and spread (min..max) over repeats and the ratios cold / warm and
-after-warming / resident (targets: <= 2x with a hot tier of <= 5%, <= 1.1x after warming).
+after-warming / resident (targets: <= 2x with a hot tier of <= 5%, <= 1.1x after warming),
+with the worst repeat's ratio beside the median's: a user boots once. Then every repeat of
+every scenario: its times, the page faults (minor/major) of the decode steps (this thread:
+decode-sized lookups run on the caller's thread, so a background warmer's faults are not
+counted), of the prefill and of the open (the process), and the share of the table's mapped
+bytes on 2 MiB pages (``FilePmdMapped`` / ``Rss`` of its maps in /proc/self/smaps) before and
+after the lookups. The JSON holds the same per repeat (``per_repeat``) and the load average.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import sysconfig
@@ -48,10 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from _common import build_sidecar
 
 from flashnext import __version__
 from flashnext.ple import open_table
-from flashnext.ple.destination import SidecarWriter
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.ple.preflight import page_cache_bytes
@@ -150,23 +157,9 @@ def make_workload(geo: PLEGeometry, tok: object, eos: int, steps: int) -> Worklo
 
 
 def build_table(root: Path, geo: PLEGeometry, rng: np.random.Generator) -> Path:
-    """An int4 sidecar of random valid stored tensors with ``geo``'s rows in 128 shards."""
-    path = root / "int4"
-    width = geo.width
-    writer = SidecarWriter(path, "int4", width, geo.num_rows, geo.shard_rows(), geo.to_dict())
-    for i in range(writer.num_shards):
-        start, end = writer.shard_rows(i)
-        writer.write_shard(
-            i,
-            {
-                "weight_i4": rng.integers(0, 256, size=(end - start, width // 2), dtype=np.uint8),
-                "weight_scale": (rng.random((end - start, 10), dtype=np.float32) * 0.01).astype(
-                    np.float16
-                ),
-            },
-        )
-    writer.finish()
-    return path
+    """An int4 sidecar of random valid stored tensors with ``geo``'s rows, laid out as
+    bench/_common.py says (128 shards, as ``geo``'s ``split_ngram_parts``)."""
+    return build_sidecar(root, "int4", geo.num_rows, rng, geometry=geo.to_dict())
 
 
 # -- scenarios -----------------------------------------------------------------------------
@@ -178,16 +171,57 @@ class Run:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def run_lookups(table: object, work: Workload) -> Run:
+def faults(who: int = resource.RUSAGE_THREAD) -> np.ndarray:
+    """int64 [2]: minor and major page faults so far, of this thread (decode-sized lookups
+    run on the calling thread, so a background warmer's faults are not counted) or of the
+    process (``resource.RUSAGE_SELF``)."""
+    use = resource.getrusage(who)
+    return np.array([use.ru_minflt, use.ru_majflt], np.int64)
+
+
+def huge_share(root: Path) -> float | None:
+    """Share of this process's resident mapped bytes of files under ``root`` that sit on
+    2 MiB pages (``FilePmdMapped`` / ``Rss`` over those maps in /proc/self/smaps); None when
+    nothing of them is mapped."""
+    rss = pmd = 0
+    mine = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=2)
+            if "-" in head[0] and not head[0].endswith(":"):  # a mapping's first line
+                mine = len(line.split()) >= 6 and line.split()[5].startswith(str(root))
+            elif mine and head[0] == "Rss:":
+                rss += int(head[1])
+            elif mine and head[0] == "FilePmdMapped:":
+                pmd += int(head[1])
+    return pmd / rss if rss else None
+
+
+def run_lookups(table: object, work: Workload, root: Path | None = None) -> Run:
+    """The decode steps, then the prefill; with ``root`` (the table's directory) also the
+    faults each took and how much of the table's maps sat on 2 MiB pages before and after."""
     lookup: Callable[..., np.ndarray] = table.lookup  # type: ignore[attr-defined]
+    extra: dict[str, float] = {}
+    if root is not None:
+        extra["huge_share_before"] = huge_share(root) or 0.0
     times = []
+    before = faults()
     for ids in work.decode:
         t = time.perf_counter()
         lookup(ids, out=work.out_decode)
         times.append(time.perf_counter() - t)
+    decode_faults = faults() - before
+    before = faults(resource.RUSAGE_SELF)
     t = time.perf_counter()
     lookup(work.prefill, out=work.out_prefill)
-    return Run(sum(times), times[0], time.perf_counter() - t)
+    prefill_s = time.perf_counter() - t
+    prefill_faults = faults(resource.RUSAGE_SELF) - before
+    if root is not None:
+        extra["huge_share_after"] = huge_share(root) or 0.0
+        extra.update(decode_minflt=int(decode_faults[0]), decode_majflt=int(decode_faults[1]),
+                     prefill_minflt=int(prefill_faults[0]),
+                     prefill_majflt=int(prefill_faults[1]))  # fmt: skip
+    return Run(sum(times), times[0], prefill_s, extra)
 
 
 def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
@@ -195,18 +229,21 @@ def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
     if name.startswith("cold") or name == "warm":
         evict_or_exit(files)
     anon0 = anonymous_bytes()
+    open_faults = faults(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     residency = "resident" if name == "resident" else "mmap"
     hot = work.hot_ids if name == "cold+hot" else None
     table = open_table(path, residency, hot_rows=hot)  # type: ignore[arg-type]
     opened = time.perf_counter() - t0
+    open_faults = faults(resource.RUSAGE_SELF) - open_faults
     if name == "cold+hot":  # how much of the files the hot tier's load pulled in
         run_cached = sum(page_cache_bytes(p) for p in files)
     if name == "warm":
         table.warm(background=False)
     warming = table.warm(background=True) if name == "cold+warming" else None
-    run = run_lookups(table, work)
-    run.extra["open_s"] = opened
+    run = run_lookups(table, work, path)
+    run.extra.update(open_s=opened, open_minflt=int(open_faults[0]),
+                     open_majflt=int(open_faults[1]))  # fmt: skip
     if name == "cold+hot":
         run.extra["cached_at_open_bytes"] = run_cached
     if warming is not None:
@@ -306,9 +343,11 @@ def report(args, geo, work, table_bytes, shards, runs, paired) -> None:  # type:
         for key in ("decode_s", "first_step_s", "prefill_s"):
             m, lo, hi = med(name, key)
             base = "resident" if name == "resident" else "warm"
-            ratio = m / med(base, key)[0]
+            ratio, worst = m / med(base, key)[0], hi / med(base, key)[0]
+            values = [(getattr(r, key)) * 1e3 for r in runs[name]]
             rows.append({"scenario": name, "metric": key, "median_ms": m * 1e3,
-                         "min_ms": lo * 1e3, "max_ms": hi * 1e3, f"x_{base}": ratio})  # fmt: skip
+                         "min_ms": lo * 1e3, "max_ms": hi * 1e3, "values_ms": values,
+                         f"x_{base}": ratio, f"worst_x_{base}": worst})  # fmt: skip
     warmed = runs["cold+warming"]
     after = {
         key: median_spread([r.extra[f"after_{key}"] for r in warmed])
@@ -328,7 +367,21 @@ def report(args, geo, work, table_bytes, shards, runs, paired) -> None:  # type:
         },
         "steps": args.steps,
         "repeats": args.repeats,
+        "load_average": os.getloadavg(),
         "rows": rows,
+        # every repeat of every scenario: times (ms), faults, share of the maps on 2 MiB pages
+        "per_repeat": {
+            name: [
+                {
+                    "decode_ms": r.decode_s * 1e3,
+                    "first_step_ms": r.first_step_s * 1e3,
+                    "prefill_ms": r.prefill_s * 1e3,
+                    **r.extra,
+                }
+                for r in runs[name]
+            ]
+            for name in SCENARIOS
+        },
         # median of the paired per-pass ratios, then their 10th and 90th percentiles
         "after_warming_vs_resident": {
             k: [float(np.median(v)), *np.percentile(v, [10, 90]).tolist()]
@@ -355,12 +408,15 @@ def print_table(out: dict) -> None:  # type: ignore[type-arg]
     print(f"table: int4, {t['rows']:,} rows, {t['shards']} shards, {t['bytes'] / 1e6:.0f} MB; "
           f"hot tier {out['hot_tier']['rows']:,} rows ({out['hot_tier']['share']:.0%}) serves "
           f"{out['hot_tier']['lookups_served']:.1%} of the measured lookups")  # fmt: skip
-    print(f"{'scenario':14} {'metric':13} {'median ms':>10} {'min..max ms':>19} {'ratio':>14}")
+    print(f"load average {', '.join(f'{x:.1f}' for x in out['load_average'])} (1, 5, 15 min)")
+    print(f"{'scenario':14} {'metric':13} {'median ms':>10} {'min..max ms':>19} {'ratio':>14} "
+          f"{'worst':>7}")  # fmt: skip
     for r in out["rows"]:
         key = next(k for k in r if k.startswith("x_"))
         spread = f"{r['min_ms']:.2f}..{r['max_ms']:.2f}"
         print(f"{r['scenario']:14} {r['metric']:13} {r['median_ms']:10.2f} {spread:>19} "
-              f"{r[key]:8.2f} {key}")  # fmt: skip
+              f"{r[key]:8.2f} {key} {r['worst_' + key]:7.2f}")  # fmt: skip
+    print_repeats(out)
     op = out["open_s"]
     hot_cached = statistics.median(out["cached_after_hot_open_bytes"]) / t["bytes"]
     print(f"open: cold {op['cold'][0]:.2f} s, cold + hot tier {op['cold+hot'][0]:.2f} s "
@@ -378,6 +434,22 @@ def print_table(out: dict) -> None:  # type: ignore[type-arg]
     print(f"anonymous memory growth: after warming "
           f"{max(out['anon_growth_after_warming_bytes']) / 1e6:.1f} MB (max), resident copy "
           f"{statistics.median(out['anon_growth_resident_bytes']) / 1e6:.1f} MB")  # fmt: skip
+
+
+def print_repeats(out: dict) -> None:  # type: ignore[type-arg]
+    """Every repeat: times, the faults of the decode steps (this thread), of the prefill and
+    of the open (process), and the share of the maps on 2 MiB pages before / after."""
+    print(f"{'scenario':14} {'rep':>3} {'decode ms':>10} {'first ms':>9} {'prefill ms':>10} "
+          f"{'decode min/maj flt':>19} {'prefill min/maj':>16} {'open min/maj':>14} "
+          f"{'2 MiB before/after':>19}")  # fmt: skip
+    for name, reps in out["per_repeat"].items():
+        for k, r in enumerate(reps, 1):
+            flt = {w: f"{r.get(w + '_minflt', 0)}/{r.get(w + '_majflt', 0)}"
+                   for w in ("decode", "prefill", "open")}  # fmt: skip
+            huge = f"{r.get('huge_share_before', 0):.0%}/{r.get('huge_share_after', 0):.0%}"
+            print(f"{name:14} {k:>3} {r['decode_ms']:10.2f} {r['first_step_ms']:9.2f} "
+                  f"{r['prefill_ms']:10.2f} {flt['decode']:>19} {flt['prefill']:>16} "
+                  f"{flt['open']:>14} {huge:>19}")  # fmt: skip
 
 
 if __name__ == "__main__":

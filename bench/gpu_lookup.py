@@ -1,7 +1,8 @@
 """Benchmark: GPU PLE lookups (fused gather + dequant) against vLLM 0.33's BF16 UVA copy, same run.
 
     python bench/gpu_lookup.py --tokens TOKENS.npy [--baseline-rows N] [--rows N]
-        [--staged-rows N] [--repeats K] [--json PATH]
+        [--staged-rows N] [--shard-rows N] [--repeats K] [--sections ...] [--sizes 32,512,...]
+        [--device cuda|cpu] [--json PATH]
 
 One run on one CUDA GPU: (0) H2D and device-to-device copy ceilings; then for T in
 {32, 512, 8192, 65536} tokens x 16 heads, uniform ids and ids hashed from real text
@@ -15,6 +16,12 @@ rows; (e) int4 over UVA behind a device cache of the hottest rows of the text's 
 (1, 2, 4 GB), timed on the second half. Each timing replays a CUDA graph of several lookups
 on fresh ids after flushing L2; the median of ``--repeats`` and the spread (min..max) are
 printed with rows/s, useful GB/s (stored bytes gathered), hit rate and the ratio to (a).
+
+The synthetic tables have the released layout (bench/_common.py): 128 shards of
+``ceil(rows / 128)`` rows (2,500,012 at 320,001,536 rows), or ``--shard-rows``.
+``--device cpu`` runs the sections Triton's interpreter can (``TRITON_INTERPRET=1``, torch CPU
+tensors; timed eagerly, no CUDA graphs, no L2 flush): a check that the script runs, at a tiny
+size, not a measurement. ``hit-rates`` needs neither torch nor a GPU.
 """
 
 from __future__ import annotations
@@ -31,71 +38,53 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-import triton
-import triton.language as tl
-
-sys.path.insert(0, str(Path(__file__).parent))
-from lookup import random_shard
+from _common import add_shard_rows_option, build_sidecar, positive_int, shard_starts
 
 from flashnext import __version__
-from flashnext.kernels import GpuTable, StagedTable
-from flashnext.kernels.records import pack_records
-from flashnext.kernels.table import CACHED_SORT_MIN_IDS
 from flashnext.ple import open_table
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.synthetic import flash_next_config
 
+try:  # --help, hit-rates and the JSON need neither; the other sections check for them
+    import torch
+    import triton
+except ImportError:
+    torch = triton = None
+
 HEADS, WIDTH = 16, 160
 TOKENS = (32, 512, 8192, 65536)
-SHARD_ROWS = 2_500_012  # the released checkpoints' rows per shard (128 shards)
 FORMATS = ("fp8", "int4", "nvfp4")
+SECTIONS = ("ceilings", "baseline", "uva", "cache", "device", "staged", "staged-host", "hit-rates")
+HOST_ONLY = {"hit-rates"}  # needs no torch
+# What Triton's interpreter cannot run with CPU tensors, and why (printed when skipped).
+NOT_ON_CPU = {
+    "ceilings": "H2D and device copy bandwidth mean nothing without a GPU",
+    "cache": "a hot-row cache serves pinned tables, and on the CPU every table is device-placed",
+    "graph-staged": "GraphStagedTable is a CUDA graph",
+}
 
 
-# (a) the baseline: vLLM 0.33.0's _lookup_ple_embedding_from_pinned_kernel (common/
-# ngram_embedding.py, Apache-2.0), one program per id copying the row's raw bytes over UVA.
-@triton.jit
-def _vllm_pinned_kernel(weight_ptr, ids_ptr, output_ptr, row_bytes, tp_start, tp_end,
-                        BLOCK_D: tl.constexpr):  # fmt: skip
-    row_id = tl.program_id(0).to(tl.int64)
-    global_idx = tl.load(ids_ptr + row_id)
-    in_range = (global_idx >= tp_start) & (global_idx < tp_end)
-    local_idx = tl.where(in_range, global_idx - tp_start, 0)
-    offsets = tl.arange(0, BLOCK_D)
-    store_mask = offsets < row_bytes
-    values = tl.load(weight_ptr + local_idx * row_bytes + offsets, mask=store_mask & in_range,
-                     other=0)  # fmt: skip
-    tl.store(output_ptr + row_id * row_bytes + offsets, values, mask=store_mask)
-
-
-class Baseline:
-    """BF16 rows in pinned memory, gathered as vLLM 0.33 does."""
-
-    def __init__(self, host: Any, rows: int):
-        from flashnext.kernels.table import UvaPointer
-
-        self.weight = UvaPointer(host[: rows * 2 * WIDTH])
-        self.rows = rows
-        self.record_bytes = 2 * WIDTH
-
-    def lookup(self, ids: Any, out: Any) -> None:
-        flat = ids.reshape(-1)
-        _vllm_pinned_kernel[(flat.numel(),)](
-            self.weight, flat, out.view(torch.uint8), 2 * WIDTH, 0, self.rows, BLOCK_D=512
-        )
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 # -- timing --------------------------------------------------------------------------------
 class Timer:
-    """Times ``calls`` lookups per CUDA-graph replay on fresh ids, L2 flushed before each."""
+    """Times ``calls`` lookups per CUDA-graph replay on fresh ids, L2 flushed before each.
+    On ``cpu`` (Triton's interpreter): one eager call per repeat, wall clock."""
 
-    def __init__(self, repeats: int):
+    def __init__(self, repeats: int, device: str):
         self.repeats = repeats
-        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        self.device = device
+        on_gpu = device != "cpu"
+        self.flush = torch.empty(512 << 20 if on_gpu else 1, dtype=torch.uint8, device=device)
 
     def run(self, lookup: Any, id_sets: list[Any], t: int) -> list[float]:
+        if self.device == "cpu":
+            return self._run_eager(lookup, id_sets, t)
         calls = max(1, min(20, (1 << 20) // (t * HEADS)))
         bufs = [torch.empty(t, HEADS, dtype=torch.int64, device="cuda") for _ in range(calls)]
         out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
@@ -118,6 +107,16 @@ class Timer:
             end.synchronize()
             if rep:  # the first replay warms the graph
                 times.append(start.elapsed_time(end) * 1e3 / calls)
+        return times
+
+    def _run_eager(self, lookup: Any, id_sets: list[Any], t: int) -> list[float]:
+        out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16)
+        times = []
+        for rep in range(self.repeats):
+            ids = id_sets[rep % len(id_sets)]
+            t0 = time.perf_counter()
+            lookup(ids, out)
+            times.append((time.perf_counter() - t0) * 1e6)
         return times
 
 
@@ -161,9 +160,9 @@ class TextIds:
                      "profile_distinct_rows": int(rows.size),
                      "eval_lookups": int(self.eval_ids.size)}  # fmt: skip
 
-    def sets(self, t: int, n: int, rng: np.random.Generator, modulo: int) -> list[Any]:
-        """``n`` id sets [t, 16] on the GPU (see :meth:`host_sets`)."""
-        return [torch.from_numpy(s).cuda() for s in self.host_sets(t, n, rng, modulo)]
+    def sets(self, t: int, n: int, rng: np.random.Generator, modulo: int, device: str) -> list[Any]:
+        """``n`` id sets [t, 16] on ``device`` (see :meth:`host_sets`)."""
+        return [torch.from_numpy(s).to(device) for s in self.host_sets(t, n, rng, modulo)]
 
     def host_sets(self, t: int, n: int, rng: np.random.Generator, modulo: int) -> list[Any]:
         """``n`` id sets [t, 16]: random tokens (decode, t <= 512) or windows (prefill)."""
@@ -179,8 +178,8 @@ class TextIds:
         return out
 
 
-def uniform_sets(t: int, n: int, rows: int) -> list[Any]:
-    return [torch.randint(0, rows, (t, HEADS), device="cuda") for _ in range(n)]
+def uniform_sets(t: int, n: int, rows: int, device: str) -> list[Any]:
+    return [torch.randint(0, rows, (t, HEADS), device=device) for _ in range(n)]
 
 
 # -- sections ------------------------------------------------------------------------------
@@ -205,7 +204,9 @@ def copy_ceilings(host: Any) -> dict:
 class Bench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.timer = Timer(args.repeats) if torch.cuda.is_available() else None
+        self.device = args.device
+        self.sizes = args.sizes
+        self.timer = Timer(args.repeats, args.device) if torch is not None else None
         self.rng = np.random.default_rng(args.seed)
         self.text = TextIds(args.tokens, args.profile)
         self.results: list[dict] = []
@@ -213,9 +214,11 @@ class Bench:
 
     def id_sets(self, kind: str, t: int, rows: int) -> list[Any]:
         n = max(4, min(64, 4 * (1 << 20) // (t * HEADS)))
+        if self.device == "cpu":
+            n = 2  # the interpreter: a check that it runs, not a measurement
         if kind == "uniform":
-            return uniform_sets(t, n, rows)
-        return self.text.sets(t, n, self.rng, rows)
+            return uniform_sets(t, n, rows, self.device)
+        return self.text.sets(t, n, self.rng, rows, self.device)
 
     def record(self, case: str, fmt: str, kind: str, t: int, times: list[float],
                stored_bytes: int, extra: dict | None = None) -> None:  # fmt: skip
@@ -236,50 +239,60 @@ class Bench:
             gpu.lookup(ids, out=out)
 
         for kind in ("uniform", "text"):
-            for t in TOKENS:
+            for t in self.sizes:
                 self.record(
                     case, fmt, kind, t, self.timer.run(lookup, self.id_sets(kind, t, rows), t), rec
                 )
 
     def baseline(self, host: Any) -> None:
+        from _vllm_baseline import Baseline
+
         rows = self.args.baseline_rows
-        self.table_cases("baseline", Baseline(host, rows), "bf16", rows, 2 * WIDTH)
+        baseline = Baseline(host, rows, WIDTH, self.device)
+        self.table_cases("baseline", baseline, "bf16", rows, 2 * WIDTH)
 
     def uva(self, host: Any) -> None:
         if not self.base_us:
             self.baseline(host)
         for fmt in FORMATS:
-            gpu = uva_table(host, fmt, self.args.rows)
+            gpu = uva_table(host, fmt, self.args.rows, self.args.shard_rows, self.device)
             self.table_cases("uva", gpu, fmt, self.args.rows, gpu.layout.record_bytes)
 
-    def device(self) -> None:
+    def on_device(self) -> None:
+        """(c) every format from device memory."""
+        from flashnext.kernels import GpuTable
+
+        rows = self.args.rows
         for fmt in FORMATS:
             rec = get_codec(fmt).bytes_per_row(WIDTH)
-            records = torch.randint(0, 256, (self.args.rows, rec), dtype=torch.uint8, device="cuda")
-            gpu = GpuTable.from_records(get_codec(fmt), WIDTH, records, (0, self.args.rows),
-                                        self.args.rows, shard_scale_2=[1e-3])  # fmt: skip
-            self.table_cases("device", gpu, fmt, self.args.rows, rec)
+            records = torch.randint(0, 256, (rows, rec), dtype=torch.uint8, device=self.device)
+            gpu = GpuTable.from_records(get_codec(fmt), WIDTH, records, (0, rows), rows,
+                                        shard_scale_2=[1e-3], device=self.device)  # fmt: skip
+            self.table_cases("device", gpu, fmt, rows, rec)
             del gpu, records
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def cache(self, host: Any) -> None:
-        rows = self.args.rows
-        gpu = uva_table(host, "int4", rows)
+        from flashnext.kernels.table import CACHED_SORT_MIN_IDS
+
+        rows, sizes = self.args.rows, self.sizes
+        gpu = uva_table(host, "int4", rows, self.args.shard_rows, self.device)
         for gb in (1, 2, 4):
             info = gpu.set_hot_rows(self.text.hot_rows, gb << 30)
             for kind in ("text", "uniform") if gb == 2 else ("text",):
-                for t in TOKENS:
+                for t in sizes:
                     self._cache_case(gpu, f"cache {gb}GB", kind, t, info)
             if gb == 2:  # the same without sorting big steps (GpuTable.sort_min_ids)
                 gpu.sort_min_ids = 0
                 for kind in ("text", "uniform"):
-                    for t in TOKENS[2:]:
+                    for t in sizes[2:]:
                         self._cache_case(gpu, "cache 2GB unsorted", kind, t, info)
                 gpu.sort_min_ids = CACHED_SORT_MIN_IDS
             torch.cuda.empty_cache()
-        gpu = uva_table(host, "int4", rows)  # no cache, big steps sorted
+        gpu = uva_table(host, "int4", rows, self.args.shard_rows, self.device)  # no cache, sorted
         for kind in ("text", "uniform"):
-            for t in TOKENS[2:]:
+            for t in sizes[2:]:
                 self._cache_case(gpu, "uva sorted", kind, t, None)
 
     def _cache_case(self, gpu: Any, case: str, kind: str, t: int, info: Any) -> None:
@@ -297,25 +310,30 @@ class Bench:
         path = root / "int4"
         if not path.exists():
             t0 = time.perf_counter()
-            build_repeated(root, self.args.staged_rows, self.rng)
+            build_sidecar(root, "int4", self.args.staged_rows, self.rng, self.args.shard_rows)
             print(f"staged: wrote a {self.args.staged_rows:,}-row int4 sidecar in "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)  # fmt: skip
         return path
 
     def staged(self, root: Path) -> None:
+        from flashnext.kernels import StagedTable
+
         rows = self.args.staged_rows
         table = open_table(self.staged_sidecar(root), "mmap")
-        staged = StagedTable(table, max_ids=max(TOKENS) * HEADS)
+        staged = StagedTable(table, max_ids=max(self.sizes) * HEADS, device=self.device)
         for kind in ("uniform", "text"):
-            for t in TOKENS:
+            for t in self.sizes:
                 sets = [s.cpu().numpy() for s in self.id_sets(kind, t, rows)][:8]
                 self._staged_case(staged, kind, t, sets)
-        graph_staged(self, table, rows)
+        if self.device == "cpu":
+            print(f"skipped graph-staged: {NOT_ON_CPU['graph-staged']}", flush=True)
+        else:
+            graph_staged(self, table, rows)
 
     def _staged_case(self, staged: Any, kind: str, t: int, sets: list[np.ndarray]) -> None:
-        out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=self.device)
         staged.lookup(staged.stage(sets[0]), out)  # warm: compile, fault pages in
-        torch.cuda.synchronize()
+        synchronize()
         latency, host, parts = [], [], []
         for rep in range(self.args.repeats):
             ids = sets[rep % len(sets)]
@@ -323,7 +341,7 @@ class Bench:
             batch = staged.stage(ids)
             t1 = time.perf_counter()
             staged.lookup(batch, out)
-            torch.cuda.synchronize()
+            synchronize()
             latency.append((time.perf_counter() - t0) * 1e6)
             host.append((t1 - t0) * 1e6)
             parts.append(batch.host_us)
@@ -335,7 +353,7 @@ class Bench:
             staged.lookup(batch, out)
             if i < steps:
                 batch = staged.stage(sets[i % len(sets)])
-        torch.cuda.synchronize()
+        synchronize()
         pipelined = (time.perf_counter() - t0) * 1e6 / steps
         self.record("staged", "int4", kind, t, latency, 100,
                     {"host_stage_us": statistics.median(host), "pipelined_us": pipelined,
@@ -347,6 +365,8 @@ class Bench:
 
 def numpy_stage(table: Any, layout: Any, flat: np.ndarray, out: np.ndarray) -> int:
     """The previous StagedTable's host work, one thread: numpy dedup, gather_raw, pack."""
+    from flashnext.kernels.records import pack_records
+
     lo, hi = table.row_range
     uniq, inverse = np.unique(np.where((flat >= lo) & (flat < hi), flat, -1), return_inverse=True)
     out[: 4 * flat.size].view(np.int32)[:] = inverse
@@ -388,12 +408,14 @@ def hit_rates(bench: Bench) -> None:
 def staged_host(bench: Bench, root: Path) -> None:
     """CPU only: the staged path's host work per step (dedup + gather into the staging slot),
     numba (StagedTable) against numpy (the previous version), same ids, same table."""
+    from flashnext.kernels import StagedTable
+
     args, rng = bench.args, bench.rng
     table = open_table(bench.staged_sidecar(root), "mmap")
     staged = StagedTable(table, max_ids=8192 * HEADS, buffers=1, device="cpu")
     scratch = np.empty_like(staged._host_np[0])
     for kind in ("uniform", "text"):
-        for t in (32, 512, 8192):
+        for t in [t for t in bench.sizes if t <= 8192]:
             n = 64 if t < 8192 else 8
             if kind == "uniform":
                 sets = [rng.integers(0, args.staged_rows, (t, HEADS)) for _ in range(n)]
@@ -424,7 +446,7 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
     from flashnext.kernels import GraphStagedTable
 
     for kind in ("uniform", "text"):
-        for t in TOKENS[:3]:
+        for t in [t for t in bench.sizes if t <= 8192]:
             sets = [s.cpu().numpy() for s in bench.id_sets(kind, t, rows)][:8]
             staged = GraphStagedTable(table, (t, HEADS), prefault=False)
             out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
@@ -459,188 +481,139 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
             )
 
 
-def build_repeated(root: Path, rows: int, rng: np.random.Generator) -> Path:
-    """An int4 sidecar of ``rows`` rows (2,500,012 per shard) whose shards all hold one random
-    shard's bytes, written by 8 threads: a 320M-row table in about a minute, not several.
-    Timings depend on which addresses are read, not on the values."""
-    from concurrent.futures import ThreadPoolExecutor
+def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: str) -> Any:
+    """A GpuTable over the first bytes of the pinned buffer (contents: whatever is there),
+    shards as bench/_common.py lays them out. On ``cpu`` the buffer is plain memory."""
+    from flashnext.kernels import GpuTable
 
-    from flashnext.ple.destination import SidecarWriter
-    from flashnext.ple.sidecar import write_shard_file
-
-    shard_rows = min(SHARD_ROWS, rows)
-    writer = SidecarWriter(root / "int4", "int4", WIDTH, rows // shard_rows * shard_rows,
-                           shard_rows)  # fmt: skip
-    writer.start()
-    tensors = random_shard("int4", shard_rows, rng)
-
-    def one(i: int) -> dict:
-        start, end = writer.shard_rows(i)
-        return write_shard_file(writer.path, writer.codec, WIDTH, i, start, end - start, tensors,
-                                table_rows=writer.num_rows)  # fmt: skip
-
-    with ThreadPoolExecutor(8) as pool:
-        for record in pool.map(one, range(writer.num_shards)):
-            writer.adopt(record)
-    writer.finish()
-    return root / "int4"
-
-
-def staged_cache(bench: Bench, root: Path) -> None:
-    """(f) StagedTable and GraphStagedTable behind a device cache of the profile's hot rows
-    (``set_hot_rows``: none, 1 GB, 2 GB), text ids. Latency = stage + lookup + synchronize;
-    the graph is launched first and waits on the flag while the host stages (as graph_staged).
-    Records the hit rate, the unique (missed) rows staged and the host bytes each path pins."""
-    from flashnext.kernels import GraphStagedTable
-
-    rows = bench.args.staged_rows
-    table = open_table(bench.staged_sidecar(root), "mmap")
-    staged = StagedTable(table, max_ids=max(TOKENS) * HEADS)
-    sets = {t: bench.text.host_sets(t, 8, bench.rng, rows) for t in TOKENS}
-    for gb in (0, 1, 2):
-        t0 = time.perf_counter()
-        info = staged.set_hot_rows(bench.text.hot_rows, gb << 30)
-        print(f"staged cache {gb} GB: {info.rows:,} rows, {info.bytes / 1e9:.2f} GB on the device, "
-              f"built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
-        for t in TOKENS:
-            hit = float(np.mean([(staged._slot_map[s] >= 0).mean() for s in sets[t]])
-                        if info.rows else 0.0)  # fmt: skip
-            extra = {"hit_rate": hit, "cached_rows": info.rows, "cache_bytes": info.bytes,
-                     "pinned_bytes": staged.pinned_bytes}  # fmt: skip
-            _time_staged(bench, staged, f"staged cache {gb}GB", t, sets[t], extra)
-            if t <= 8192:
-                graph = GraphStagedTable(table, (t, HEADS), prefault=False)
-                graph.share_cache(staged)
-                extra = {**extra, "pinned_bytes": graph.pinned_bytes}
-                _time_graph_staged(bench, graph, f"graph-staged cache {gb}GB", t, sets[t], extra)
-                del graph
-        torch.cuda.empty_cache()
-
-
-def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra: dict) -> None:
-    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
-    staged.lookup(staged.stage(sets[0]), out)  # warm: compile
-    torch.cuda.synchronize()
-    latency, unique = [], []
-    for rep in range(max(bench.args.repeats, 20)):
-        t0 = time.perf_counter()
-        batch = staged.stage(sets[rep % len(sets)])
-        staged.lookup(batch, out)
-        torch.cuda.synchronize()
-        latency.append((time.perf_counter() - t0) * 1e6)
-        unique.append(batch.n_unique)
-    steps = 2 * len(sets)
-    t0 = time.perf_counter()
-    batch = staged.stage(sets[0])
-    for i in range(1, steps + 1):
-        staged.lookup(batch, out)
-        if i < steps:
-            batch = staged.stage(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    pipelined = (time.perf_counter() - t0) * 1e6 / steps
-    bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
-                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
-
-
-def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
-                       extra: dict) -> None:  # fmt: skip
-    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
-    staged.stage(sets[0])
-    staged.lookup(out)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        staged.lookup(out)
-    latency, unique = [], []
-    for rep in range(max(bench.args.repeats, 20)):
-        t0 = time.perf_counter()
-        graph.replay()
-        batch = staged.stage(sets[rep % len(sets)])
-        torch.cuda.synchronize()
-        latency.append((time.perf_counter() - t0) * 1e6)
-        unique.append(batch.n_unique)
-    steps = 4 * len(sets)
-    t0 = time.perf_counter()
-    for i in range(steps):
-        graph.replay()
-        staged.stage(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    pipelined = (time.perf_counter() - t0) * 1e6 / steps
-    bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
-                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
-
-
-def uva_table(host: Any, fmt: str, rows: int) -> Any:
-    """A GpuTable over the first bytes of the pinned buffer (contents: whatever is there)."""
     codec = get_codec(fmt)
     rec = codec.bytes_per_row(WIDTH)
     records = host[: rows * rec].view(rows, rec)
-    starts = np.arange(0, rows, SHARD_ROWS, dtype=np.int64)
+    starts = shard_starts(rows, shard_rows)
     s2 = np.full(starts.size, 1e-3, np.float32) if fmt == "nvfp4" else None
-    return GpuTable.from_records(codec, WIDTH, records, (0, rows), rows, starts, s2)
+    return GpuTable.from_records(codec, WIDTH, records, (0, rows), rows, starts, s2, device)
 
 
-def main() -> int:
+def comma_ints(text: str) -> list[int]:
+    """argparse type: ``32,512`` -> [32, 512], each >= 1."""
+    return [positive_int(x) for x in text.split(",") if x]
+
+
+def comma_sections(text: str) -> list[str]:
+    """argparse type: known section names, comma-separated."""
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in SECTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown section {', '.join(unknown) or '(none given)'}; choose from "
+            + ", ".join(SECTIONS)
+        )
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=Path, help="int32 token stream .npy (with a .json beside)")
-    ap.add_argument("--baseline-rows", type=int, default=160_000_000)
-    ap.add_argument("--rows", type=int, default=320_001_536, help="rows of our UVA/device tables")
-    ap.add_argument("--staged-rows", type=int, default=40_000_000)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--baseline-rows", type=positive_int, default=160_000_000)
+    ap.add_argument("--rows", type=positive_int, default=320_001_536,
+                    help="rows of our UVA/device tables")  # fmt: skip
+    ap.add_argument("--staged-rows", type=positive_int, default=40_000_000)
+    add_shard_rows_option(ap)
+    ap.add_argument("--repeats", type=positive_int, default=7)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument(
         "--sections",
-        default="ceilings,uva,cache,device,staged",
-        help="comma-separated: ceilings, baseline, uva, cache, device, staged, staged-cache, "
-        "staged-host (CPU only: the staged path's host work, numba vs numpy), "
+        type=comma_sections,
+        default=["ceilings", "uva", "cache", "device", "staged"],
+        help="comma-separated: ceilings, baseline, uva, cache, device, staged, "
+        "staged-host (the staged path's host work, numba vs numpy; torch, no GPU), "
         "hit-rates (CPU only: cache hit rates for three choices of profile text)",
     )
+    ap.add_argument("--sizes", type=comma_ints, default=list(TOKENS),
+                    help="tokens per step T (x 16 heads ids), comma-separated")  # fmt: skip
     ap.add_argument("--profile", choices=("halves", "docs"), default="halves",
                     help="hot rows from the text's first half, timed on the second (halves), "
                     "or from its even documents, timed on the odd ones (docs)")  # fmt: skip
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: Triton's interpreter on CPU tensors (set TRITON_INTERPRET=1), "
+                    "a check that the sections run, not a measurement")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write the results here")
+    return ap
+
+
+def main() -> int:
+    ap = parser()
     args = ap.parse_args()
     if args.tokens is None:
         ap.error("--tokens is required (make one with bench/text_tokens.py)")
+    sections = set(args.sections)
+    if sections - HOST_ONLY and torch is None:
+        print(f"error: --sections {','.join(sorted(sections - HOST_ONLY))} need torch and triton "
+              "(pip install 'flashnext[gpu]')", file=sys.stderr)  # fmt: skip
+        return 1
+    gpu_work = sections - HOST_ONLY - {"staged-host"}
+    if args.device == "cuda" and gpu_work and not torch.cuda.is_available():
+        print("error: no CUDA GPU here; --device cpu runs the sections under Triton's "
+              "interpreter (TRITON_INTERPRET=1)", file=sys.stderr)  # fmt: skip
+        return 1
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: --device cpu needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+        return 1
     args.seed = (
         args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
     )
-    sections = set(args.sections.split(","))
     bench = Bench(args)
-    tmp = tempfile.TemporaryDirectory()
-    root = Path(tmp.name)
     extra: dict[str, Any] = {}
-    if "hit-rates" in sections:  # CPU only
-        hit_rates(bench)
-    if "staged-host" in sections:  # CPU only
-        print(f"{platform.machine()}, {os.cpu_count()} cores, seed {args.seed}", flush=True)
-        staged_host(bench, root)
-    if sections - {"staged-host", "hit-rates"}:
-        extra = gpu_sections(bench, sections, root)
-    tmp.cleanup()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if "hit-rates" in sections:  # CPU only
+            hit_rates(bench)
+        if "staged-host" in sections:  # CPU only
+            print(f"{platform.machine()}, {os.cpu_count()} cores, seed {args.seed}", flush=True)
+            staged_host(bench, root)
+        if sections - {"staged-host", "hit-rates"}:
+            extra = gpu_sections(bench, sections, root)
     if args.json:
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        record = {"device": device, "flashnext": __version__,
-                  "python": platform.python_version(), "torch": torch.__version__,
-                  "triton": triton.__version__, "args": {k: str(v) for k, v in vars(args).items()},
-                  "text": bench.text.meta, **extra, "results": bench.results}  # fmt: skip
-        args.json.write_text(json.dumps(record, indent=1))
+        write_json(args, bench, extra)
     return 0
+
+
+def write_json(args: argparse.Namespace, bench: Bench, extra: dict[str, Any]) -> None:
+    """The run's record: environment, arguments, text ids, ceilings and every result."""
+    on_gpu = torch is not None and torch.cuda.is_available() and args.device == "cuda"
+    record = {"device": torch.cuda.get_device_name() if on_gpu else "cpu",
+              "flashnext": __version__, "python": platform.python_version(),
+              "torch": getattr(torch, "__version__", None),
+              "triton": getattr(triton, "__version__", None),
+              "args": {k: str(v) for k, v in vars(args).items()},
+              "text": bench.text.meta, **extra, "results": bench.results}  # fmt: skip
+    tmp = args.json.with_name(args.json.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(args.json)
 
 
 def gpu_sections(bench: Bench, sections: set[str], root: Path) -> dict[str, Any]:
     """Run the GPU sections; returns the copy ceilings (empty unless asked for)."""
     args = bench.args
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"seed {args.seed}", flush=True)  # fmt: skip
+    cpu = args.device == "cpu"
+    name = "Triton interpreter (CPU)" if cpu else torch.cuda.get_device_name()
+    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}, seed {args.seed}",
+          flush=True)  # fmt: skip
     print(f"text ids: {bench.text.meta}", flush=True)
+    for skipped in sorted(sections & set(NOT_ON_CPU)) if cpu else ():
+        print(f"skipped {skipped}: {NOT_ON_CPU[skipped]}", flush=True)
+        sections = sections - {skipped}
     host_bytes = max(
         args.baseline_rows * 2 * WIDTH, args.rows * get_codec("fp8").bytes_per_row(WIDTH)
     )
-    t0 = time.perf_counter()
-    host = torch.empty(host_bytes if sections & {"uva", "cache", "ceilings", "baseline"}
-                       else 1 << 30, dtype=torch.uint8, pin_memory=True)  # fmt: skip
-    print(f"pinned {host.numel() / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    host = None
+    if sections & {"uva", "cache", "ceilings", "baseline"}:
+        t0 = time.perf_counter()
+        host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=not cpu)
+        if cpu:  # rows whose contents nobody reads on a GPU, but the interpreter decodes them
+            host.random_(0, 256)
+        print(f"host buffer {host.numel() / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s",
+              flush=True)  # fmt: skip
     extra: dict[str, Any] = {}
     if "ceilings" in sections:
         extra = copy_ceilings(host)
@@ -650,11 +623,9 @@ def gpu_sections(bench: Bench, sections: set[str], root: Path) -> dict[str, Any]
             getattr(bench, name)(host)
     del host
     if "device" in sections:
-        bench.device()
+        bench.on_device()
     if "staged" in sections:
         bench.staged(root)
-    if "staged-cache" in sections:
-        staged_cache(bench, root)
     return extra
 
 

@@ -20,13 +20,19 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.distributed as dist
+from _common import shard_rows_for
 
-from flashnext.kernels import GpuTable
 from flashnext.ple import open_table, write_sidecar
 from flashnext.ple.formats import get_codec
 from flashnext.synthetic import embedding_rows
+
+try:  # --help runs without torch
+    import torch
+    import torch.distributed as dist
+
+    from flashnext.kernels import GpuTable
+except ImportError:
+    torch = dist = GpuTable = None
 
 HEADS, WIDTH = 16, 160
 
@@ -36,7 +42,7 @@ def check_exact(rank: int, world: int, root: Path, seed: int) -> None:
     if rank == 0:
         x = embedding_rows(rows, WIDTH, np.random.default_rng(seed))
         for fmt in ("bf16", "fp8", "int4", "nvfp4"):
-            write_sidecar(root / fmt, fmt, x, 128)
+            write_sidecar(root / fmt, fmt, x, shard_rows_for(rows))  # bench/_common.py's layout
     dist.barrier()
     per = rows // world
     lo, hi = rank * per, rows if rank == world - 1 else (rank + 1) * per
@@ -108,6 +114,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=160_000_000)
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
+    if torch is None or not torch.cuda.is_available():
+        raise SystemExit(
+            "error: gpu_lookup_tp.py needs torch with CUDA GPUs (run it with torchrun)"
+        )
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

@@ -51,52 +51,15 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from _common import RELEASED_SHARDS, WIDTH, add_shard_rows_option, build_sidecar
 
 from flashnext.ple import open_table
-from flashnext.ple.destination import SidecarWriter
 from flashnext.ple.lookup_kernels import default_threads
 from flashnext.ple.table import PLETable
 from flashnext.records import dumps, make_record
 
-RELEASED_SHARDS = 128
-WIDTH = 160
 SIZES = (512, 131_072)
 BF16 = ml_dtypes.bfloat16
-
-
-def random_shard(fmt: str, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Random valid stored tensors of ``rows`` rows (no NaN codes, positive scales)."""
-    if fmt == "fp8":
-        q = rng.integers(0, 256, size=(rows, WIDTH), dtype=np.uint8)
-        q[(q & 0x7F) == 0x7F] = 0x30
-        return {
-            "weight_fp8": q.view(ml_dtypes.float8_e4m3fn),
-            "weight_scale": rng.random(rows, dtype=np.float32) * 0.01,
-        }
-    if fmt == "int4":
-        return {
-            "weight_i4": rng.integers(0, 256, size=(rows, WIDTH // 2), dtype=np.uint8),
-            "weight_scale": (rng.random((rows, 10), dtype=np.float32) * 0.01).astype(np.float16),
-        }
-    if fmt == "nvfp4":
-        return {
-            "weight_e2m1": rng.integers(0, 256, size=(rows, WIDTH // 2), dtype=np.uint8),
-            "weight_scale": rng.integers(0x08, 0x70, size=(rows, 10), dtype=np.uint8).view(
-                ml_dtypes.float8_e4m3fn
-            ),
-            "weight_scale_2": np.array(1e-4, dtype=np.float32),
-        }
-    raise ValueError(fmt)
-
-
-def build(root: Path, fmt: str, shards: int, shard_rows: int, rng: np.random.Generator) -> Path:
-    path = root / fmt
-    writer = SidecarWriter(path, fmt, WIDTH, shards * shard_rows, shard_rows)
-    for i in range(writer.num_shards):
-        start, end = writer.shard_rows(i)
-        writer.write_shard(i, random_shard(fmt, end - start, rng))
-    writer.finish()
-    return path
 
 
 def evict(root: Path) -> None:
@@ -182,7 +145,7 @@ def open_variant(path: Path, variant: str, hot_ids: np.ndarray) -> PLETable:
 def run(args: argparse.Namespace, root: Path, rng: np.random.Generator) -> dict[str, Any]:
     rows = args.shards * args.shard_rows
     print(f"writing {args.shards} shards x {args.shard_rows:,} rows under {root}", file=sys.stderr)
-    paths = {fmt: build(root, fmt, args.shards, args.shard_rows, rng) for fmt in args.formats}
+    paths = {fmt: build_sidecar(root, fmt, rows, rng, args.shard_rows) for fmt in args.formats}
     bf16 = rng.standard_normal((rows, WIDTH), dtype=np.float32).astype(BF16)
     take = lambda ids: np.take(bf16, ids, axis=0)  # noqa: E731
     hot_ids = rng.permutation(rows)[: int(rows * args.hot_fraction)]
@@ -274,7 +237,7 @@ def print_tables(payload: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=int, default=RELEASED_SHARDS)
-    parser.add_argument("--shard-rows", type=int, default=200_000)
+    add_shard_rows_option(parser, default=200_000)
     parser.add_argument("--dir", type=Path, default=None, help="where to write the sidecars")
     parser.add_argument("--repeats", type=int, default=15, help="x20 for 512 ids")
     parser.add_argument("--hot-fraction", type=float, default=0.05)

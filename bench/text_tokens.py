@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--text-bytes", type=int, default=24_000_000)
     args = ap.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     make_tokens(args.out, args.text_bytes)
     print(json.loads(args.out.with_suffix(".json").read_text()))
 

@@ -85,7 +85,7 @@ def test_rows_default_path_and_its_consumers(inputs, tmp_path, capsys):
     assert "rows kept" in stdout and "50 of" in stdout and "hashing text" in err
     profile = load_profile(sidecar)  # sidecar.hot_rows.safetensors beside the directory
     assert len(profile) == 50 and np.all(np.diff(profile.counts) <= 0)
-    with open_table(sidecar, hot_rows=50) as table:
+    with open_table(sidecar, hot_rows=profile) as table:
         assert table.hot_rows == 50
     assert not (sidecar / "hot_rows.safetensors").exists()  # never inside an input
     for hot in ("50", str(tmp_path / "sidecar.hot_rows.safetensors")):

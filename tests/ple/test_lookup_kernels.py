@@ -118,3 +118,29 @@ def test_every_fp8_code_decodes_as_the_format_table(residency, tmp_path, rng):
     np.testing.assert_array_equal(
         got.view(np.uint32), table.reference_lookup(np.arange(8)).view(np.uint32)
     )
+
+
+def test_pack_locator_is_the_layout_the_kernels_read(rng):
+    """pack_locator owns ``loc``: its fields sit where the module docstring puts them (the
+    bit-exact tests above read every table through it)."""
+    from flashnext.ple import lookup_kernels as kern
+
+    seg_start = np.array([100, 150, 200], np.int64)
+    bases = rng.integers(1, 1 << 40, size=(2, 4), dtype=np.int64)
+    row_bytes = np.array([80, 20], np.int64)
+    hot = np.array([120, 151, 230], np.int64)
+    loc, keep = kern.pack_locator(50, 2, (100, 240), 1000, "int4", seg_start, bases, row_bytes, hot)
+    assert loc.dtype == np.int64
+    assert loc[:8].tolist() == [50, 2, 100, 240, 1000, 3, 2, 3]
+    assert tuple(loc[8:10]) == kern.decode_tables("int4")
+    assert loc[10:12].tolist() == [a.ctypes.data for a in keep]
+    np.testing.assert_array_equal(loc[12:15], seg_start)
+    np.testing.assert_array_equal(loc[15:23], bases.reshape(-1))
+    np.testing.assert_array_equal(loc[23:], row_bytes)
+    bitmap, _ = keep
+    assert [int(bitmap[r >> 6] >> np.uint64(r & 63)) & 1 for r in (20, 51, 130, 21)] == [1, 1, 1, 0]
+    no_hot, none = kern.pack_locator(50, 0, (0, 150), 150, "fp8", seg_start, bases, row_bytes,
+                                     np.zeros(0, np.int64))  # fmt: skip
+    assert none == () and no_hot[7] == 0 and no_hot[10:12].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="bases must be"):
+        kern.pack_locator(50, 0, (0, 150), 150, "int4", seg_start, bases[:, :3], row_bytes, hot)

@@ -327,3 +327,83 @@ def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
     assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt - major < 30
     assert sum(page_cache_bytes(p) for p in files) >= sum(n for _, _, n in table.row_ranges(hot))
     np.testing.assert_array_equal(table.lookup(hot), table.reference_lookup(hot))
+
+
+@pytest.mark.parametrize("hot", ["hot_rows.safetensors", 50, np.zeros((2, 3), np.int64)])
+def test_hot_rows_takes_a_profile_or_ids_only(hot, tmp_path, rng):
+    """A count or a file name is no longer a hot tier: the error says what is (issue 21)."""
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)
+    with pytest.raises(SidecarError, match="HotRowProfile or 1-D integer row ids"):
+        open_table(tmp_path / "t", "mmap", hot_rows=hot)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_hot_tier_maps_what_it_read_so_lookups_take_no_faults(tmp_path, rng):
+    """The hot tier's read covers its rows' file ranges; open then maps those ranges into the
+    table's own maps (issue 26), not only the rows it gathered, so later lookups of any row
+    in them take no page fault on any boot, 4 KiB or 2 MiB pages alike."""
+    rows = 40_000  # int4: 4 MB per shard file
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(2 * rows, 160, rng), rows)
+    files = sorted((tmp_path / "t").glob("*.safetensors"))
+    _evict(files)
+    for path in files:  # cached by plain reads: small folios, which no fault maps 2 MiB at once
+        path.read_bytes()
+    hot = np.arange(0, 2 * rows, 2_500) + rng.integers(0, 2_500, size=2 * rows // 2_500)
+    table = open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    ranges = table.row_ranges(np.sort(hot))
+    for path in files:
+        want = sum(n for p, _, n in ranges if p == path) // 1024
+        assert _mapped_kb(path) >= want - 8, (path.name, _mapped_kb(path), want)
+    ids = rng.integers(0, 2 * rows, size=4096)
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    got = table.lookup(ids)
+    assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - faults < 64  # out buffer only
+    np.testing.assert_array_equal(got, table.reference_lookup(ids))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
+def test_lookups_read_their_pages_ahead_while_warming(tmp_path, rng):
+    """While background warming runs, a decode-sized lookup first asks for all its rows'
+    pages at once (issue 26); here the asking alone, on evicted files, brings them in."""
+    import time
+
+    from flashnext.ple import lookup_kernels as kern
+    from flashnext.ple.mapping import Warming, cached_pages
+
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(40_000, 160, rng), 10_000)
+    table = open_table(tmp_path / "t", "mmap")
+    files = sorted((tmp_path / "t").glob("*.safetensors"))
+    _evict(files)
+    ids = rng.integers(0, 40_000, size=64)
+    pages = kern.row_pages(ids, table._state.loc)
+    bases = {seg.start: seg for seg in table.stored().segments}  # each row's first, last byte
+    for row in ids.tolist():
+        seg = bases[max(s for s in bases if s <= row)]
+        for arr in seg.tensors.values():
+            first = arr.ctypes.data + (row - seg.start) * arr.strides[0]
+            for address in (first, first + arr.strides[0] - 1):
+                assert address // 4096 * 4096 in set(pages.tolist())
+    assert kern.row_pages(np.full(4, -1, np.int64), table._state.loc).size == 0
+    maps = list(table._maps.values())
+    want = set(pages.tolist())
+
+    def cached() -> set[int]:
+        got = set()
+        for view in maps:
+            start = np.frombuffer(view, np.uint8, count=1).ctypes.data
+            hits = np.flatnonzero(cached_pages(view)) * 4096 + start
+            got |= want & set(hits.tolist())
+        return got
+
+    if cached():
+        pytest.skip("the page cache kept the files (eviction refused on this filesystem)")
+    table._warming = Warming([])  # a warming not yet done: lookups read ahead
+    table._read_ahead(table._state, ids)
+    deadline = time.monotonic() + 5
+    while cached() != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cached() == want
+    np.testing.assert_array_equal(table.lookup(ids), table.reference_lookup(ids))
+    table._warming._done.set()  # once warming is done, lookups stop reading ahead
+    table.lookup(ids)
+    assert table._warming is None

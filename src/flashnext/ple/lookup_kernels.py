@@ -11,7 +11,8 @@ The decode works on a group of 16 columns at a time through small LLVM intrinsic
 ``<16 x float>`` vectors (LLVM picks the instructions: AVX2, AVX-512, NEON), because numba's
 loop vectoriser gives up on these loops (it cannot prove the row pointers do not alias).
 
-Where a row lives (the *locator*, built once at open by the table) is one int64 array ``loc``:
+Where a row lives (the *locator*, built once at open by the table with :func:`pack_locator`,
+the one place that writes it) is one int64 array ``loc``:
 
 - ``loc[0:8]``: rows per shard, first open shard, row_range start, row_range end, the table's
   row count, S (open shards), T (per-row tensors), H (hot rows).
@@ -59,11 +60,12 @@ from flashnext.ple.formats import (
     NIBBLE_BITS,
     NIBBLE_MASK,
 )
+from flashnext.ple.mapping import HUGE_PAGE
+
+__all__ = ["HUGE_PAGE", "decode_tables", "hot_index", "pack_locator"]  # and the kernels
 
 _HEAD = 12  # int64 slots of ``loc`` before seg_start
 _RANK_SHIFT = 9  # one rank entry per 512 rows: 8 bitmap words, one cache line
-#: A PMD page on x86-64 and arm64 with 4 KiB pages.
-HUGE_PAGE = 2 << 20
 
 # -- decode tables (from the dtypes and codes formats.py names) ------------------------------
 _E4M3_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
@@ -371,6 +373,53 @@ def hot_index(hot_rel: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     rank = _huge_zeros(blocks, np.int64)
     _fill_hot_index(hot_rel, bitmap, rank)
     return bitmap, rank
+
+
+def pack_locator(
+    rows_per_shard: int,
+    first_shard: int,
+    row_range: tuple[int, int],
+    num_rows: int,
+    fmt: str,
+    seg_start: np.ndarray,
+    bases: np.ndarray,
+    row_bytes: np.ndarray,
+    hot_ids: np.ndarray,
+) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """The kernels' ``loc`` array, laid out as the module docstring says.
+
+    Args:
+        rows_per_shard: rows of every shard but the last (the table's layout).
+        first_shard: index of the first open shard.
+        row_range: ``(start, end)`` global rows open.
+        num_rows: rows of the whole table.
+        fmt: the format, for its decode tables.
+        seg_start: int64 [S]: per open shard, the global row its ``bases`` column points at.
+        bases: int64 [T, S + 1]: per row tensor and open shard, the address of that row;
+            column ``S`` the hot copy's first row (0 without a hot tier).
+        row_bytes: int64 [T]: bytes per row of each row tensor.
+        hot_ids: int64 [H]: the hot tier's global rows, sorted and unique (empty: none).
+
+    Returns:
+        ``(loc, keep)``: ``loc`` int64, and the hot index's arrays whose addresses ``loc``
+        holds (the caller keeps them alive as long as ``loc``).
+    """
+    start, end = int(row_range[0]), int(row_range[1])
+    n_t, columns = np.shape(bases)
+    n_s = int(np.size(seg_start))
+    if columns != n_s + 1 or np.size(row_bytes) != n_t:
+        raise ValueError(
+            f"bases must be [T, S + 1] = [{np.size(row_bytes)}, {n_s + 1}], "
+            f"found {list(np.shape(bases))}"
+        )
+    index: tuple[np.ndarray, ...] = ()
+    if np.size(hot_ids):
+        index = hot_index(np.asarray(hot_ids, np.int64) - start, end - start)
+    head = [rows_per_shard, first_shard, start, end, num_rows, n_s, n_t, np.size(hot_ids)]
+    head += [*decode_tables(fmt), *([a.ctypes.data for a in index] or [0, 0])]
+    parts = [np.asarray(head, np.int64), np.asarray(seg_start, np.int64).reshape(-1)]
+    parts += [np.asarray(bases, np.int64).reshape(-1), np.asarray(row_bytes, np.int64)]
+    return np.concatenate(parts), index
 
 
 def _huge_zeros(count: int, dtype: Any) -> np.ndarray:
@@ -748,6 +797,25 @@ def _fill(dst, n, byte):  # type: ignore[no-untyped-def]
 
 #: Batches smaller than this run on the calling thread (a thread hand-off costs ~20 us).
 PARALLEL_MIN_IDS = 16_384
+
+
+def row_pages(ids: np.ndarray, loc: np.ndarray, page: int = mmap.PAGESIZE) -> np.ndarray:
+    """int64 [P]: the distinct page addresses holding the stored bytes of rows ``ids`` (int64
+    [n]; padding and other ranks' rows give none), every per-row tensor's, found through
+    ``loc`` as the kernels find them. Empty when an id is out of bounds (the lookup reports it).
+    """
+    n_t = int(loc[6])
+    sizes = loc[_HEAD + int(loc[5]) + n_t * (int(loc[5]) + 1) :][:n_t]
+    where = np.empty((ids.size, n_t + 1), np.int64)
+    if ids.size == 0 or _resolve(ids, 0, ids.size, loc, where) >= 0:
+        return np.zeros(0, np.int64)
+    addresses = where[:, :n_t]
+    ends = addresses + sizes - 1
+    used = addresses >= 0
+    mask = np.int64(-page)
+    return np.unique(np.concatenate([addresses[used] & mask, ends[used] & mask]))
+
+
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 

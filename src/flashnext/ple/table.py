@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,18 +31,17 @@ from flashnext.errors import RowIdError, SidecarError
 from flashnext.placement import RESIDENCIES, Residency
 from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
-from flashnext.ple.mapping import advise, cached_pages
+from flashnext.ple.mapping import MADV_POPULATE_READ, Warming, advise, will_need
 from flashnext.ple.preflight import HostMemory, check_fits
-from flashnext.ple.profile import HotRowProfile, load_profile
+from flashnext.ple.profile import HotRowProfile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
 
-#: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
-#: (the first N rows of ``hot_rows.safetensors`` beside the sidecar).
-HotRows = Union[HotRowProfile, str, os.PathLike, np.ndarray, int, None]  # noqa: UP007
+#: A hot tier: a profile (:func:`~flashnext.ple.profile.load_profile` reads one from a file;
+#: ``profile.row_ids[:n]`` keeps its top n) or row ids (int, 1-D) in priority order.
+HotRows = Union[HotRowProfile, np.ndarray, None]  # noqa: UP007
 PAD_ID = -1
 _NO_SCALARS = np.zeros(0, np.float32)
 _NO_ROWS = np.zeros((0, 0), np.uint8)  # the absent second tensor of a one-tensor format
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value
 _INT64 = np.dtype(np.int64)
 
 _KERNELS: dict[str, Callable[..., int]] = {
@@ -145,6 +143,7 @@ class PLETable:
             )
         _check_present(sidecar, start, end)
         self.row_range = (start, end)
+        self._warming: Warming | None = None  # background warming in progress
         self._set_layout()
         self._shards = [
             sh for sh in sidecar.shards if sh.row_start < end and sh.row_start + sh.rows > start
@@ -295,8 +294,8 @@ class PLETable:
         return [_Segment(start, end - start, merged)]
 
     def _locator(self, hot: Mapping[str, np.ndarray], hot_ids: np.ndarray) -> _Locator:
-        """The kernels' ``loc`` array: per open shard its first open row and each tensor's
-        address of that row, the hot tier's rows and addresses, the decode tables."""
+        """What the kernels need: per open shard its first open row and each tensor's address
+        of that row, and the hot tier's copy, packed by :func:`~lookup_kernels.pack_locator`."""
         start, end = self.row_range
         seg_start = np.maximum(self._shard_starts, start)
         n_s, n_t = seg_start.size, len(self._row_specs)
@@ -310,38 +309,36 @@ class PLETable:
                 row_bytes[t] = arr.strides[0]
             if hot:
                 bases[t, -1] = hot[spec.name].ctypes.data
-        index: tuple[np.ndarray, ...] = ()
-        if hot_ids.size:
-            index = kern.hot_index(hot_ids - start, end - start)
-        head = [self.sidecar.rows_per_shard, self._shards[0].index, start, end, self.num_rows]
-        head += [n_s, n_t, hot_ids.size, *kern.decode_tables(self.format)]
-        head += [a.ctypes.data for a in index] or [0, 0]
-        loc = np.concatenate([head, seg_start, bases.reshape(-1), row_bytes])
+        loc, index = kern.pack_locator(
+            self.sidecar.rows_per_shard, self._shards[0].index, (start, end), self.num_rows,
+            self.format, seg_start, bases, row_bytes, hot_ids,
+        )  # fmt: skip
         scal = self._shard_scalars
         scalars = next(iter(scal.values())) if scal else np.ones(n_s, np.float32)
         keep = (self._segments, dict(hot), index)
-        return _Locator(loc.astype(np.int64), scalars, int(hot_ids.size), keep)
+        return _Locator(loc, scalars, int(hot_ids.size), keep)
 
     def _hot_ids(self, hot_rows: HotRows) -> np.ndarray:
         """The hot tier's global row ids inside row_range, unique and sorted (file order)."""
-        if hot_rows is None or (isinstance(hot_rows, int) and hot_rows == 0):
+        if hot_rows is None:
             return np.zeros(0, np.int64)
         if self.residency != "mmap":
             raise SidecarError(
                 f"{self.sidecar.path}: hot_rows applies to residency='mmap'; a resident table "
                 "already holds every row in memory"
             )
-        if isinstance(hot_rows, int):
-            if hot_rows < 0:
-                raise SidecarError(f"hot_rows must be >= 0, found {hot_rows}")
-            ids = load_profile(self.sidecar.path).row_ids[:hot_rows]
-        elif isinstance(hot_rows, HotRowProfile):
-            ids = hot_rows.row_ids
-        elif isinstance(hot_rows, (str, os.PathLike)):
-            ids = load_profile(hot_rows).row_ids
-        else:
-            ids = np.asarray(hot_rows)
-        ids = np.asarray(ids).astype(np.int64, copy=False).reshape(-1)
+        ids = hot_rows.row_ids if isinstance(hot_rows, HotRowProfile) else hot_rows
+        if (
+            not isinstance(ids, np.ndarray)
+            or ids.ndim != 1
+            or (ids.size and ids.dtype.kind not in "iu")
+        ):
+            found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, np.ndarray) else type(ids)
+            raise SidecarError(
+                f"{self.sidecar.path}: hot_rows must be a HotRowProfile or 1-D integer row ids, "
+                f"found {found} (load a profile file with flashnext.ple.profile.load_profile)"
+            )
+        ids = ids.astype(np.int64, copy=False)
         bad = ids[(ids < 0) | (ids >= self.num_rows)]
         if bad.size:
             raise SidecarError(
@@ -357,9 +354,27 @@ class PLETable:
         The file ranges holding them are read first, in order and in large pieces: gathering
         straight from the ``MADV_RANDOM`` maps would fault them in one 4 KiB page at a time
         (a 4 KiB page holds ~40 int4 rows, so a 5% tier touches most pages of the files)."""
-        Warming(self.row_ranges(hot_ids), maps=self._maps).run()
+        ranges = self.row_ranges(hot_ids)
+        Warming(ranges, maps=self._maps).run()
+        self._map_ranges(ranges)
         raw = self.gather_raw(hot_ids)
         return {spec.name: raw[spec.name] for spec in self._row_specs}
+
+    def _map_ranges(self, ranges: list[tuple[Path, int, int]]) -> None:
+        """Map the cached pages of ``ranges`` (page-aligned offsets) into the table's maps now
+        (``MADV_POPULATE_READ``, GIL released). The hot tier's read leaves them cached but
+        mapped only in its temporary maps; unmapped, every row a lookup reads later takes a
+        page fault of its own wherever the page cache holds 4 KiB folios (no 2 MiB folio to
+        map at once: a fragmented or busy host), ~0.8 us per row, 40 ms over 100 decode
+        steps (issue 26). Mapping them costs a fraction of that, once, at open."""
+        for path, offset, length in ranges:
+            view = self._maps.get(path)
+            if view is None:
+                continue
+            try:
+                advise(view, MADV_POPULATE_READ, offset, length)
+            except (OSError, ValueError):  # an older kernel or another OS
+                return
 
     def _warm_up(self) -> None:
         """Load the kernels now (from numba's on-disk cache) so no request pays for it."""
@@ -369,6 +384,17 @@ class PLETable:
         self.gather_raw(pad)
 
     # -- lookups -------------------------------------------------------------------------
+    def _read_ahead(self, state: _Locator, ids: np.ndarray) -> None:
+        """While warming runs: start the reads of every page rows ``ids`` need at once. Each
+        lookup page fault is a 4 KiB read that waits in the disk's queue behind the warmer's
+        2 MiB reads (no I/O priorities on a VM's queue); one at a time, 512 of them made the
+        first decode step 318-420 ms (issue 26). Asked together, they wait once. Costs ~1 us
+        per page asked (0.6 ms for a 512-id step), and nothing once warming is done."""
+        if self._warming is not None and self._warming.done:
+            self._warming = None  # warm: nothing left to read ahead
+            return
+        will_need(kern.row_pages(ids, state.loc))
+
     def _state_or_raise(self) -> _Locator:
         state = self._state
         if state is None:
@@ -433,6 +459,8 @@ class PLETable:
             else:
                 arr_flat = arr
             args = (state.loc, state.scalars, bits)
+            if self._warming is not None:
+                self._read_ahead(state, arr_flat)
             bad = kern.run_split(self._kernel, arr_flat, args, self.threads)
             if bad >= 0:
                 self._raise_bad(arr, bad)
@@ -472,6 +500,8 @@ class PLETable:
                 scal = given[self._scalar_specs[0].name].reshape(n)
         second = dst[1] if len(dst) > 1 else _NO_ROWS
         args = (state.loc, state.scalars, dst[0], second, self._pads, scal)
+        if self._warming is not None:
+            self._read_ahead(state, flat)
         bad = kern.run_split(kern.gather_rows, flat, args, self.threads)
         if bad >= 0:
             self._raise_bad(arr, bad)
@@ -564,6 +594,7 @@ class PLETable:
         then = self.populate_maps if populate else None
         warming = Warming(self.file_ranges(), progress, then=then, maps=self._maps)
         if background:
+            self._warming = warming  # lookups read their rows ahead until it is done
             warming.start()
         else:
             warming.run()
@@ -610,7 +641,7 @@ class PLETable:
         stop missing the TLB. A no-op where the kernel lacks the advice."""
         for handle in self._maps.values():
             try:
-                advise(handle, _MADV_POPULATE_READ)
+                advise(handle, MADV_POPULATE_READ)
             except (OSError, ValueError):  # an older kernel or another OS
                 return
 
@@ -635,158 +666,6 @@ class PLETable:
         )
 
 
-class Warming:
-    """Reads byte ranges of files so the kernel caches them; see :meth:`PLETable.warm`."""
-
-    CHUNK = 16 << 20
-
-    def __init__(
-        self,
-        ranges: list[tuple[Path, int, int]],
-        progress: Callable[[int], None] | None = None,
-        then: Callable[[], None] | None = None,
-        maps: Mapping[Path, mmap.mmap] | None = None,
-    ):
-        self.ranges = ranges
-        self._then = then
-        self._maps = dict(maps or {})  # the table's maps of these files, by path
-        self.total_bytes = sum(length for _, _, length in ranges)
-        self.bytes_read = 0
-        self.error: BaseException | None = None
-        self._progress = progress
-        self._thread: threading.Thread | None = None
-        self._done = threading.Event()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self.run, name="flashnext-warm", daemon=True)
-        self._thread.start()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until warming ends (or ``timeout`` seconds); re-raise its error. True = done."""
-        finished = self._done.wait(timeout)
-        if self.error is not None:
-            raise self.error
-        return finished
-
-    def run(self) -> None:
-        """Bring every range into the page cache, in ``CHUNK`` pieces, then call ``then``."""
-        try:
-            for path, offset, length in self.ranges:
-                with open(path, "rb", buffering=0) as fh:
-                    if not self._fault_in(fh, offset, length, self._maps.get(path)):
-                        self._read(fh, offset, length)
-            if self._then is not None:
-                self._then()
-        except BaseException as exc:  # reported by wait()
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def _advance(self, got: int) -> None:
-        self.bytes_read += got
-        if self._progress is not None:
-            self._progress(got)
-
-    def _fault_in(
-        self, fh: Any, offset: int, length: int, table_map: mmap.mmap | None = None
-    ) -> bool:
-        """Fault the range in through a temporary map advised ``MADV_HUGEPAGE``: the kernel
-        then reads it in 2 MiB folios (where the filesystem has large folios), which later
-        maps of the file, the table's included, get as huge pages. Plain reads build
-        folios up from small ones and reach 2 MiB only tens of MB into a file. False where
-        the kernel cannot (another OS, Linux < 5.14): the caller reads instead.
-
-        Pieces already cached in part (the header read at open, rows that lookups faulted in
-        meanwhile) hold small folios and are dropped and read again first. The map is also
-        advised ``MADV_RANDOM``: no readahead beyond the 2 MiB asked for, which would fill
-        the next such piece with small folios (and a piece under I/O cannot be dropped).
-        ``table_map``: the table's own map of the file, which lets go of those pieces."""
-        if length <= 0:
-            return True  # nothing to bring in
-        if not hasattr(mmap, "MADV_HUGEPAGE"):
-            return False
-        huge = kern.HUGE_PAGE
-        base = offset // huge * huge
-        end = offset + length
-        # the map reaches to the end of the last 2 MiB piece the range touches, so that a
-        # piece it shares with the next range is seen whole by _partly_cached
-        reach = min(-(-end // huge) * huge, os.fstat(fh.fileno()).st_size)
-        try:
-            view = mmap.mmap(fh.fileno(), reach - base, access=mmap.ACCESS_READ, offset=base)
-        except (OSError, ValueError):
-            return False
-        try:
-            view.madvise(mmap.MADV_HUGEPAGE)
-            view.madvise(mmap.MADV_RANDOM)
-            first = (offset - base) // mmap.PAGESIZE * mmap.PAGESIZE
-            started = False
-            try:
-                for piece in self._partly_cached(view):
-                    self._reread(fh, view, base, piece, table_map)
-            except OSError:
-                return False  # nothing populated yet: read instead
-            for pos in range(first, end - base, self.CHUNK):
-                step = min(self.CHUNK, end - base - pos)
-                try:
-                    advise(view, _MADV_POPULATE_READ, pos, step)
-                except OSError:
-                    if not started:
-                        return False  # nothing done yet: read instead
-                    raise
-                started = True
-                self._advance(pos + step - max(pos, offset - base))
-        finally:
-            view.close()
-        return True
-
-    @staticmethod
-    def _partly_cached(view: mmap.mmap) -> list[int]:
-        """Offsets in ``view`` of its 2 MiB pieces of which some but not all pages are
-        cached: a 2 MiB folio is cached whole or not at all, so these hold small folios and
-        would stay on 4 KiB pages. The file's last piece, when it is not a whole 2 MiB, is
-        left out: it cannot be huge. Empty where ``mincore`` is unavailable."""
-        huge = kern.HUGE_PAGE
-        cached = cached_pages(view)
-        if cached is None:
-            return []
-        per = huge // mmap.PAGESIZE
-        whole = len(view) // huge
-        counts = cached[: whole * per].reshape(whole, per).sum(axis=1, dtype=np.int64)
-        return [int(k) * huge for k in np.flatnonzero((counts > 0) & (counts < per))]
-
-    @staticmethod
-    def _reread(
-        fh: Any, view: mmap.mmap, base: int, piece: int, table_map: mmap.mmap | None
-    ) -> None:
-        """Drop the 2 MiB piece at offset ``piece`` of ``view`` (file offset ``base +
-        piece``) from the page cache and fault it in again as one folio. ``table_map`` lets
-        go of the piece first, as the kernel keeps pages that are mapped; a lookup meanwhile
-        faults them back from the page cache."""
-        huge = kern.HUGE_PAGE
-        if table_map is not None:
-            table_map.madvise(mmap.MADV_DONTNEED, base + piece, huge)
-        os.posix_fadvise(fh.fileno(), base + piece, huge, os.POSIX_FADV_DONTNEED)
-        advise(view, _MADV_POPULATE_READ, piece, huge)
-
-    def _read(self, fh: Any, offset: int, length: int) -> None:
-        """Advise, then read the range into one reused buffer (no anonymous copy)."""
-        buf = bytearray(min(self.CHUNK, length))
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fh.fileno(), offset, length, os.POSIX_FADV_WILLNEED)
-        fh.seek(offset)
-        left = length
-        while left > 0:
-            got = fh.readinto(memoryview(buf)[: min(left, self.CHUNK)])
-            if not got:
-                break
-            left -= got
-            self._advance(got)
-
-
 def open_table(
     path: str | os.PathLike[str] | Sidecar,
     residency: Residency = "mmap",
@@ -807,14 +686,13 @@ def open_table(
             (MemAvailable, the cgroup limit less usage plus reclaimable page cache, and the
             commit limit under ``vm.overcommit_memory=2``) cannot hold it; a
             :class:`HostMemory` checks against that reading instead (another host's, say).
-        hot_rows: mmap only: a :class:`HotRowProfile`, a profile file, row ids in priority
-            order, or N (the first N rows of ``hot_rows.safetensors`` in the sidecar), copied
-            into anonymous memory at open; other rows stay mapped.
+        hot_rows: mmap only: a :class:`HotRowProfile` or row ids (int, 1-D) in priority
+            order, copied into anonymous memory at open; other rows stay mapped.
         threads: threads a big lookup is split over (default: the CPUs this process may use).
 
     Raises:
         SidecarError: the directory is not a valid sidecar, ``row_range`` is out of bounds, or
-            the hot-row profile is missing or names rows outside the table.
+            ``hot_rows`` is not a profile or 1-D integer ids, or names rows outside the table.
         PreflightError: a resident copy or hot tier would not fit in host memory.
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
