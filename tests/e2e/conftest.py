@@ -30,7 +30,7 @@ PROMPTS = HERE / "prompts.jsonl"
 #: Tokens per greedy continuation (each costs ~0.25 s on an idle 2-core box, both servers).
 MAX_TOKENS = 12
 FORMATS = ("bf16", "int4", "nvfp4", "fp8")
-#: Which servers each test module uses (the first wave is launched by the pool fixture).
+#: Which servers each test module uses.
 WAVES = {
     "identity": ("off", "bf16_env", "bf16_cfg", "other_table", "other_geometry"),
     "formats": ("int4", "nvfp4", "fp8"),
@@ -156,10 +156,9 @@ def pool(
     sidecars: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[ServerPool]:
-    """Every e2e server, by name; the first wave launched at once; all stopped at the end."""
+    """Every e2e server, by name (each module launches its wave); all stopped at the end."""
     logs = tmp_path_factory.mktemp("e2e-logs")
     servers = ServerPool(server_specs(e2e_runtime, checkpoints, sidecars, logs))
-    servers.launch(*WAVES["identity"])
     try:
         yield servers
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
 
-from .conftest import validate_ab, wave
+from .conftest import summary, validate_ab, wave
 
 PLUGIN_LINE = "flashnext plugin: ple_sidecar: model.layers.0.ple.ple_embedding.ngram_embedding <- "
 
@@ -42,6 +42,7 @@ def test_bf16_sidecar_of_the_own_table_answers_identically(
     off, on = servers.healthy("off"), servers.healthy(candidate)
     code, record = validate_ab(off, on, tmp_path / "ab")
     ab_records[candidate] = record
+    print(f"\nE2E-AB {candidate} {json.dumps(summary(record))}")
     _assert_identical(code, record)
     # The rows really came from the sidecar: the plugin says so in the serving process.
     assert PLUGIN_LINE + str(sidecars["bf16"]) + " (bf16" in log_text(on)
@@ -55,6 +56,7 @@ def test_another_table_of_the_same_geometry_fails_the_ab(
     assert PLUGIN_LINE + str(sidecars["other"]) in log_text(other)
     code, record = validate_ab(off, other, tmp_path / "ab")
     ab_records["other_table"] = record
+    print(f"\nE2E-AB other_table {json.dumps(summary(record))}")
     assert code == 1, json.dumps(record["verdict"])
     assert record["verdict"]["status"] == "fail"
     assert record["summary"]["kl"]["mean"] > 0.01
