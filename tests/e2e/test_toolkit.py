@@ -17,7 +17,9 @@ from devtools.vllm_cpu import SERVER_ARGS
 
 from .conftest import flashnext
 
-STAGES = "ready,short,long,prefix-cache,concurrency"
+#: The stages that fit a 256-token model: prefix-cache's fixed shared prefix is longer than 256
+#: tokens (vLLM answers 400), multimodal needs a vision model, sustained runs for a minute.
+STAGES = "ready,short,long,concurrency"
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def test_validate_stages_pass_against_the_plugin_server(int4: ServerPool, tmp_pa
     server = int4.healthy("int4")
     run = flashnext(
         "validate", "--url", server.url, "--stages", STAGES, "--rounds", 1, "--concurrency", 2,
-        "--max-tokens", 8, "--long-max-tokens", 4, "--prefix-requests", 2, "--out",
+        "--max-tokens", 8, "--long-max-tokens", 4, "--out",
         tmp_path / "report", "--json",
     )  # fmt: skip
     report = json.loads(run.stdout)
