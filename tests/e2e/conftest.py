@@ -176,12 +176,16 @@ KEEP = ("off", "int4")
 
 
 def wave(pool: ServerPool, mine: str, following: str | None) -> Iterator[ServerPool]:
-    """A module's servers: launch the next module's wave, yield, stop this module's own."""
+    """A module's servers: launch the next module's wave, yield, stop this module's own (the
+    last module, ``following=None``, stops every server: the rest of the suite needs the RAM)."""
     pool.launch(*WAVES[mine])
     if following is not None:
         pool.launch(*WAVES[following])
     yield pool
-    pool.stop(*(n for n in WAVES[mine] if n not in KEEP))
+    if following is None:
+        pool.stop()
+    else:
+        pool.stop(*(n for n in WAVES[mine] if n not in KEEP))
 
 
 def summary(record: dict[str, Any]) -> dict[str, Any]:
