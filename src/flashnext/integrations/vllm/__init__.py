@@ -1,7 +1,7 @@
 """flashnext's vLLM general plugin (entry point group ``vllm.general_plugins``).
 
 Inert unless switched on (``FLASHNEXT_PLE_SIDECAR=DIR``, ``FLASHNEXT_MOE_GUARD=1``,
-``FLASHNEXT_PLE_LOADER_FIX=1`` or the equivalent ``--additional-config`` keys; see
+``FLASHNEXT_PLE_LOADER_FIX=1``, ``FLASHNEXT_DROP_INDEXER=1`` or the equivalent ``--additional-config`` keys; see
 :mod:`.settings`). vLLM calls :func:`register` in every process it starts, so registering twice
 is harmless.
 
@@ -12,7 +12,7 @@ patching, and ``install() -> str``, idempotent, which patches and returns its on
   that serves rows from a flashnext sidecar. Its registration is installed on every checked vLLM
   version, because ``--additional-config`` can only be read when the model is built; while the
   sidecar is not switched on, the layer it builds *is* vLLM's own class, built by vLLM's own code.
-- ``ple_loader_fix`` (``.loader``) and ``moe_guard`` (``.b12x``).
+- ``ple_loader_fix`` (``.loader``), ``moe_guard`` (``.b12x``) and ``drop_indexer`` (``.indexer``).
 
 :func:`register` checks the vLLM version and every enabled part's preconditions first, then
 installs, so a patch is never half-applied. Every line the plugin logs starts with
@@ -47,6 +47,7 @@ PART_MODULES = {
     "ple_sidecar": "flashnext.integrations.vllm.ple_layer",
     "ple_loader_fix": "flashnext.integrations.vllm.loader",
     "moe_guard": "flashnext.integrations.vllm.b12x",
+    "drop_indexer": "flashnext.integrations.vllm.indexer",
 }
 _installed: set[str] = set()
 _lock = threading.Lock()
