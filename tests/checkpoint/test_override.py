@@ -160,6 +160,9 @@ def test_dense_attention_to_out_dir(tmp_path, capsys, nested):
     assert held["count"] == 9 and held["layers"] == [1, 3, 5]
     assert held["bytes"] == 3 * indexer_bytes()
     assert "FLASHNEXT_DROP_INDEXER=1" in held["handling"]
+    holding = sorted({built.files[n] for n in built.tensors if ".self_attn.indexer." in n})
+    assert held["files"] == holding
+    assert held["files_bytes"] == sum((built.root / f).stat().st_size for f in holding)
     # the weights are links, not copies; the warning names the switch and what vLLM says
     assert all((out / f).is_symlink() for f in built.files.values())
     assert f"changed {where}indexer_n_heads: 4 -> None" in printed

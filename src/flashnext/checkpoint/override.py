@@ -120,11 +120,15 @@ def attention_layers(config: Mapping[str, Any]) -> list[int]:
 
 @dataclass(frozen=True)
 class IndexerTensors:
-    """The QSA indexer tensors a checkpoint holds: names, total bytes, layer indices."""
+    """The QSA indexer tensors a checkpoint holds: names, total bytes, layer indices, and the
+    weight files holding them (``files``; their sizes in ``files_nbytes``: what rewriting those
+    files without the tensors would write)."""
 
     names: tuple[str, ...]
     nbytes: int
     layers: tuple[int, ...]
+    files: tuple[str, ...] = ()
+    files_nbytes: int = 0
 
     @classmethod
     def of(cls, tensors: Mapping[str, Any]) -> IndexerTensors:
@@ -133,7 +137,9 @@ class IndexerTensors:
         names = tuple(sorted(n for n in tensors if is_indexer_tensor(n)))
         nbytes = sum(_entry(tensors[n]).nbytes for n in names)
         layers = tuple(sorted({layer for n in names if (layer := indexer_layer(n)) is not None}))
-        return cls(names, nbytes, layers)
+        paths = sorted({Path(tensors[n][0]) for n in names if isinstance(tensors[n], tuple)})
+        sizes = sum(p.stat().st_size for p in paths if p.exists())
+        return cls(names, nbytes, layers, tuple(p.name for p in paths), sizes)
 
     def __bool__(self) -> bool:
         return bool(self.names)
@@ -261,6 +267,8 @@ def indexer_handling(indexer: IndexerTensors | None, dense: bool) -> dict[str, A
         "count": len(indexer.names),
         "bytes": indexer.nbytes,
         "layers": list(indexer.layers),
+        "files": list(indexer.files),
+        "files_bytes": indexer.files_nbytes,
         "handling": (
             f"kept in the checkpoint (nothing copied); serve with {DROP_INDEXER_ENV}=1 (the "
             "flashnext plugin skips them by name at load and logs their bytes)"
