@@ -285,7 +285,7 @@ def _qsa_built(ctx: CheckContext, served: Mapping[str, Any], layers: list[int]) 
 def _dense_served(ctx: CheckContext, layers: list[int]) -> Check:
     from flashnext.checkpoint import override as ov
 
-    how = "planned by --hf-overrides" if "--hf-overrides" in ctx.args.flags else "in config.json"
+    how = "planned by --hf-overrides" if ov.uses_qsa(ctx.config) else "in config.json"
     head = f"{len(layers)} attention layers served dense (no indexer_n_heads, {how})"
     if ctx.tensors is None:
         return Check(
