@@ -272,3 +272,48 @@ def rewrite(built: Built, files: int = 3, hf_metadata: bool = True) -> None:
         p.unlink()
     built.files.clear()
     write_snapshot(built, files=files, hf_metadata=hf_metadata)
+
+
+#: A QSA indexer configuration (transformers checks all five are set, kv heads 1).
+INDEXER_FIELDS = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 32,
+    "indexer_budget": 64,
+    "indexer_compress_ratio": 4,
+}
+
+
+def indexer_tensors(
+    layers: list[int], rng: np.random.Generator, hidden: int = 64, prefix: str = "long"
+) -> dict[str, np.ndarray]:
+    """Each listed layer's QSA indexer tensors as vLLM names them (``index_qk_proj`` BF16
+    ``[(n_heads + kv_heads) * head_dim, hidden]``, two F32 ``[head_dim]`` layernorms)."""
+    f = INDEXER_FIELDS
+    rows = (f["indexer_n_heads"] + f["indexer_kv_heads"]) * f["indexer_head_dim"]
+    out: dict[str, np.ndarray] = {}
+    for layer in layers:
+        base = f"{PREFIXES[prefix]}{layer}.self_attn.indexer"
+        out[f"{base}.index_qk_proj.weight"] = (rng.standard_normal((rows, hidden)) * 0.02).astype(
+            ml_dtypes.bfloat16
+        )
+        for norm in ("q_layernorm", "k_layernorm"):
+            out[f"{base}.{norm}.weight"] = rng.standard_normal(f["indexer_head_dim"]).astype(
+                np.float32
+            )
+    return out
+
+
+def indexer_bytes() -> int:
+    """Bytes of one layer's :func:`indexer_tensors` (hidden 64)."""
+    f = INDEXER_FIELDS
+    rows = (f["indexer_n_heads"] + f["indexer_kv_heads"]) * f["indexer_head_dim"]
+    return rows * 64 * 2 + 2 * f["indexer_head_dim"] * 4
+
+
+def add_indexer_fields(root: Path, nested: bool = False) -> dict[str, Any]:
+    """Set :data:`INDEXER_FIELDS` in ``root/config.json`` (under ``text_config`` when nested)."""
+    config = json.loads((root / "config.json").read_text())
+    (config["text_config"] if nested else config).update(INDEXER_FIELDS)
+    (root / "config.json").write_text(json.dumps(config))
+    return config

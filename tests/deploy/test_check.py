@@ -8,7 +8,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
+from flashnext.checkpoint.override import INDEXER_FIELDS as FIELD_NAMES
 from flashnext.deploy.check import (
     B12X_UNQUANTIZED_MESSAGE,
     blocking_failures,
@@ -20,7 +22,12 @@ from flashnext.deploy.gpu import GpuSpecError, parse_gpu
 from flashnext.deploy.serve_args import ServeArgsError, parse_serve_args
 from flashnext.records import check_record
 from flashnext.status import STATUSES
-from tests.checkpoint.builder import build_checkpoint
+from tests.checkpoint.builder import (
+    INDEXER_FIELDS,
+    build_checkpoint,
+    indexer_bytes,
+    indexer_tensors,
+)
 from tests.seeding import current_test_rng
 
 from ..cli.runner import run
@@ -126,17 +133,79 @@ def test_b12x_with_unquantized_mtp_draft_fails_with_vllms_message(tmp_path):
     assert rows["b12x-mtp"].status == "pass"
 
 
-def test_sparse_attention_layers_offer_the_override(tmp_path):
-    types = ["linear_attention", "qwen_sparse_attention"] * 3
-    root = model(tmp_path, config_extra={"layer_types": types})
-    rows, _ = checks_for(root, [])
+QSA_TYPES = {"layer_types": ["linear_attention", "qwen_sparse_attention"] * 3}
+NULLED = json.dumps(dict.fromkeys(FIELD_NAMES))
+
+
+def qsa_model(tmp_path, tensors=True):
+    """model() with QSA indexer fields and, with ``tensors``, the indexer tensors of layers 1, 3, 5."""
+    root = model(tmp_path, config_extra={**QSA_TYPES, **INDEXER_FIELDS})
+    if tensors:
+        rng = current_test_rng("qsa_model")
+        save_file(indexer_tensors([1, 3, 5], rng), str(root / "indexer.safetensors"))
+        index = json.loads((root / "model.safetensors.index.json").read_text())
+        for name in indexer_tensors([1, 3, 5], rng):
+            index["weight_map"][name] = "indexer.safetensors"
+        (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    return root
+
+
+def test_qsa_layers_are_built_by_the_indexer_field_not_the_name(tmp_path):
+    rows, _ = checks_for(qsa_model(tmp_path), [])
+    c = rows["sparse-attention"]
+    assert c.status == "pass" and not c.blocking and "indexer_n_heads=4" in c.why
+    assert "Qwen4Exp QSA requires FlashAttention" in c.why and "--dense-attention" in c.fix
+    # renaming the layers in config.json changes nothing: still QSA
+    renamed = model(tmp_path / "r", config_extra={**INDEXER_FIELDS})
+    rows, _ = checks_for(renamed, [])
     assert (
-        rows["sparse-attention"].status == "warn"
-        and "3 layer_types" in rows["sparse-attention"].why
+        "full_attention" in rows["sparse-attention"].why
+        and "builds QSA" in rows["sparse-attention"].why
     )
-    assert "flashnext checkpoint override" in rows["sparse-attention"].fix
+
+
+def test_full_attention_through_hf_overrides_fails(tmp_path):
     fixed = json.dumps({"layer_types": ["linear_attention", "full_attention"] * 3})
-    rows, _ = checks_for(root, ["--hf-overrides", fixed])
+    rows, _ = checks_for(qsa_model(tmp_path), ["--hf-overrides", fixed])
+    c = rows["sparse-attention"]
+    assert c.status == "fail" and "Invalid layer_type full_attention" in c.why
+    assert "--dense-attention --hf-overrides" in c.fix
+
+
+def test_planned_dense_override_with_indexer_tensors_fails_until_the_plugin_drops_them(tmp_path):
+    root = qsa_model(tmp_path)
+    rows, _ = checks_for(root, ["--hf-overrides", NULLED])
+    c = rows["sparse-attention"]
+    assert c.status == "fail" and c.blocking and "planned by --hf-overrides" in c.why
+    assert "9 QSA indexer tensors" in c.why and f"{3 * indexer_bytes():,} bytes" in c.why
+    assert "There is no module or parameter named 'layers.N.self_attn.indexer'" in c.why
+    assert "(N = 1 first)" in c.why and "FLASHNEXT_DROP_INDEXER=1" in c.fix
+    rows, _ = checks_for(root, ["--hf-overrides", NULLED], env={"FLASHNEXT_DROP_INDEXER": "1"})
+    c = rows["sparse-attention"]
+    assert c.status == "pass" and "skips them at load" in c.why and "validate ab" in c.fix
+    config = json.dumps({"flashnext": {"drop_indexer": True}})
+    rows, _ = checks_for(root, ["--hf-overrides", NULLED, "--additional-config", config])
+    assert rows["sparse-attention"].status == "pass"
+
+
+def test_applied_dense_override_is_recognised(tmp_path, capsys):
+    from ..cli.runner import run_in_process
+
+    out = tmp_path / "dense"
+    argv = ["checkpoint", "override", str(qsa_model(tmp_path)), "--dense-attention"]
+    assert run_in_process([*argv, "--out", out], capsys)[0] == 0
+    rows, _ = checks_for(out, [])
+    c = rows["sparse-attention"]
+    assert c.status == "fail" and "in config.json" in c.why and "9 QSA indexer" in c.why
+    rows, _ = checks_for(out, [], env={"FLASHNEXT_DROP_INDEXER": "1"})
+    assert rows["sparse-attention"].status == "pass"
+
+
+def test_dense_model_without_indexer_tensors_passes(tmp_path):
+    rows, _ = checks_for(model(tmp_path), [])
+    c = rows["sparse-attention"]
+    assert c.status == "pass" and "no indexer tensors" in c.why
+    rows, _ = checks_for(qsa_model(tmp_path / "q", tensors=False), ["--hf-overrides", NULLED])
     assert rows["sparse-attention"].status == "pass"
 
 

@@ -27,6 +27,10 @@ def test_env_switches_each_part(tmp_path):
     assert settings.parts == ("ple_sidecar", "moe_guard")
     fix = PluginSettings.from_env({"FLASHNEXT_PLE_LOADER_FIX": "true", "FLASHNEXT_MOE_GUARD": "0"})
     assert fix.parts == ("ple_loader_fix",)
+    drop = PluginSettings.from_env({"FLASHNEXT_DROP_INDEXER": "1"})
+    assert drop.drop_indexer and drop.parts == ("drop_indexer",)
+    config = {"flashnext": {"drop_indexer": True}}
+    assert PluginSettings.resolve(env={}, additional_config=config).parts == ("drop_indexer",)
 
 
 def test_additional_config_section_is_read(tmp_path):

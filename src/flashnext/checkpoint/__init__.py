@@ -4,11 +4,13 @@
   leftovers, hashes)
 - :mod:`~flashnext.checkpoint.ple_tensors`: each PLE layer's table in any layout and format,
   shape-checked; row maps for tensor-parallel ranks; a row source for the quantizer.
-- :mod:`~flashnext.checkpoint.config`: config.json, and ``layer_types`` overrides recorded with
+- :mod:`~flashnext.checkpoint.config`: config.json and its PLE fields.
+- :mod:`~flashnext.checkpoint.override`: ``layer_types`` renames and dense attention, recorded with
   their reason.
 """
 
-from flashnext.checkpoint.config import override_layer_types, read_config
+from flashnext.checkpoint.config import read_config
+from flashnext.checkpoint.override import override_layer_types
 from flashnext.checkpoint.ple_tensors import (
     CheckpointTableSource,
     PLETableInfo,

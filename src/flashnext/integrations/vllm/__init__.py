@@ -1,7 +1,7 @@
 """flashnext's vLLM general plugin (entry point group ``vllm.general_plugins``).
 
 Inert unless switched on (``FLASHNEXT_PLE_SIDECAR=DIR``, ``FLASHNEXT_MOE_GUARD=1``,
-``FLASHNEXT_PLE_LOADER_FIX=1`` or the equivalent ``--additional-config`` keys; see
+``FLASHNEXT_PLE_LOADER_FIX=1``, ``FLASHNEXT_DROP_INDEXER=1`` or the equivalent ``--additional-config`` keys; see
 :mod:`.settings`): with nothing switched on, :func:`register` registers and patches nothing.
 vLLM calls :func:`register` in every process it starts, so registering twice is harmless.
 
@@ -10,7 +10,7 @@ patching, and ``install() -> str``, idempotent, which patches and returns its on
 
 - ``ple_sidecar`` (:mod:`.ple_layer`): replaces vLLM's PLE table layers by class name with a layer
   that serves rows from a flashnext sidecar (the policy: :mod:`flashnext.kernels.serving`).
-- ``ple_loader_fix`` (``.loader``) and ``moe_guard`` (``.b12x``).
+- ``ple_loader_fix`` (``.loader``), ``moe_guard`` (``.b12x``) and ``drop_indexer`` (``.indexer``).
 
 :func:`register` checks the vLLM version and every enabled part's preconditions first, then
 installs, so a patch is never half-applied. Every line the plugin logs starts with
@@ -41,6 +41,7 @@ PART_MODULES = {
     "ple_sidecar": "flashnext.integrations.vllm.ple_layer",
     "ple_loader_fix": "flashnext.integrations.vllm.loader",
     "moe_guard": "flashnext.integrations.vllm.b12x",
+    "drop_indexer": "flashnext.integrations.vllm.indexer",
 }
 _installed: set[str] = set()
 _lock = threading.Lock()

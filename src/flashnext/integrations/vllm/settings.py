@@ -13,11 +13,14 @@ Two sources, read at different times:
   ``FLASHNEXT_MOE_GUARD=1``        sanitize B12x top-k ids, share MoE workspaces
   ``FLASHNEXT_PLE_LOADER_FIX=1``   load a table the checkpoint keeps (empty shard index, both
                                    prefixes, FP8 ``weight_scale``)
+  ``FLASHNEXT_DROP_INDEXER=1``     skip QSA indexer tensors while the config has no indexer
+                                   (``flashnext checkpoint override --dense-attention``)
   ``FLASHNEXT_ALLOW_UNTESTED_VLLM=1``  apply on a vLLM version the patches were not checked against
   ===============================  =================================================================
 
 - **``--additional-config``** (``vllm serve ... --additional-config '{"flashnext": {...}}'``, keys
-  ``ple_sidecar``, ``ple_placement``, ``moe_guard``, ``ple_loader_fix``, ``allow_untested_vllm``):
+  ``ple_sidecar``, ``ple_placement``, ``moe_guard``, ``ple_loader_fix``, ``drop_indexer``,
+  ``allow_untested_vllm``):
   read when the model is built (the first PLE layer's construction, from vLLM's current config),
   because a general plugin is called before vLLM has parsed its config. Parts switched on only
   here are applied at that point, still checked before they are applied.
@@ -56,6 +59,7 @@ ENV_NAMES = {
     "ple_placement": "FLASHNEXT_PLE_PLACEMENT",
     "moe_guard": "FLASHNEXT_MOE_GUARD",
     "ple_loader_fix": "FLASHNEXT_PLE_LOADER_FIX",
+    "drop_indexer": "FLASHNEXT_DROP_INDEXER",
     "allow_untested_vllm": "FLASHNEXT_ALLOW_UNTESTED_VLLM",
 }
 _TRUE = ("1", "true", "yes", "on")
@@ -72,6 +76,7 @@ class PluginSettings:
             :func:`flashnext.kernels.serving.choose_placement` decide).
         moe_guard: the B12x guard (route sanitizer, shared workspaces).
         ple_loader_fix: the loader fix for checkpoints that keep the table.
+        drop_indexer: skip QSA indexer tensors a dense-attention config has no place for.
         allow_untested_vllm: apply on a vLLM version not in :data:`.versions.CHECKED`.
     """
 
@@ -79,15 +84,18 @@ class PluginSettings:
     ple_placement: PlacementSetting = "auto"
     moe_guard: bool = False
     ple_loader_fix: bool = False
+    drop_indexer: bool = False
     allow_untested_vllm: bool = False
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """Names of the parts switched on: ``ple_sidecar``, ``ple_loader_fix``, ``moe_guard``."""
+        """Names of the parts switched on: ``ple_sidecar``, ``ple_loader_fix``, ``moe_guard``,
+        ``drop_indexer``."""
         on = {
             "ple_sidecar": self.ple_sidecar is not None,
             "ple_loader_fix": self.ple_loader_fix,
             "moe_guard": self.moe_guard,
+            "drop_indexer": self.drop_indexer,
         }
         return tuple(name for name, enabled in on.items() if enabled)
 
