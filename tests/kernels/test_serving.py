@@ -16,11 +16,15 @@ from flashnext.errors import PluginError
 from flashnext.kernels.serving import (
     PlacementChoice,
     SidecarRows,
+    attach_cache,
     check_geometry,
     choose_placement,
     host_residency,
     layer_geometry,
     open_rows,
+    plan_cache,
+    plan_layer_cache,
+    profile_path,
     sidecar_dir_for,
 )
 from flashnext.ple.geometry import PLEGeometry
@@ -139,3 +143,79 @@ def test_cpu_rows_equal_the_tables_bf16_lookup(tmp_path, rng, fmt):
     want[np.repeat(ids < half, geo.width, axis=1)] = 0  # other rank's rows
     got = out.float().numpy()
     np.testing.assert_array_equal(got, torch.from_numpy(want).to(torch.bfloat16).float().numpy())
+
+
+# -- the hot-row device cache ------------------------------------------------------------------
+def _profiled(path, geo, rng, docs=6):
+    """A real profile of random token documents, written into the sidecar at ``path``."""
+    from flashnext.ple.profile import build_profile, load_profile, write_profile
+
+    tokens = [rng.integers(0, geo.vocab_size, size=int(rng.integers(20, 60))) for _ in range(docs)]
+    write_profile(path, build_profile(geo, tokens))
+    return load_profile(path)
+
+
+def test_profile_defaults_to_the_sidecars_own(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG)
+    _sidecar(tmp_path / "s", geo, rng)
+    assert profile_path(tmp_path / "s", None, PREFIX) is None
+    _profiled(tmp_path / "s", geo, rng)
+    own = tmp_path / "s" / "hot_rows.safetensors"
+    assert profile_path(tmp_path / "s", None, PREFIX) == own
+    assert profile_path(tmp_path / "elsewhere", own, PREFIX) == own
+    assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == own
+    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no hot-row profile for"):
+        profile_path(tmp_path / "s", tmp_path, PREFIX)
+
+
+@pytest.mark.parametrize("row_range", [(0, None), (None, None)])
+def test_cache_plan_counts_the_rows_that_fit_and_their_hit_rate(tmp_path, rng, row_range):
+    geo = PLEGeometry.from_config(CONFIG)
+    _sidecar(tmp_path / "s", geo, rng)
+    profile = _profiled(tmp_path / "s", geo, rng)
+    half = geo.num_rows // 2
+    lo, hi = (0, half) if row_range[0] == 0 else (half, geo.num_rows)
+    cache_rows = int(rng.integers(1, 40))
+    plan = plan_cache(profile, tmp_path, cache_rows * 10, 10, (lo, hi), geo.num_rows)
+    # Reference: every lookup of the profiled text in this range, recounted from scratch.
+    ids = np.asarray(profile.row_ids)
+    counts = np.asarray(profile.counts)
+    mine = (ids >= lo) & (ids < hi)
+    assert profile.total_lookups == counts.sum()  # a full profile: nothing left unprofiled
+    assert plan.rows == min(cache_rows, int(mine.sum()))
+    want = counts[mine][: plan.rows].sum() / counts[mine].sum()
+    assert plan.expected_hit_rate == pytest.approx(float(want), rel=1e-12)
+    if lo == 0 and hi == geo.num_rows:
+        assert plan.expected_hit_rate == pytest.approx(profile.coverage(plan.rows))
+    assert f"{100 * want:.1f}%" in plan.describe() and str(tmp_path) in plan.describe()
+
+
+def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "s", geo, rng)
+    shape = (geo.num_rows, geo.width)
+    rows, _ = open_rows(tmp_path / "s", PREFIX, shape, (0, geo.num_rows), geo, "auto", "cpu",
+                        None, 8, cache_bytes=2**20)  # fmt: skip
+    assert rows.cache.expected_hit_rate is None and "the cpu path has none" in rows.cache.describe()
+    sidecar = open_sidecar(tmp_path / "s")
+    plan, _ = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "staged")
+    assert "no hot_rows.safetensors in" in plan.describe()
+    _profiled(tmp_path / "s", geo, rng)
+    plan, profile = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "pinned")
+    assert plan.rows == len(profile) and plan.expected_hit_rate == pytest.approx(1.0)
+    off, none = plan_layer_cache(sidecar, PREFIX, 0, None, (0, geo.num_rows), "pinned")
+    assert none is None and "FLASHNEXT_PLE_CACHE is 0" in off.describe()
+
+
+def test_a_profile_of_another_layer_is_refused(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "s", geo, rng)
+    _profiled(tmp_path / "p", PLEGeometry.from_config(CONFIG, layer_id=2), rng)
+    sidecar = open_sidecar(tmp_path / "s")
+    with pytest.raises(PluginError, match="was made for another PLE table than sidecar"):
+        plan_layer_cache(sidecar, PREFIX, 2**20, tmp_path / "p", (0, geo.num_rows), "staged")
+
+
+def test_attach_cache_refuses_a_table_without_one():
+    with pytest.raises(PluginError, match="object has no device cache in this flashnext"):
+        attach_cache(object(), None, 1)

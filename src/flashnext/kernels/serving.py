@@ -174,6 +174,172 @@ def host_residency(choice: PlacementChoice, setting: str) -> Residency:
     return "resident" if choice.placement == "cpu" and setting in ("device", "pinned") else "mmap"
 
 
+# -- the device cache of hot rows -------------------------------------------------------------
+@dataclass(frozen=True)
+class CachePlan:
+    """The hot-row device cache in front of one layer's pinned or staged rows.
+
+    Attributes:
+        cache_bytes: device bytes asked for cached records (``FLASHNEXT_PLE_CACHE``; 0 = off).
+        profile: the hot-row profile file that fills it, or None (no cache then).
+        rows: rows of this rank's range that fit (the profile's order, ``cache_bytes //
+            record_bytes`` at most).
+        expected_hit_rate: the share of this rank's profiled lookups those rows serve (from
+            the profile's own counts), or None with no cache.
+        reason: why there is no cache, when there is none.
+    """
+
+    cache_bytes: int
+    profile: Path | None
+    rows: int = 0
+    expected_hit_rate: float | None = None
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One phrase for the plugin's start line."""
+        if self.expected_hit_rate is None:
+            return f"no device cache ({self.reason})"
+        return (
+            f"device cache {self.cache_bytes / 2**30:.2f} GiB = {self.rows} hot rows from "
+            f"{self.profile}, expected hit rate {100 * self.expected_hit_rate:.1f}%"
+        )
+
+
+def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path | None:
+    """The hot-row profile for the layer ``prefix`` serves from ``sidecar_dir``.
+
+    ``setting`` (``FLASHNEXT_PLE_PROFILE``) is a profile file, or a directory read like the
+    sidecar root (``layer_{L}/hot_rows.safetensors`` or ``hot_rows.safetensors`` in it); None
+    means the sidecar's own ``hot_rows.safetensors`` when it has one.
+
+    Raises:
+        PluginError: ``setting`` is given but holds no profile for this layer.
+    """
+    from flashnext.ple.profile import PROFILE_NAME
+
+    if setting is None:
+        own = sidecar_dir / PROFILE_NAME
+        return own if own.is_file() else None
+    if setting.is_file():
+        return setting
+    match = LAYER_INDEX.search(prefix)
+    for candidate in ([setting / f"layer_{match.group(1)}"] if match else []) + [setting]:
+        if (candidate / PROFILE_NAME).is_file():
+            return candidate / PROFILE_NAME
+    raise PluginError(
+        f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a profile "
+        f"file, or {PROFILE_NAME} in that directory or its layer_L); build one with "
+        "`flashnext ple profile SIDECAR --text FILES...`"
+    )
+
+
+def plan_cache(
+    profile: Any,
+    path: Path,
+    cache_bytes: int,
+    record_bytes: int,
+    row_range: tuple[int, int],
+    num_rows: int,
+) -> CachePlan:
+    """How many of ``profile``'s rows a cache of ``cache_bytes`` holds for ``row_range``, and
+    the share of the rank's lookups they serve.
+
+    The rows kept follow ``GpuTable.set_hot_rows``'s rule (profile order, rows inside the range,
+    ``cache_bytes // record_bytes`` of them). The hit rate's denominator is the profiled lookups
+    of this range: the profile's counts inside it, plus the lookups of rows the profile left
+    out (``total_lookups`` less every count) in the range's share of the table's rows.
+
+    Args:
+        profile: a :class:`~flashnext.ple.profile.HotRowProfile`.
+        path: its file, for the description.
+        cache_bytes, record_bytes: the cache size and one row's record bytes.
+        row_range: this rank's rows; num_rows: the table's rows.
+    """
+    import numpy as np
+
+    ids = np.asarray(profile.row_ids, dtype=np.int64)
+    counts = np.asarray(profile.counts, dtype=np.int64)
+    inside = (ids >= row_range[0]) & (ids < row_range[1])
+    ids, counts = ids[inside], counts[inside]
+    kept = min(ids.size, max(0, cache_bytes) // max(1, record_bytes))
+    unprofiled = max(0, int(profile.total_lookups) - int(np.asarray(profile.counts).sum()))
+    share = (row_range[1] - row_range[0]) / max(1, num_rows)
+    lookups = int(counts.sum()) + unprofiled * share
+    rate = float(counts[:kept].sum()) / lookups if lookups > 0 else 0.0
+    return CachePlan(cache_bytes, path, kept, rate)
+
+
+def plan_layer_cache(
+    sidecar: Sidecar,
+    prefix: str,
+    cache_bytes: int,
+    setting: Path | None,
+    row_range: tuple[int, int],
+    placement: ServingPath,
+) -> tuple[CachePlan, Any]:
+    """The cache plan of one layer and the profile that fills it (None when there is no cache).
+
+    Raises:
+        PluginError: the profile asked for is missing or was made for another table.
+        SidecarError: the profile file is not a valid profile.
+    """
+    from flashnext.kernels.records import record_layout
+    from flashnext.ple.profile import load_profile
+
+    if cache_bytes <= 0:
+        return CachePlan(0, None, reason="FLASHNEXT_PLE_CACHE is 0"), None
+    if placement not in ("pinned", "staged"):
+        return CachePlan(cache_bytes, None, reason=f"the {placement} path has none"), None
+    path = profile_path(sidecar.path, setting, prefix)
+    if path is None:
+        why = f"no FLASHNEXT_PLE_PROFILE and no hot_rows.safetensors in {sidecar.path}"
+        return CachePlan(cache_bytes, None, reason=why), None
+    profile = load_profile(path)
+    _check_profile_table(profile, path, sidecar)
+    record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
+    plan = plan_cache(profile, path, cache_bytes, record_bytes, row_range, sidecar.num_rows)
+    return plan, profile
+
+
+def _check_profile_table(profile: Any, path: Path, sidecar: Sidecar) -> None:
+    geometry = profile.meta.get("geometry") if hasattr(profile.meta, "get") else None
+    import json
+
+    # Through JSON as the profile's record was, so tuples and lists compare equal.
+    ours = json.loads(json.dumps(sidecar.geometry.to_dict())) if sidecar.geometry else None
+    rows = geometry.get("num_rows") if isinstance(geometry, dict) else None
+    if ours is not None and isinstance(geometry, dict) and geometry != ours:
+        raise PluginError(
+            f"hot-row profile {path} was made for another PLE table than sidecar {sidecar.path} "
+            "(their geometries differ: another layer or model); profile this sidecar with "
+            "`flashnext ple profile`"
+        )
+    top = int(profile.row_ids.max()) if len(profile) else -1
+    if top >= sidecar.num_rows or (rows is not None and rows != sidecar.num_rows):
+        raise PluginError(
+            f"hot-row profile {path} names rows up to {max(top, (rows or 0) - 1)}, but sidecar "
+            f"{sidecar.path} has {sidecar.num_rows} rows; profile this sidecar"
+        )
+
+
+def attach_cache(target: Any, profile: Any, cache_bytes: int) -> Any:
+    """Fill the device cache of a pinned ``GpuTable`` or a ``StagedTable`` from ``profile``.
+
+    Both take the same call, ``set_hot_rows(profile, cache_bytes)``: the one place the
+    plugin's cache switch meets the kernels. Returns their ``CacheInfo``.
+
+    Raises:
+        PluginError: ``target`` has no device cache (a staged table of a flashnext built before
+            the staged cache existed).
+    """
+    if not hasattr(target, "set_hot_rows"):
+        raise PluginError(
+            f"{type(target).__name__} has no device cache in this flashnext; set "
+            "FLASHNEXT_PLE_CACHE=0 or use FLASHNEXT_PLE_PLACEMENT=pinned"
+        )
+    return target.set_hot_rows(profile, cache_bytes)
+
+
 # -- the rows object the plugin calls ------------------------------------------------------
 class SidecarRows:
     """This rank's rows of one sidecar, looked up into bf16 ``[N, heads * width]``.
@@ -183,12 +349,22 @@ class SidecarRows:
         choice: the serving path (:func:`choose_placement`).
         device: the torch device the lookups run on.
         max_ids: the most ids one staged lookup takes (``staged`` sizes its buffers by it).
+        cache: the hot-row cache (:func:`plan_layer_cache`) and its profile; pinned and staged
+            only, ignored elsewhere.
     """
 
-    def __init__(self, table: PLETable, choice: PlacementChoice, device: Any, max_ids: int):
+    def __init__(
+        self,
+        table: PLETable,
+        choice: PlacementChoice,
+        device: Any,
+        max_ids: int,
+        cache: tuple[CachePlan, Any] | None = None,
+    ):
         self.table = table
         self.choice = choice
         self.device = device
+        self.cache = cache[0] if cache else CachePlan(0, None, reason="not asked for")
         self._gpu: Any = None
         self._staged: Any = None
         if choice.placement in ("device", "pinned"):
@@ -201,6 +377,9 @@ class SidecarRows:
             from flashnext.kernels import StagedTable
 
             self._staged = StagedTable(table, max_ids=max(1, max_ids), device=device)
+        target = self._gpu if choice.placement == "pinned" else self._staged
+        if cache is not None and cache[1] is not None and target is not None:
+            attach_cache(target, cache[1], cache[0].cache_bytes)
 
     def lookup(self, ids: Any, out: Any) -> None:
         """Fill ``out`` (torch bf16 ``[N, heads * width]``, contiguous) with the rows of ``ids``
@@ -235,6 +414,8 @@ def open_rows(
     device: Any,
     device_free: int | None,
     max_ids: int,
+    cache_bytes: int = 0,
+    profile: Path | None = None,
 ) -> tuple[SidecarRows, Sidecar]:
     """Find, check, place and open the sidecar rows the layer named ``prefix`` serves.
 
@@ -248,9 +429,12 @@ def open_rows(
         device: the torch device the model is built on.
         device_free: free GPU bytes, or None.
         max_ids: the most ids one lookup takes.
+        cache_bytes: the hot-row device cache (``FLASHNEXT_PLE_CACHE``; 0 = off).
+        profile: ``FLASHNEXT_PLE_PROFILE`` (:func:`profile_path`), or None.
 
     Raises:
-        PluginError: no sidecar for the layer, a geometry mismatch, or a placement that cannot fit.
+        PluginError: no sidecar for the layer, a geometry mismatch, a placement that cannot fit,
+            or a cache profile that is missing or made for another table.
         SidecarError: the sidecar directory is not a valid sidecar.
         PreflightError: a pinned or resident copy does not fit in host memory.
     """
@@ -263,5 +447,6 @@ def open_rows(
     record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
     table_bytes = (row_range[1] - row_range[0]) * record_bytes
     choice = choose_placement(setting, device, table_bytes, device_free)
+    cache = plan_layer_cache(sidecar, prefix, cache_bytes, profile, row_range, choice.placement)
     table = open_table(sidecar, host_residency(choice, setting), row_range=row_range)
-    return SidecarRows(table, choice, device, max_ids), sidecar
+    return SidecarRows(table, choice, device, max_ids, cache), sidecar

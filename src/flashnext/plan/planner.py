@@ -50,6 +50,7 @@ class PlanRequest:
     ple_placement: Placement = "pinned"  # flashnext.placement's words
     ple_residency: Residency = "mmap"  # how a staged table's host copy holds rows
     ple_gpu_cache_rows: int = 0
+    ple_cache: int = 0  # device bytes of hot rows per PLE layer (FLASHNEXT_PLE_CACHE)
     headroom: int | None = None
     kv_cache_memory: int | None = None
     dtype: str = "auto"
@@ -77,8 +78,17 @@ class PlanRequest:
         for name in ("max_num_seqs", "tp", "gpu_memory"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive")
-        if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0:
-            raise PlanError("--num-speculative-tokens and --ple-gpu-cache-rows must be >= 0")
+        if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0 or self.ple_cache < 0:
+            raise PlanError(
+                "--num-speculative-tokens, --ple-gpu-cache-rows and --ple-cache must be >= 0"
+            )
+        if self.ple_cache and self.ple_gpu_cache_rows:
+            raise PlanError("--ple-cache and --ple-gpu-cache-rows both size the cache: give one")
+        if self.ple_cache and self.ple_placement == "device":
+            raise PlanError(
+                "--ple-cache with --ple-placement device: the table is on the GPU already; "
+                "the cache serves pinned and staged"
+            )
 
 
 @dataclass(frozen=True)
@@ -211,9 +221,23 @@ def _device_items(
     if table and req.ple_gpu_cache_rows:
         cache = req.ple_gpu_cache_rows * row_bytes
         items.append(Item("PLE hot-row cache", cache, f"{req.ple_gpu_cache_rows:,} rows/layer"))
+    if table and req.ple_cache:
+        items.extend(_cache_items(model, shape, req, table))
     headroom = DEFAULT_HEADROOM if req.headroom is None else req.headroom
     src = "default" if req.headroom is None else "given/calibrated"
     items.append(Item("headroom: activations, CUDA graphs, sampler", headroom, src))
+    return items
+
+
+def _cache_items(model: ModelInput, shape: ModelShape, req: PlanRequest, table: int) -> list[Item]:
+    """The hot-row device cache: ``ple_cache`` bytes per PLE layer (at most the rank's rows),
+    plus, in front of a pinned table, ``GpuTable``'s slot map of 4 bytes per served row."""
+    layers = len(shape.ple_layers)
+    cached = min(req.ple_cache, table // req.tp // layers) * layers
+    items = [Item("PLE hot-row cache (--ple-cache)", cached, f"{gib(req.ple_cache)} per layer")]
+    if req.ple_placement == "pinned":
+        rows = sum(PLEGeometry.from_config(model.config, d).num_rows for d in range(layers))
+        items.append(Item("PLE hot-row cache slot map", 4 * rows // req.tp, "4 bytes per row"))
     return items
 
 
