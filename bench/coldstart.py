@@ -52,11 +52,11 @@ import numpy as np
 from flashnext import __version__
 from flashnext.demo import EOS, corpus_files, train_tokenizer
 from flashnext.ple import open_table
+from flashnext.ple.destination import SidecarWriter
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.ple.preflight import page_cache_bytes
 from flashnext.ple.profile import build_profile
-from flashnext.ple.sidecar import SidecarWriter
 from flashnext.synthetic import flash_next_config
 
 REQUESTS = 32

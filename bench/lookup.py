@@ -53,8 +53,8 @@ import ml_dtypes
 import numpy as np
 
 from flashnext.ple import open_table
+from flashnext.ple.destination import SidecarWriter
 from flashnext.ple.lookup_kernels import default_threads
-from flashnext.ple.sidecar import SidecarWriter
 from flashnext.ple.table import PLETable
 from flashnext.records import dumps, make_record
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -24,12 +25,13 @@ from typing import Any
 import numpy as np
 
 from flashnext._extras import require
+from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
+from flashnext.ple.destination import recorded_source, write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
 from flashnext.ple.quantize import SidecarSource, quantize_table
-from flashnext.ple.sidecar import write_sidecar
 from flashnext.ple.table import open_table
 from flashnext.synthetic import embedding_rows, flash_next_config
 
@@ -40,7 +42,7 @@ PREFILL_TOKENS = 8192
 
 def corpus_files(limit_bytes: int = 6_000_000) -> list[Path]:
     """Text files on this machine: licence texts and the Python standard library's sources."""
-    roots = [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+    roots = corpus_roots()
     files: list[Path] = []
     total = 0
     for root in roots:
@@ -123,10 +125,16 @@ def run_demo(
     workers: int | None = None,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
 ) -> DemoResult:
-    """Run the demo in ``out_dir`` (created) and return every number it measured."""
+    """Run the demo in ``out_dir`` (created) and return every number it measured.
+
+    ``out_dir`` must be new, empty or an earlier demo's output (:func:`demo_output_problem`);
+    an earlier demo's tables are rebuilt.
+
+    Raises:
+        SidecarError: ``out_dir`` holds anything else.
+    """
     t0 = time.perf_counter()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _prepare_out(Path(out_dir))
     workers = workers or min(4, os.cpu_count() or 1)
     rng = np.random.default_rng()
 
@@ -154,15 +162,8 @@ def run_demo(
     numpy_decode = _median_time(50, np.take, bf16_array, ids.decode, 0)
     numpy_prefill = _median_time(5, np.take, bf16_array, ids.prefill, 0)
 
-    rows: list[FormatRow] = []
-    for fmt in FORMATS:
-        if fmt == "bf16":
-            directory, rmse = bf16_dir, rel_rmse(source_rows, bf16_rows)
-        else:
-            log(f"quantizing to {fmt} ({workers} workers)")
-            directory = out / f"ple_{fmt}"
-            rmse = _quantize(bf16_dir, directory, fmt, geo, workers)
-        rows.append(_time_lookups(fmt, directory, geo.width, rmse, ids))
+    bf16_rmse = rel_rmse(source_rows, bf16_rows)
+    rows = [_format_row(fmt, out, geo, bf16_rmse, ids, workers, log) for fmt in FORMATS]
 
     return DemoResult(
         out_dir=str(out),
@@ -179,6 +180,67 @@ def run_demo(
     )
 
 
+def _format_row(
+    fmt: str,
+    out: Path,
+    geo: PLEGeometry,
+    bf16_rmse: float,
+    ids: _HashedIds,
+    workers: int,
+    log: Callable[[str], None],
+) -> FormatRow:
+    """The BF16 table's row, or ``fmt``'s after quantizing the BF16 table into ``out``."""
+    directory = out / f"ple_{fmt}"
+    rmse = bf16_rmse
+    if fmt != "bf16":
+        log(f"quantizing to {fmt} ({workers} workers)")
+        rmse = _quantize(out / "ple_bf16", directory, fmt, geo, workers)
+    return _time_lookups(fmt, directory, geo.width, rmse, ids)
+
+
+def _prepare_out(out: Path) -> Path:
+    """``out`` created, with an earlier demo's tables removed (anything else refused)."""
+    problem = demo_output_problem(out)
+    if problem:
+        raise SidecarError(problem)
+    for name in DEMO_TABLES:  # the demo's own tables (checked above): rebuilt from scratch
+        shutil.rmtree(out / name, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+#: The directories the demo writes in its output directory, one table per format.
+DEMO_TABLES = tuple(f"ple_{fmt}" for fmt in FORMATS)
+_GENERATOR = "flashnext.synthetic.embedding_rows"
+
+
+def demo_output_problem(out: str | os.PathLike[str]) -> str | None:
+    """Why the demo may not write into ``out``, or None: it must be missing, empty, or hold
+    only tables an earlier demo wrote there (the demo never replaces anything else)."""
+    root = Path(out)
+    if not root.is_dir():
+        return None
+    bf16 = (root / "ple_bf16").resolve()
+    for entry in sorted(root.iterdir()):
+        source = recorded_source(entry) if entry.name in DEMO_TABLES else None
+        ours = source is not None and (
+            source.get("generator") == _GENERATOR
+            if entry.name == "ple_bf16"
+            else source.get("kind") == "sidecar" and source.get("path") == str(bf16)
+        )
+        if not ours:
+            return (
+                f"{entry} was not written by `flashnext demo`; the demo only writes into a new "
+                "or empty directory, or rebuilds its own tables: choose another --out"
+            )
+    return None
+
+
+def corpus_roots() -> list[Path]:
+    """The directories the demo reads its text from (inputs a destination must stay clear of)."""
+    return [Path("/usr/share/common-licenses"), Path(sysconfig.get_paths()["stdlib"])]
+
+
 def _write_bf16_source(directory: Path, geo: PLEGeometry, source_rows: np.ndarray) -> Path:
     """Write ``source_rows`` (float32 [num_rows, width]) as the demo's BF16 sidecar."""
     write_sidecar(
@@ -187,7 +249,7 @@ def _write_bf16_source(directory: Path, geo: PLEGeometry, source_rows: np.ndarra
         source_rows,
         geo.shard_rows(),
         geometry=geo.to_dict(),
-        source={"kind": "synthetic", "generator": "flashnext.synthetic.embedding_rows"},
+        source={"kind": "synthetic", "generator": _GENERATOR},
     )
     return directory
 
@@ -201,7 +263,6 @@ def _quantize(bf16_dir: Path, directory: Path, fmt: str, geo: PLEGeometry, worke
         geo.shard_rows(),
         workers=workers,
         geometry=geo.to_dict(),
-        force=True,  # the demo's own output directory: always rebuilt
     )
     return result.rel_rmse
 

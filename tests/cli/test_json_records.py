@@ -45,6 +45,7 @@ JSON_ARGS: dict[str, Callable[[Inputs], list[object]]] = {
         *("--tokenizer", profile_inputs(i).tokenizer, "--out", i.fresh("hot") / "p.safetensors"),
     ],
     "ple warm": lambda i: [i.sidecar],
+    "ple slice": lambda i: [i.sidecar, i.fresh("slice"), "--tp", "2", "--ranks", "1"],
     "validate": lambda i: [
         "--url",
         f"http://127.0.0.1:{closed_port()}",

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from flashnext.ple import open_sidecar, open_table, write_sidecar
-from flashnext.ple.sidecar import SidecarWriter
+from flashnext.ple.destination import SidecarWriter
 from flashnext.synthetic import embedding_rows
 
 from .runner import assert_one_line_error, drop_file_permission_override, popen, run

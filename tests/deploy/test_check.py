@@ -247,8 +247,8 @@ def test_memory_plan_comes_from_the_planner(tmp_path):
 
 def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
     """FLASHNEXT_PLE_SIDECAR in the planned environment: a sidecar per PLE layer, this geometry."""
+    from flashnext.ple.destination import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.sidecar import write_sidecar
 
     rng = current_test_rng("sidecar")
     root = model(tmp_path)

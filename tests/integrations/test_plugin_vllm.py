@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from devtools.vllm_cpu import ensure_vllm_venv, free_port
+from flashnext.ple.destination import write_sidecar
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.sidecar import write_sidecar
 from flashnext.ple.table import open_table
 from tests.ple.reference import dequant64
 

@@ -6,6 +6,7 @@ says so when it is missing.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -27,9 +28,10 @@ from flashnext.kernels.serving import (
     profile_path,
     sidecar_dir_for,
 )
+from flashnext.ple.destination import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar, write_sidecar
+from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
 from flashnext.synthetic import flash_next_config
 
@@ -159,13 +161,21 @@ def test_profile_defaults_to_the_sidecars_own(tmp_path, rng):
     geo = PLEGeometry.from_config(CONFIG)
     _sidecar(tmp_path / "s", geo, rng)
     assert profile_path(tmp_path / "s", None, PREFIX) is None
-    _profiled(tmp_path / "s", geo, rng)
-    own = tmp_path / "s" / "hot_rows.safetensors"
-    assert profile_path(tmp_path / "s", None, PREFIX) == own
-    assert profile_path(tmp_path / "elsewhere", own, PREFIX) == own
-    assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == own
+    _profiled(tmp_path / "s", geo, rng)  # where `ple profile` writes: beside the sidecar
+    beside = tmp_path / "s.hot_rows.safetensors"
+    assert profile_path(tmp_path / "s", None, PREFIX) == beside
+    shutil.move(beside, tmp_path / "s" / "hot_rows.safetensors")  # inside: a slice's, older
+    inside = tmp_path / "s" / "hot_rows.safetensors"
+    assert profile_path(tmp_path / "s", None, PREFIX) == inside
+    assert profile_path(tmp_path / "elsewhere", inside, PREFIX) == inside
+    assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == inside
+    (tmp_path / "p" / "layer_3").mkdir(parents=True)
+    shutil.copy(inside, tmp_path / "p" / "layer_3.hot_rows.safetensors")
+    assert (
+        profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.hot_rows.safetensors"
+    )
     with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no hot-row profile for"):
-        profile_path(tmp_path / "s", tmp_path, PREFIX)
+        profile_path(tmp_path / "s", tmp_path / "p" / "layer_3", PREFIX)
 
 
 @pytest.mark.parametrize("row_range", [(0, None), (None, None)])
@@ -199,7 +209,7 @@ def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
     assert rows.cache.expected_hit_rate is None and "the cpu path has none" in rows.cache.describe()
     sidecar = open_sidecar(tmp_path / "s")
     plan, _ = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "staged")
-    assert "no hot_rows.safetensors in" in plan.describe()
+    assert "no hot-row profile beside or in" in plan.describe()
     _profiled(tmp_path / "s", geo, rng)
     plan, profile = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "pinned")
     assert plan.rows == len(profile) and plan.expected_hit_rate == pytest.approx(1.0)
@@ -219,3 +229,23 @@ def test_a_profile_of_another_layer_is_refused(tmp_path, rng):
 def test_attach_cache_refuses_a_table_without_one():
     with pytest.raises(PluginError, match="object has no device cache in this flashnext"):
         attach_cache(object(), None, 1)
+
+
+def test_the_plugin_serves_a_rank_from_a_slice_holding_its_rows(tmp_path, rng):
+    from flashnext.errors import SidecarError
+    from flashnext.ple.slicing import plan_slice, write_slice
+
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "full", geo, rng)
+    full = open_sidecar(tmp_path / "full")
+    write_slice(full, tmp_path / "s" / "layer_3", plan_slice(full, 2, [1]))
+    shape, half = (geo.num_rows, geo.width), geo.num_rows // 2
+    rows, sidecar = open_rows(
+        tmp_path / "s", PREFIX, shape, (half, geo.num_rows), geo, "auto", "cpu", None, 8
+    )
+    assert sidecar.rows_present is not None and rows.table.row_range == (half, geo.num_rows)
+    ids = rng.integers(0, geo.num_rows, size=(9, geo.num_heads))
+    want = open_table(full, row_range=(half, geo.num_rows)).lookup(ids)
+    np.testing.assert_array_equal(rows.table.lookup(ids), want)
+    with pytest.raises(SidecarError, match=rf"rows 0\.\.{half} needs rows 0\.\."):
+        open_rows(tmp_path / "s", PREFIX, shape, (0, half), geo, "auto", "cpu", None, 8)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from flashnext.ple import open_table
+from flashnext.ple.destination import SidecarWriter
 from flashnext.ple.formats import BF16, E4M3, F16
-from flashnext.ple.sidecar import SidecarWriter
 
 
 def _stored(fmt: str, rows: int, width: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

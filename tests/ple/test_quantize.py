@@ -106,7 +106,7 @@ def test_non_finite_source_rows_are_named(tmp_path, rng):
     x[217, 9] = np.inf
     x[250, 0] = np.nan
     # a bf16 table written around the codec's own check, as a corrupt checkpoint would be
-    from flashnext.ple.sidecar import SidecarWriter
+    from flashnext.ple.destination import SidecarWriter
 
     w = SidecarWriter(tmp_path / "bad", "bf16", 160, 300, 100)
     for i in range(3):

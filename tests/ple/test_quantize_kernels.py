@@ -14,8 +14,8 @@ import pytest
 from flashnext.errors import FormatError
 from flashnext.ple import formats as F
 from flashnext.ple import quantize_kernels as K
+from flashnext.ple.destination import write_sidecar
 from flashnext.ple.quantize import SidecarSource, quantize_table
-from flashnext.ple.sidecar import write_sidecar
 
 
 def _rows(rng: np.random.Generator, n: int = 96, width: int = 160) -> np.ndarray:

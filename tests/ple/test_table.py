@@ -100,7 +100,7 @@ def test_mmap_is_zero_copy_and_resident_copies(tmp_path, rng):
     rows = 200_000  # 64 MB of bf16
     big = rng.integers(0, 2**16, size=(rows, 160), dtype=np.uint16)
     big[(big & 0x7F80) == 0x7F80] = 0x3F80  # no NaN/inf bit patterns
-    from flashnext.ple.sidecar import SidecarWriter
+    from flashnext.ple.destination import SidecarWriter
 
     w = SidecarWriter(tmp_path, "bf16", 160, rows, 50_000)
     for i in range(4):

@@ -9,6 +9,8 @@ import click
 from rich.table import Table
 
 from flashnext.cli._common import OutputDir, human_bytes, note, print_record, show
+from flashnext.cli._destination import check_output
+from flashnext.cli._signals import terminate_cleanly
 
 
 @click.command()
@@ -34,15 +36,23 @@ from flashnext.cli._common import OutputDir, human_bytes, note, print_record, sh
 )
 @click.option("--json", "as_json", is_flag=True, help="Print every measurement as JSON on stdout.")
 def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) -> None:
-    """Build a synthetic PLE table, quantize it three ways, hash real text, time lookups."""
-    from flashnext.demo import run_demo
+    """Build a synthetic PLE table, quantize it three ways, hash real text, time lookups.
 
+    --out must be new, empty, or an earlier demo's output (its tables are rebuilt).
+    """
+    from flashnext.demo import corpus_roots, demo_output_problem, run_demo
+
+    check_output(out_dir, corpus_roots(), hint="--out")
+    problem = demo_output_problem(out_dir) if out_dir is not None else None
+    if problem:
+        raise click.BadParameter(problem, param_hint="--out")
     log = (lambda msg: None) if as_json else (lambda msg: note(msg, "dim"))
-    if out_dir is None:
-        with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
-            result = run_demo(tmp, base=base, workers=workers, log=log)
-    else:
-        result = run_demo(out_dir, base=base, workers=workers, log=log)
+    with terminate_cleanly():  # SIGTERM unwinds: the temporary directory goes too
+        if out_dir is None:
+            with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
+                result = run_demo(tmp, base=base, workers=workers, log=log)
+        else:
+            result = run_demo(out_dir, base=base, workers=workers, log=log)
     if as_json:
         print_record("flashnext.demo", result)
         return

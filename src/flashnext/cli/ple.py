@@ -24,8 +24,11 @@ from flashnext.cli._common import (
     say,
     show,
 )
+from flashnext.cli._destination import check_output
+from flashnext.cli._signals import terminate_cleanly
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
+from flashnext.ple.destination import DestinationLock
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
 from flashnext.ple.preflight import (
@@ -39,13 +42,15 @@ from flashnext.ple.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
     HotRowProfile,
+    default_profile_path,
     layer_geometry,
     load_profile,
     load_tokenizer,
     profile_text_files,
     write_profile,
 )
-from flashnext.ple.quantize import quantize_table
+from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
+from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
 from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import PLETable, Warming, open_table
 
@@ -130,13 +135,20 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Processes quantizing shards in parallel.",
+    help="Processes quantizing shards in parallel (capped at the shards and the CPUs).",
 )
 @click.option(
     "--layer",
     type=click.IntRange(min=0),
     default=None,
     help="PLE layer ordinal (checkpoint sources).",
+)
+@click.option(
+    "--max-row-error",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_MAX_ROW_ERROR,
+    show_default=True,
+    help="Exit 1 when a row's relative error exceeds this (a row quantized to all-zero has 1).",
 )
 @click.option(
     "--force",
@@ -163,6 +175,7 @@ def quantize(
     rows_per_shard: int | None,
     workers: int,
     layer: int | None,
+    max_row_error: float,
     force: bool,
     ignore_source_checksums: bool,
     requantize: bool,
@@ -174,14 +187,34 @@ def quantize(
     interrupted run resumes: finished shards are kept, verified by sha256); anything else is
     refused unless --force. A sidecar SRC is hashed first and must match its own checksums.
     A checkpoint that stores FORMAT already (bf16, fp8, nvfp4) is copied byte for byte
-    (exact, at disk speed) unless --requantize.
+    (exact, at disk speed) unless --requantize. Exits 1 when a row's relative error exceeds
+    --max-row-error (the table is written; the summary names the worst row).
     """
+    check_output(dst, [src], hint="DST")
+    with terminate_cleanly():
+        _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
+                  ignore_source_checksums, requantize, as_json)  # fmt: skip
+
+
+def _quantize(
+    src: Path, dst: Path, fmt: str, rows_per_shard: int | None, workers: int, layer: int | None,
+    max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
+    as_json: bool,
+) -> None:  # fmt: skip
+
+    # The lock before hashing SRC: a second writer into DST is refused at once, not after it.
+    with DestinationLock(dst) as lock:
+        _quantize_locked(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
+                         ignore_source_checksums, requantize, as_json, lock)  # fmt: skip
+
+
+def _quantize_locked(
+    src: Path, dst: Path, fmt: str, rows_per_shard: int | None, workers: int, layer: int | None,
+    max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
+    as_json: bool, lock: DestinationLock,
+) -> None:  # fmt: skip
     from flashnext.checkpoint.sources import open_row_source
 
-    if dst.resolve() == src.resolve():
-        raise click.BadParameter(
-            "DST must differ from SRC (the sidecar is rewritten)", param_hint="DST"
-        )
     with _bar(disable=as_json) as bar:
         task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
         source = open_row_source(
@@ -193,6 +226,12 @@ def quantize(
         bar.remove_task(task)
     if rows_per_shard is None:
         rows_per_shard = source.rows_per_shard
+    shards = -(-source.num_rows // rows_per_shard)
+    if effective_workers(workers, shards) < workers:
+        note(
+            f"--workers {workers}: using {effective_workers(workers, shards)} "
+            f"({shards} shards, {usable_cpus()} usable CPUs)"
+        )
     bytes_in = source.width * 4
     with _bar(disable=as_json) as bar:
         task = bar.add_task(f"{fmt}", total=source.num_rows, bytes_per_unit=bytes_in, unit="rows")
@@ -206,12 +245,26 @@ def quantize(
             on_shard=lambda _res, rows: bar.advance(task, rows),
             force=force,
             requantize=requantize,
+            max_row_error=max_row_error,
+            lock=lock,
         )
     summary = result.summary(source, dst)
     if as_json:
         print_record("flashnext.ple.quantize", summary)
-        return
-    _show_quantize_summary(summary)
+    else:
+        _show_quantize_summary(summary)
+    if not result.row_error["ok"]:
+        raise SidecarError(_row_error_refusal(result.row_error, fmt, dst))
+
+
+def _row_error_refusal(found: dict[str, Any], fmt: str, dst: Path) -> str:
+    zeroed = found["zeroed_rows"]
+    lost = f"; {zeroed:,} rows quantized to all-zero from non-zero source rows" if zeroed else ""
+    return (
+        f"{dst}: row {found['worst_row']} has relative error {found['worst']:.3g}, above "
+        f"--max-row-error {found['max_row_error']:g}{lost}: {fmt} cannot hold this table's range "
+        "(an outlier?); check the source, choose another --format, or raise --max-row-error"
+    )
 
 
 def _show_quantize_summary(summary: dict) -> None:
@@ -233,6 +286,18 @@ def _show_quantize_summary(summary: dict) -> None:
         "rel. RMSE",
         f"{summary['rel_rmse']:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})",
     )
+    rows = summary["row_error"]
+    if rows.get("measured_shards"):
+        bad = not rows["ok"]
+        table.add_row(
+            "row error",
+            cell(
+                f"worst {rows['worst']:.4f} (row {rows['worst_row']}), 99.9th pct "
+                f"{rows['p99_9']:.4f}, {rows['zeroed_rows']:,} rows zeroed"
+                + (f": above --max-row-error {rows['max_row_error']:g}" if bad else ""),
+                "red" if bad else None,
+            ),
+        )
     table.add_row("time", f"{summary['seconds']:.1f} s")
     show(table)
 
@@ -474,7 +539,7 @@ def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help=f"Profile file [default: SIDECAR_DIR/{PROFILE_NAME}].",
+    help=f"Profile file [default: SIDECAR_DIR.{PROFILE_NAME} beside SIDECAR_DIR].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
 def profile(
@@ -489,8 +554,35 @@ def profile(
     """Count which rows of SIDECAR_DIR real text reads: a hot-row profile for --hot-rows.
 
     The text is tokenized and hashed exactly as the model does, through the geometry recorded
-    in the sidecar's META.json.
+    in the sidecar's META.json. The profile is written beside SIDECAR_DIR (never inside an
+    input); an existing file there is replaced only when it is a hot-row profile.
     """
+    target = out or default_profile_path(sidecar_dir)
+    tokenizer_file = Path(tokenizer) if tokenizer and Path(tokenizer).exists() else None
+    check_output(
+        target, [sidecar_dir, *texts, tokenizer_file], hint="--out", expect="file", owns=_is_profile
+    )
+    with terminate_cleanly():
+        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json)
+
+
+def _is_profile(path: Path) -> bool:
+    try:
+        load_profile(path)
+    except SidecarError:
+        return False
+    return True
+
+
+def _profile(
+    sidecar_dir: Path,
+    texts: tuple[Path, ...],
+    rows: int | None,
+    tokenizer: str | None,
+    layer: int | None,
+    target: Path,
+    as_json: bool,
+) -> None:
     sidecar = open_sidecar(sidecar_dir)
     if sidecar.geometry is None:
         raise SidecarError(
@@ -510,9 +602,8 @@ def profile(
         found = profile_text_files(
             geometry, texts, tok, tok_meta, rows, progress=lambda n: bar.advance(task, n)
         )
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    target = write_profile(out or sidecar_dir / PROFILE_NAME, found)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_profile(target, found)
     summary = _profile_summary(found, target, sidecar.num_rows)
     if as_json:
         print_record("flashnext.ple.profile_summary", summary)
@@ -521,10 +612,8 @@ def profile(
 
 
 def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[str, object]:
-    cover = {}
-    for share in (0.001, 0.01, 0.05):
-        n = max(1, int(num_rows * share))
-        cover[f"{share:.1%}"] = {"rows": n, "coverage": found.coverage(n)}
+    # Counted before --rows truncated the profile (a 5-row profile says nothing of 1%).
+    cover = found.meta.get("coverage_by_table_share", {})
     return {
         "profile": str(target),
         "rows": len(found),
@@ -553,3 +642,63 @@ def _show_profile(summary: dict[str, Any]) -> None:
     for share, value in summary["coverage_by_table_share"].items():
         table.add_row(f"top {share} of rows", f"{value['rows']:,} rows: {value['coverage']:.1%}")
     show(table)
+
+
+def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected ranks like 0 or 0,1", ctx, param) from None
+    tp = int(ctx.params.get("tp") or 1)  # --tp is eager and required: parsed first
+    bad = [r for r in ranks if not 0 <= r < tp]
+    if bad:
+        raise click.BadParameter(
+            f"{value!r}: rank {bad[0]} is not in a group of --tp {tp} (ranks 0..{tp - 1})",
+            ctx,
+            param,
+        )
+    return ranks
+
+
+@ple.command("slice")
+@click.argument("sidecar", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=OutputDir())
+@click.option("--tp", type=click.IntRange(min=1, max=4096), required=True, is_eager=True,
+              help="Tensor-parallel size the model is served with.")  # fmt: skip
+@click.option("--ranks", required=True, callback=_rank_list,
+              help="The ranks this node serves, comma separated (e.g. 0,1).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: bool) -> None:
+    """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
+
+    Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
+    along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
+    rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
+    DST must be new or empty (no file in it is replaced).
+    """
+    from flashnext.ple.slicing import plan_slice, slice_file_names, write_slice
+
+    source = open_sidecar(sidecar)
+    plan = plan_slice(source, tp, ranks)
+    check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source))
+    with terminate_cleanly(), DestinationLock(dst), _bar(disable=as_json) as bar:
+        task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
+        write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))
+    summary = {
+        "source": str(sidecar),
+        "destination": str(dst),
+        "tp": tp,
+        "ranks": list(plan.ranks),
+        "rank_rows": [list(r) for r in plan.rank_rows],
+        "rows_present": [list(r) for r in plan.rows_present],
+        "shards": [sh.index for sh in plan.shards],
+        "bytes": plan.nbytes,
+    }
+    if as_json:
+        print_record("flashnext.ple.slice", summary)
+        return
+    rows = ", ".join(f"{lo}..{hi}" for lo, hi in plan.rows_present)
+    say(
+        f"{dst}: {len(plan.shards)} of {len(source.shards)} shards ({human_bytes(plan.nbytes)}), "
+        f"rows {rows} of {source.num_rows}, for ranks {','.join(map(str, plan.ranks))} of {tp}"
+    )

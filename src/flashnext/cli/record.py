@@ -10,6 +10,8 @@ from pathlib import Path
 import click
 
 from flashnext.cli._common import err_console, out_console
+from flashnext.cli._destination import check_output
+from flashnext.errors import FlashnextError
 
 
 @click.group("record")
@@ -40,6 +42,7 @@ def capture(
 
     if container and pid:
         raise click.UsageError("give at most one of --container and --pid")
+    check_output(out, [model_dir, log], hint="--out", expect="file", owns=_is_record)
     rec = do_capture(
         url, pid=pid, container=container, model_dir=model_dir, log=log, api_key=api_key
     )
@@ -54,6 +57,27 @@ def capture(
         f"wrote {out}: server {rec['server'].get('version')}, launch from "
         f"{launch.get('source', 'nowhere (remote)')}", markup=False, highlight=False,
     )  # fmt: skip
+
+
+def _is_record(path: Path) -> bool:
+    """Whether ``path`` holds a deployment record (one ``record capture`` may replace)."""
+    try:
+        _load(path)
+    except (click.BadParameter, FlashnextError):
+        return False
+    return True
+
+
+_SCRIPT_HEAD = "#!/usr/bin/env bash\nset -euo pipefail\n"
+
+
+def _is_script(path: Path) -> bool:
+    """Whether ``path`` is a script ``record restore --write`` wrote (it may replace it)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(_SCRIPT_HEAD)) == _SCRIPT_HEAD.encode()
+    except OSError:
+        return False
 
 
 def _load(path: Path) -> dict:
@@ -115,11 +139,12 @@ def restore(a: Path, write_to: Path | None, do_exec: bool) -> None:
     from flashnext.atomic import atomic_write
     from flashnext.deploy.record_diff import restore_command
 
+    check_output(write_to, [a], hint="--write", expect="file", owns=_is_script)
     rec = _load(a)
     command = restore_command(rec)
     if write_to is not None:
         with atomic_write(write_to, "w") as f:
-            f.write(f"#!/usr/bin/env bash\nset -euo pipefail\n{command}\n")
+            f.write(f"{_SCRIPT_HEAD}{command}\n")
         os.chmod(write_to, 0o755)
         err_console.print(f"wrote {write_to}", markup=False)
     else:

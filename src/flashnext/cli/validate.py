@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from flashnext.cli._common import OutputDir, err_console, out_console, show
+from flashnext.cli._destination import check_output
 from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
@@ -240,6 +241,7 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     cfg = _config(opts)
     out_dir: Path = opts["out_dir"]
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
+    check_output(out_dir, hint="--out")
     check_out_dir(out_dir, png=not opts["no_png"])
     result = asyncio.run(_run_with_progress(cfg))
     report = build_report(result, argv)
@@ -443,6 +445,7 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     from flashnext.validate.ab_prompts import load_prompts
     from flashnext.validate.ab_report import render_markdown, write_ab
 
+    check_output(o["out_dir"], [o["prompts_file"]], hint="--out")
     cfg = AbConfig(
         baseline_url=o["baseline"],
         candidate_url=o["candidate"],

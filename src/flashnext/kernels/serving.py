@@ -209,27 +209,31 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
     """The hot-row profile for the layer ``prefix`` serves from ``sidecar_dir``.
 
     ``setting`` (``FLASHNEXT_PLE_PROFILE``) is a profile file, or a directory read like the
-    sidecar root (``layer_{L}/hot_rows.safetensors`` or ``hot_rows.safetensors`` in it); None
-    means the sidecar's own ``hot_rows.safetensors`` when it has one.
+    sidecar root (``layer_{L}/hot_rows.safetensors``, ``layer_{L}.hot_rows.safetensors`` or
+    ``hot_rows.safetensors`` in it). None means the sidecar's own profile when it has one:
+    ``SIDECAR.hot_rows.safetensors`` beside it (where ``flashnext ple profile`` writes), else
+    ``hot_rows.safetensors`` inside it (earlier versions, and ``flashnext ple slice``).
 
     Raises:
         PluginError: ``setting`` is given but holds no profile for this layer.
     """
-    from flashnext.ple.profile import PROFILE_NAME
+    from flashnext.ple.profile import PROFILE_NAME, default_profile_path
 
     if setting is None:
-        own = sidecar_dir / PROFILE_NAME
-        return own if own.is_file() else None
+        own = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
+        return next((p for p in own if p.is_file()), None)
     if setting.is_file():
         return setting
     match = LAYER_INDEX.search(prefix)
-    for candidate in ([setting / f"layer_{match.group(1)}"] if match else []) + [setting]:
-        if (candidate / PROFILE_NAME).is_file():
-            return candidate / PROFILE_NAME
+    layer = [setting / f"layer_{match.group(1)}"] if match else []
+    candidates = [d / PROFILE_NAME for d in layer] + [default_profile_path(d) for d in layer]
+    for candidate in [*candidates, setting / PROFILE_NAME]:
+        if candidate.is_file():
+            return candidate
     raise PluginError(
         f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a profile "
-        f"file, or {PROFILE_NAME} in that directory or its layer_L); build one with "
-        "`flashnext ple profile SIDECAR --text FILES...`"
+        f"file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
+        f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text FILES...`"
     )
 
 
@@ -292,7 +296,7 @@ def plan_layer_cache(
         return CachePlan(cache_bytes, None, reason=f"the {placement} path has none"), None
     path = profile_path(sidecar.path, setting, prefix)
     if path is None:
-        why = f"no FLASHNEXT_PLE_PROFILE and no hot_rows.safetensors in {sidecar.path}"
+        why = f"no FLASHNEXT_PLE_PROFILE and no hot-row profile beside or in {sidecar.path}"
         return CachePlan(cache_bytes, None, reason=why), None
     profile = load_profile(path)
     _check_profile_table(profile, path, sidecar)

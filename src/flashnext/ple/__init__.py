@@ -3,10 +3,11 @@
 Pure numpy: nothing here needs a GPU.
 """
 
+from flashnext.ple.destination import SidecarWriter, write_sidecar
 from flashnext.ple.formats import FORMATS, detect_format, get_codec
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import next_context, ngram_ids, ngram_ids_packed
-from flashnext.ple.sidecar import Sidecar, SidecarWriter, open_sidecar, write_sidecar
+from flashnext.ple.sidecar import Sidecar, open_sidecar
 from flashnext.ple.table import PLETable, StoredSegment, StoredTable, open_table
 
 __all__ = [

@@ -1,13 +1,16 @@
 """Hot-row profiles: which rows of a PLE table real text reads most, in priority order.
 
-Spec (schema version 1): a safetensors file, by default ``hot_rows.safetensors`` beside the
-sidecar's shards, holding
+Spec (schema version 1): a safetensors file, by default ``SIDECAR.hot_rows.safetensors`` beside
+the sidecar directory ``SIDECAR`` (:func:`default_profile_path`; never inside it: a writer does
+not add files to its input, and the sidecar's own writer would not know the file), holding
 
 - ``row_ids`` int64 [N]: global row ids, sorted by count descending, ties by id ascending;
 - ``counts`` int64 [N]: how many lookups of the profiled text hit each row (all > 0);
 - ``__metadata__`` ``{"record": <JSON text of a flashnext.ple.profile record>}``: the corpus
   files (path, sha256, tokens), the tokenizer, the table geometry, the layer and
-  ``total_lookups`` (tokens x heads, every lookup of the text, profiled rows or not).
+  ``total_lookups`` (tokens x heads, every lookup of the text, profiled rows or not) and
+  ``coverage_by_table_share`` (the share of lookups the top 0.1%, 1% and 5% of the table's rows
+  serve, counted before ``rows`` truncation).
 
 Consumers (the CPU hot tier of :func:`flashnext.ple.table.open_table`, the GPU row cache) take
 the ``row_ids`` in order, or a prefix of them.
@@ -92,10 +95,42 @@ def build_profile(
         ids_seen, counts = _merge_counts(ids_seen, counts, ids)
     # Count descending, ties by id ascending (ids_seen is sorted, the sort is stable).
     order = np.argsort(-counts, kind="stable")
+    tiers = _coverage_tiers(counts[order], total, geometry.num_rows)
     if rows is not None:
         order = order[:rows]
-    payload = {"geometry": geometry.to_dict(), "total_lookups": total, **(meta or {})}
+    payload = {
+        "geometry": geometry.to_dict(),
+        "total_lookups": total,
+        "coverage_by_table_share": tiers,
+        **(meta or {}),
+    }
     return HotRowProfile(ids_seen[order], counts[order], total, payload)
+
+
+def _coverage_tiers(
+    sorted_counts: np.ndarray, total: int, table_rows: int
+) -> dict[str, dict[str, float | int]]:
+    """Share of all lookups served by the top 0.1%, 1%, 5% of the table's rows (every row
+    seen counts, whatever a later truncation keeps)."""
+    cumulative = np.cumsum(sorted_counts)
+    out: dict[str, dict[str, float | int]] = {}
+    for share in (0.001, 0.01, 0.05):
+        n = max(1, int(table_rows * share))
+        served = int(cumulative[min(n, cumulative.size) - 1]) if cumulative.size else 0
+        out[f"{share:.1%}"] = {"rows": n, "coverage": served / total if total > 0 else 0.0}
+    return out
+
+
+def default_profile_path(sidecar_dir: str | os.PathLike[str]) -> Path:
+    """Where ``ple profile`` writes by default: ``SIDECAR.hot_rows.safetensors`` beside it."""
+    root = Path(sidecar_dir)
+    return root.with_name(f"{root.name}.{PROFILE_NAME}")
+
+
+def _profile_in(directory: Path) -> Path:
+    """A sidecar directory's profile: beside it, or inside it (written by earlier versions)."""
+    beside = default_profile_path(directory)
+    return beside if beside.is_file() else directory / PROFILE_NAME
 
 
 def _merge_counts(
@@ -109,11 +144,22 @@ def _merge_counts(
 
 
 def write_profile(path: str | os.PathLike[str], profile: HotRowProfile) -> Path:
-    """Write ``profile`` to ``path`` (a file, or a sidecar directory: ``PROFILE_NAME`` in it),
-    atomically. Returns the file written."""
+    """Write ``profile`` to ``path`` (a file, or a sidecar directory: the file beside it,
+    :func:`default_profile_path`), atomically. Returns the file written.
+
+    Raises:
+        SidecarError: the profile holds no rows (the text held no tokens); nothing is written.
+    """
     target = Path(path)
     if target.is_dir():
-        target = target / PROFILE_NAME
+        target = default_profile_path(target)
+    if len(profile) == 0:
+        corpus = profile.meta.get("corpus") or []
+        names = ", ".join(str(c.get("path")) for c in corpus[:3] if isinstance(c, Mapping))
+        raise SidecarError(
+            f"{target}: not written: the profile holds no rows (the text{f' ({names})' if names else ''} "
+            "held no tokens); profile a non-empty text"
+        )
     payload = {**profile.meta, "total_lookups": int(profile.total_lookups), "rows": len(profile)}
     record = make_record(PROFILE_KIND, payload, schema_version=SCHEMA_VERSION)
     write_file(
@@ -128,7 +174,7 @@ def write_profile(path: str | os.PathLike[str], profile: HotRowProfile) -> Path:
 
 
 def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
-    """Read a profile file (or ``PROFILE_NAME`` in a directory) and check it.
+    """Read a profile file (or a sidecar directory's: beside it, else inside) and check it.
 
     Raises:
         SidecarError: the file is missing, not a profile, or its tensors disagree with the spec
@@ -136,7 +182,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
     """
     target = Path(path)
     if target.is_dir():
-        target = target / PROFILE_NAME
+        target = _profile_in(target)
     if not target.is_file():
         raise SidecarError(
             f"{target}: no hot-row profile; build one with `flashnext ple profile SIDECAR "

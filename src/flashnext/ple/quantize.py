@@ -5,20 +5,16 @@ any format here, a checkpoint's table in :mod:`flashnext.checkpoint`. Each outpu
 read in blocks of ``block_rows`` rows, so memory stays at one shard's quantized tensors plus
 one float32 block per worker, never the whole table.
 
-The destination (the README repeats these rules):
+The destination's rules (refusal, ``force``, lock, resume, commit) belong to
+:class:`~flashnext.ple.destination.SidecarDestination`; the README repeats them.
 
-- It is written only when it is missing, empty, or this command's own output for the same
-  source and settings: unfinished (its state record, :data:`STATE_NAME`, matches) or
-  finished (its META.json matches). Anything else is refused, naming what is there.
-- ``force=True`` replaces it, but the new table is written beside it (``.DST.flashnext-new``)
-  and swapped in only once complete: the old contents stay intact until then.
-- Resume: the state record lists the settings, the source's identity (sizes and sha256 of a
-  sidecar's shards; sizes and mtimes of a checkpoint's files) and each finished shard's
-  sha256. Running the same command again keeps shards whose files still hash to the recorded
-  value; a changed source or setting is refused (or replaced with ``force``). Output is
-  deterministic, so a resumed result is byte-identical to an uninterrupted run.
+- Besides the relative RMSE, every shard measures its per-row error
+  (:mod:`flashnext.ple.row_error`): the worst row, a histogram for the 99.9th percentile, and
+  the rows quantized to all-zero from a non-zero source.
 - A sidecar source whose shards fail their own recorded sha256 is refused unless
   ``ignore_checksums=True`` (the mismatch is then recorded in META.json's ``source``).
+- ``workers`` is capped at the shards to write and the CPUs this process may use
+  (:func:`effective_workers`).
 - Worker processes die with the parent (Linux ``PR_SET_PDEATHSIG``; elsewhere a thread in
   each worker watches the parent's pid).
 """
@@ -26,7 +22,6 @@ The destination (the README repeats these rules):
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -40,17 +35,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from flashnext.errors import FormatError, SidecarError
+from flashnext.ple import row_error
+from flashnext.ple.destination import DestinationLock, SidecarDestination, SidecarWriter
 from flashnext.ple.formats import Codec, get_codec, stored_non_finite
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
     META_NAME,
     STATE_NAME,
     Sidecar,
-    SidecarWriter,
     open_sidecar,
-    read_meta,
-    read_state,
-    shard_name,
     write_shard_file,
 )
 from flashnext.ple.table import PLETable, open_table
@@ -66,8 +59,10 @@ __all__ = [
     "SidecarSource",
     "StoredRowSource",
     "can_copy",
+    "effective_workers",
     "quantize_shard",
     "quantize_table",
+    "usable_cpus",
 ]
 
 DEFAULT_BLOCK_ROWS = 65536
@@ -175,6 +170,8 @@ class QuantizeResult:
     source_bytes: int  # bytes read: float32 rows quantized, or stored tensors copied
     per_shard_rmse: list[float] = field(default_factory=list)
     conversion: str = "quantize"  # one of CONVERSIONS
+    row_error: dict[str, Any] = field(default_factory=dict)  # row_error.summarize's
+    workers: int = 1  # processes used (after effective_workers)
 
     def summary(self, source: RowSource, destination: str | os.PathLike[str]) -> dict[str, Any]:
         """JSON-ready summary (the ``ple quantize --json`` payload)."""
@@ -191,6 +188,8 @@ class QuantizeResult:
             "size_bytes": self.sidecar.nbytes,
             "rel_rmse": self.rel_rmse,
             "worst_shard_rel_rmse": max(self.per_shard_rmse, default=0.0),
+            "row_error": self.row_error,
+            "workers": self.workers,
             "seconds": self.seconds,
             "input_mb_per_s": self.source_bytes / 1e6 / self.seconds if self.seconds else None,
         }
@@ -311,16 +310,22 @@ def _quantize_rows(
         scalars = codec.shard_scalars(amax)
     out = {s.name: np.empty(s.shape(n, source.width), dtype=s.dtype) for s in codec.row_specs}
     sq_err = sq_ref = 0.0
+    rows = row_error.RowErrors()
     for lo, block, _ in _blocks(source, start, end, block_rows, compiled):
         if compiled:
             from flashnext.ple.quantize_kernels import quantize_block
 
             q, err, ref = quantize_block(codec, block, scalars or None, finite=True)
+            restored = codec.dequantize(
+                {**q, **{k: np.array(v, np.float32) for k, v in scalars.items()}}
+            )
         else:
             q = codec.quantize(block, scalars or None)
-            diff = codec.dequantize(q).astype(np.float64) - block
+            restored = codec.dequantize(q)
+            diff = restored.astype(np.float64) - block
             err = float((diff * diff).sum())
             ref = float(np.square(block, dtype=np.float64).sum())
+        rows.add(block, restored, lo)
         for name, arr in out.items():
             arr[lo - start : lo - start + len(block)] = q[name]
         sq_err += err
@@ -329,7 +334,8 @@ def _quantize_rows(
     for name, value in scalars.items():
         tensors[name] = np.array(value, dtype=np.float32)
     rel = float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
-    return tensors, {"rel_rmse": rel, "sq_err": sq_err, "sq_ref": sq_ref}
+    extra = {"rel_rmse": rel, "sq_err": sq_err, "sq_ref": sq_ref, "row_error": rows.to_record()}
+    return tensors, extra
 
 
 def _copy_rows(
@@ -358,7 +364,8 @@ def _copy_rows(
                     f"source rows [{start}, {end}): {spec.name} changes inside one output shard "
                     f"({scalars[spec.name]} vs {arr}); use --requantize or other --rows-per-shard"
                 )
-    return {**out, **scalars}, {"rel_rmse": 0.0, "sq_err": 0.0, "conversion": "copy"}
+    extra = {"rel_rmse": 0.0, "sq_err": 0.0, "conversion": "copy", "row_error": row_error.exact()}
+    return {**out, **scalars}, extra
 
 
 def _refuse_non_finite(name: str, arr: np.ndarray, first_row: int) -> None:
@@ -386,172 +393,6 @@ def _checked(block: np.ndarray, first_row: int) -> np.ndarray:
     return block
 
 
-@dataclass
-class _Destination:
-    """Where shards are written: ``dst`` itself, or a directory beside it swapped in at the end."""
-
-    dst: Path
-    workdir: Path
-    kept: dict[int, dict[str, Any]]
-    finished: bool  # the destination already is this exact output: nothing to write
-
-    @property
-    def replaces(self) -> bool:
-        return self.workdir != self.dst
-
-
-def _own_names(num_shards: int) -> Callable[[str], bool]:
-    """Whether a file name is one this writer creates (shards, META, state, their temps)."""
-    shard_names = {shard_name(i) for i in range(num_shards)}
-    finals = shard_names | {META_NAME, STATE_NAME}
-
-    def ours(name: str) -> bool:
-        if name in finals:
-            return True
-        base, sep, pid = name.rpartition(".tmp-")  # atomic_write's ".NAME.tmp-PID"
-        return bool(sep) and pid.isdigit() and base.startswith(".") and base[1:] in finals
-
-    return ours
-
-
-def _listing(directory: Path) -> list[str]:
-    if not directory.exists():
-        return []
-    if not directory.is_dir():
-        raise SidecarError(
-            f"{directory}: exists and is not a directory; choose another destination"
-        )
-    try:
-        return sorted(p.name for p in directory.iterdir())
-    except OSError as exc:
-        raise SidecarError(f"{directory}: cannot list ({exc.strerror})") from None
-
-
-def _recorded_params(directory: Path) -> tuple[str, dict[str, Any] | None, dict[int, Any]]:
-    """What an earlier run left: ("unfinished" | "finished" | "", its params, its shards)."""
-    try:
-        state = read_state(directory)
-    except SidecarError:
-        return "unfinished", None, {}
-    if state is not None:
-        done = state.get("shards")
-        shards = done if isinstance(done, dict) else {}
-        return "unfinished", state.get("params"), {int(k): v for k, v in shards.items()}
-    try:
-        meta = read_meta(directory)
-    except SidecarError:
-        return "", None, {}
-    if not meta:
-        return "", None, {}
-    params = {"settings": meta.get("settings"), "source": meta.get("source")}
-    listed = meta.get("shards")
-    records = listed if isinstance(listed, list) else []
-    return "finished", params, {i: r for i, r in enumerate(records) if isinstance(r, dict)}
-
-
-def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
-    """What changed between two runs' params, in words."""
-    if not isinstance(old, Mapping):
-        return "made by another version or tool"
-
-    def mapping(value: Any) -> Mapping[str, Any]:
-        return value if isinstance(value, Mapping) else {}
-
-    out = []
-    old_settings = mapping(old.get("settings"))
-    for key, value in new["settings"].items():
-        if old_settings.get(key) != value:
-            out.append(f"{key} {old_settings.get(key)!r} -> {value!r}")
-    old_src, new_src = mapping(old.get("source")), new["source"]
-    if old_src.get("path") != new_src.get("path"):
-        out.append(f"source {old_src.get('path')} -> {new_src.get('path')}")
-    elif old_src != new_src:
-        old_files = mapping(old_src.get("files"))
-        changed = [n for n, v in new_src.get("files", {}).items() if old_files.get(n) != v]
-        out.append(f"source changed since ({', '.join(changed[:3]) or 'its description'})")
-    return (
-        "; ".join(out[:3] + (["..."] if len(out) > 3 else [])) or "made by another version or tool"
-    )
-
-
-def _existing_output(
-    directory: Path, params: Mapping[str, Any], num_shards: int
-) -> tuple[dict[int, dict[str, Any]], bool] | str:
-    """Shards to keep and whether finished, if ``directory`` is this run's own output; else a
-    description of what is there (for the refusal)."""
-    names = _listing(directory)
-    if not names:
-        return {}, False
-    status, old, shards = _recorded_params(directory)
-    ours = _own_names(max(num_shards, len(shards)))
-    foreign = [n for n in names if not ours(n)]
-    there = []
-    if status and old != params:
-        article = "an" if status == "unfinished" else "a"
-        there.append(f"{article} {status} table that differs ({_differences(old, params)})")
-    if foreign:
-        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        there.append(f"files this command did not write ({', '.join(foreign[:5])}{more})")
-    if not status and not foreign:
-        there.append(f"{', '.join(names[:3])} but no flashnext {META_NAME} or run state")
-    if there:
-        return "holds " + " and ".join(there)
-    kept = {}
-    for index, record in shards.items():
-        path = directory / shard_name(index)
-        ok = 0 <= index < num_shards and path.is_file()
-        if ok and sha256_file(path) == record.get("sha256"):
-            kept[index] = dict(record)
-    return kept, status == "finished" and len(kept) == num_shards
-
-
-def _prepare_destination(
-    dst: Path, params: Mapping[str, Any], num_shards: int, force: bool
-) -> _Destination:
-    """Decide where to write: refuse foreign contents unless ``force``, resume our own.
-
-    Raises:
-        SidecarError: ``dst`` holds something else and ``force`` is not set (the message names
-            what is there), or is not a directory.
-    """
-    found = _existing_output(dst, params, num_shards)
-    if not isinstance(found, str):
-        kept, finished = found
-        return _Destination(dst, dst, kept, finished)
-    if not force:
-        raise SidecarError(
-            f"{dst}: {found}. Refusing to overwrite it: choose a new or empty directory, or pass "
-            "--force to replace it (the old contents stay until the new table is complete)"
-        )
-    stage = dst.with_name(f".{dst.name}.flashnext-new")
-    staged = _existing_output(stage, params, num_shards)
-    if isinstance(staged, str):
-        if not _listing(stage) or all(map(_own_names(1 << 20), _listing(stage))):
-            shutil.rmtree(stage, ignore_errors=True)  # an earlier --force run's leftovers
-            staged = ({}, False)
-        else:
-            raise SidecarError(f"{stage}: {staged}; remove it")
-    return _Destination(dst, stage, staged[0], False)
-
-
-def _swap_in(dest: _Destination) -> None:
-    """Replace ``dst`` by the finished work directory; the old contents go last."""
-    old = dest.dst.with_name(f".{dest.dst.name}.flashnext-old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.dst.exists():
-        os.replace(dest.dst, old)
-    os.replace(dest.workdir, dest.dst)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove_own_temps(directory: Path, num_shards: int) -> None:
-    """Temporary files a killed run left (only names this writer creates)."""
-    ours = _own_names(num_shards)
-    for name in _listing(directory):
-        if ".tmp-" in name and ours(name):
-            (directory / name).unlink(missing_ok=True)
-
-
 def _die_with_parent(parent: int) -> None:
     """Worker initializer: exit when the parent process dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
@@ -571,10 +412,31 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def effective_workers(requested: int, shards: int) -> int:
+    """Worker processes for ``shards`` shards: at most one per shard and per usable CPU.
+
+    More processes than CPUs only add memory (each holds a shard's tensors and a block).
+    """
+    return max(1, min(requested, shards, usable_cpus()))
+
+
 def _run_shards(
     jobs: list[tuple[Any, ...]], workers: int, finished: Callable[[ShardResult], None]
 ) -> None:
-    """Quantize ``jobs`` (arguments of :func:`quantize_shard`) here or in worker processes."""
+    """Quantize ``jobs`` (arguments of :func:`quantize_shard`) here or in worker processes.
+
+    On any failure or interrupt (SIGTERM turned into an exception by the CLI included) the
+    workers are stopped and the pool shut down before the exception goes on, so no process
+    and no semaphore outlives the run.
+    """
     if workers <= 1 or len(jobs) <= 1:
         for job in jobs:
             finished(quantize_shard(*job))
@@ -582,22 +444,34 @@ def _run_shards(
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
+    pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=ctx,
         initializer=_die_with_parent,
         initargs=(os.getpid(),),
-    ) as pool:
+    )
+    try:
         pending = {pool.submit(quantize_shard, *job) for job in jobs}
-        try:
-            while pending:
-                complete, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in complete:
-                    finished(fut.result())
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
+        while pending:
+            complete, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in complete:
+                finished(fut.result())
+    except BaseException:
+        _stop_workers(pool)
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the running workers now (their shards are lost;
+    a temporary file they leave is removed by the next run)."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.join(timeout=10)
 
 
 def _table_rmse(records: Iterable[Mapping[str, Any]]) -> float:
@@ -621,18 +495,25 @@ def quantize_table(
     force: bool = False,
     requantize: bool = False,
     engine: str = "auto",
+    max_row_error: float = row_error.DEFAULT_MAX_ROW_ERROR,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    lock: DestinationLock | None = None,
 ) -> QuantizeResult:
     """Convert ``source`` into a ``fmt`` sidecar at ``dst``, resuming a previous run.
+
+    Length: the docstring documents every argument; the body is a dozen lines.
 
     When the source already stores ``fmt`` exactly (:func:`can_copy`), its tensors are copied
     (rel. RMSE 0, at the speed of the reads and writes) unless ``requantize``.
 
     Args:
         source: float32 rows by range (:class:`RowSource`).
-        dst: destination directory (see the module docstring for what may be there).
+        dst: destination directory (:class:`~flashnext.ple.destination.SidecarDestination`
+            says what may be there; it may not be, hold or lie inside the source).
         fmt: ``bf16``, ``fp8``, ``int4`` or ``nvfp4``.
         rows_per_shard: rows per output shard (the last may hold fewer).
-        workers: processes quantizing shards in parallel (1 = in this process).
+        workers: processes quantizing shards in parallel (1 = in this process), capped by
+            :func:`effective_workers`.
         geometry: recorded in META.json when known.
         block_rows: rows read and quantized at a time (bounds memory).
         on_shard: called after each shard with its result (``None`` for a kept shard) and the
@@ -641,27 +522,42 @@ def quantize_table(
         requantize: quantize from float32 rows even when a copy would be exact.
         engine: ``auto`` (compiled kernels when they match numpy here) or ``numpy``
             (:data:`ENGINES`); the output bytes are the same.
+        max_row_error: the result's ``row_error["ok"]`` is False when a row's relative error
+            exceeds it (the table is written either way; the CLI then exits 1).
+        inputs: more paths ``dst`` must stay clear of (the source's own path always counts).
+        lock: a held :class:`~flashnext.ple.destination.DestinationLock` on ``dst`` (taken by
+            the caller before opening the source); else one is taken here.
 
     Raises:
         SidecarError: bad arguments, a destination that holds something else (without
-            ``force``), or a file that cannot be read or written.
+            ``force``), is an input or is being written by another process, or a file that
+            cannot be read or written.
         FormatError: a non-finite source value (named by row).
     """
     get_codec(fmt).check_width(source.width)
     if rows_per_shard <= 0:
         raise SidecarError(f"rows_per_shard must be positive, found {rows_per_shard}")
-    if engine not in ENGINES:
-        raise SidecarError(f"engine {engine!r}: expected one of {list(ENGINES)}")
     conversion = "copy" if can_copy(source, fmt) and not requantize else "quantize"
-    options = _Options(workers, block_rows, conversion, engine, force)
+    options = _Options(workers, block_rows, conversion, engine, force, max_row_error, lock)
+    described = source.describe()
+    inputs = [*inputs, *([described["path"]] if described.get("path") else [])]
     try:
-        return _quantize(source, Path(dst), fmt, rows_per_shard, geometry, options, on_shard)
+        return _quantize(
+            source, Path(dst), fmt, rows_per_shard, geometry, options, on_shard, inputs
+        )
     except OSError as exc:
         where = exc.filename or dst
         raise SidecarError(
-            f"{where}: {exc.strerror or exc} (while quantizing into {dst}); check the path and "
-            "its permissions"
+            f"{where}: {exc.strerror or exc} (while quantizing into {dst}); " + _os_hint(exc)
         ) from None
+
+
+def _os_hint(exc: OSError) -> str:
+    import errno
+
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space or choose another destination (finished shards are kept for a rerun)"
+    return "check the path and its permissions"
 
 
 @dataclass(frozen=True)
@@ -671,6 +567,12 @@ class _Options:
     conversion: str  # one of CONVERSIONS
     engine: str  # one of ENGINES
     force: bool
+    max_row_error: float
+    lock: DestinationLock | None
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise SidecarError(f"engine {self.engine!r}: expected one of {list(ENGINES)}")
 
 
 def _quantize(
@@ -681,55 +583,56 @@ def _quantize(
     geometry: PLEGeometry | Mapping[str, Any] | None,
     opt: _Options,
     on_shard: Callable[[ShardResult | None, int], None] | None,
+    inputs: list[str | os.PathLike[str]],
 ) -> QuantizeResult:
     t0 = time.perf_counter()
-    described = source.describe()
-    writer = SidecarWriter(
-        dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, described
-    )
     # A copy and a quantization of the same rows differ: resume must not mix them. (Only a
     # copy says so, so quantized outputs of earlier versions still resume.)
-    if opt.conversion == "copy":
-        writer.settings["conversion"] = opt.conversion
-    dest = _prepare_destination(dst, writer.params, writer.num_shards, opt.force)
-    writer.path = dest.workdir
-    for index in dest.kept:
-        if on_shard:
-            start, end = writer.shard_rows(index)
-            on_shard(None, end - start)
-    if dest.finished:
-        return _result(open_sidecar(dst), [], len(dest.kept), t0, source.width)
-    _remove_own_temps(dest.workdir, writer.num_shards)
-    writer.start(dest.kept)
-    results: list[ShardResult] = []
+    settings = {"conversion": opt.conversion} if opt.conversion == "copy" else None
+    writer = SidecarWriter(
+        dst, fmt, source.width, source.num_rows, rows_per_shard, geometry, source.describe(),
+        settings,
+    )  # fmt: skip
+    with SidecarDestination(dst, writer, force=opt.force, inputs=inputs, lock=opt.lock) as dest:
+        for index in dest.kept:
+            if on_shard:
+                start, end = writer.shard_rows(index)
+                on_shard(None, end - start)
+        if dest.finished:
+            return _result(dest.commit(), [], len(dest.kept), t0, source.width, opt, 0)
+        dest.start()
+        results: list[ShardResult] = []
 
-    def finished(res: ShardResult) -> None:
-        writer.adopt(res.record)
-        results.append(res)
-        if on_shard:
-            on_shard(res, res.record["rows"])
+        def finished(res: ShardResult) -> None:
+            dest.adopt(res.record)
+            results.append(res)
+            if on_shard:
+                on_shard(res, res.record["rows"])
 
-    engine = opt.engine
-    if opt.conversion == "quantize" and engine == "auto":  # the self-check once, not per worker
-        engine = "compiled" if _compiled(engine) else "numpy"
-    shared = (opt.block_rows, opt.conversion, engine)
-    jobs = [
-        (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, *shared)
-        for i in range(writer.num_shards)
-        if i not in dest.kept
-    ]
-    _run_shards(jobs, opt.workers, finished)
-    records = [writer.records[i] for i in range(writer.num_shards)]
-    method = get_codec(fmt).method if opt.conversion == "quantize" else _COPY_METHOD
-    sidecar = writer.finish(quantization={"rel_rmse": _table_rmse(records), "method": method})
-    if dest.replaces:
-        _swap_in(dest)
-        sidecar = open_sidecar(dst)
-    return _result(sidecar, results, len(dest.kept), t0, source.width)
+        engine = opt.engine
+        if opt.conversion == "quantize" and engine == "auto":  # the self-check once, not per worker
+            engine = "compiled" if _compiled(engine) else "numpy"
+        shared = (opt.block_rows, opt.conversion, engine)
+        jobs = [
+            (source, str(dest.workdir), fmt, i, *writer.shard_rows(i), rows_per_shard, *shared)
+            for i in dest.todo
+        ]
+        workers = effective_workers(opt.workers, len(jobs))
+        _run_shards(jobs, workers, finished)
+        records = [writer.records[i] for i in range(writer.num_shards)]
+        method = get_codec(fmt).method if opt.conversion == "quantize" else _COPY_METHOD
+        sidecar = dest.commit(quantization={"rel_rmse": _table_rmse(records), "method": method})
+    return _result(sidecar, results, len(dest.kept), t0, source.width, opt, workers)
 
 
 def _result(
-    sidecar: Sidecar, results: list[ShardResult], kept: int, t0: float, width: int
+    sidecar: Sidecar,
+    results: list[ShardResult],
+    kept: int,
+    t0: float,
+    width: int,
+    opt: _Options,
+    workers: int,
 ) -> QuantizeResult:
     records = sidecar.meta.get("shards", [])
     written = sum(r.record["rows"] for r in results)
@@ -748,4 +651,6 @@ def _result(
         source_bytes=written * row_bytes,
         per_shard_rmse=[float(r.get("rel_rmse", 0.0)) for r in records],
         conversion=conversion,
+        row_error=row_error.summarize((r.get("row_error") for r in records), opt.max_row_error),
+        workers=workers,
     )

@@ -22,6 +22,13 @@ A sidecar is a directory holding one PLE layer's table, split by rows:
 
   META.json holds no timestamp, so the same input always gives byte-identical files.
 
+  A *slice* (``flashnext ple slice``: the shards some tensor-parallel ranks read) holds only
+  some shards. Its META.json gives ``num_rows``, ``num_shards`` and ``rows_per_shard`` of the
+  whole table, ``shards`` lists the shards present, and ``"rows_present": [[start, end], ...]``
+  (sorted, disjoint, on shard boundaries) says which rows they hold; ``"slice": {"tp": N,
+  "ranks": [...], "source": DIR}`` says how it was cut. Readers open exactly those shards at
+  their place in the table and refuse a row range that is not inside the rows present.
+
   Readers ignore unknown fields and accept the alternative key names other tools use
   (``shard_rows``, ``total_rows``, ``variant``). Where META.json gives ``rows_per_shard``,
   ``num_rows``, ``num_shards`` or ``width``, every shard is checked against it.
@@ -34,8 +41,9 @@ swapped or stray shard is refused even without META.json.
 
 Completeness (finished vs unfinished)
 -------------------------------------
-While a writer works, the directory holds ``.flashnext-quantize.json`` (:data:`STATE_NAME`, a
-``flashnext.ple.quantize_state`` record: the settings, the source's identity, the shards done).
+While a writer works (:mod:`flashnext.ple.destination` owns writing), the directory holds
+``.flashnext-quantize.json`` (:data:`STATE_NAME`, a ``flashnext.ple.quantize_state`` record:
+the settings, the source's identity, the shards done).
 META.json is written last and the state file removed after it, so a directory is *finished*
 exactly when it has no state file. Readers refuse an unfinished directory ("unfinished: N of M
 shards, rerun the command that made it").
@@ -60,11 +68,10 @@ from typing import Any
 import numpy as np
 
 from flashnext import __version__
-from flashnext.atomic import write_json
 from flashnext.errors import FlashnextError, FormatError, GeometryError, SidecarError
-from flashnext.ple.formats import FORMATS, Codec, detect_format, get_codec
+from flashnext.ple.formats import FORMATS, Codec, detect_format
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.records import check_record, make_record
+from flashnext.records import check_record
 from flashnext.safetensors_file import (
     Header,
     SafetensorsError,
@@ -93,6 +100,12 @@ def shard_name(index: int) -> str:
     return f"shard_{index}.safetensors"
 
 
+def shard_index(name: str) -> int | None:
+    """The index of a shard file name (``shard_7.safetensors`` -> 7), None for other names."""
+    m = _SHARD_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 @dataclass(frozen=True)
 class Shard:
     """One validated shard: its file, first global row, row count and tensor locations."""
@@ -116,6 +129,28 @@ class Sidecar:
     num_rows: int
     shards: list[Shard]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: The rows a slice holds (``[(start, end), ...]``), or None for a whole table.
+    rows_present: tuple[tuple[int, int], ...] | None = None
+
+    def missing_rows(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of rows ``[start, end)`` this sidecar does not hold ([] for a whole table)."""
+        if self.rows_present is None:
+            return []
+        missing, at = [], start
+        for lo, hi in self.rows_present:
+            if hi <= at or lo >= end:
+                continue
+            if lo > at:
+                missing.append((at, lo))
+            at = max(at, hi)
+        if at < end:
+            missing.append((at, end))
+        return missing
+
+    def present_text(self) -> str:
+        """The rows held, as ``a..b, c..d`` (``0..num_rows`` for a whole table)."""
+        ranges = self.rows_present or ((0, self.num_rows),)
+        return ", ".join(f"{lo}..{hi}" for lo, hi in ranges)
 
     @property
     def format(self) -> str:
@@ -287,8 +322,15 @@ def _names(indices: list[int], limit: int = 5) -> str:
     return names + (" ..." if len(indices) > limit else "")
 
 
-def _shard_order(root: Path, found: dict[int, Path], num_shards: int | None) -> list[Path]:
-    """The shard files in row order, or an error saying what is missing or does not belong."""
+def _shard_order(
+    root: Path, found: dict[int, Path], num_shards: int | None, expected: list[int] | None = None
+) -> list[Path]:
+    """The shard files in row order, or an error saying what is missing or does not belong.
+
+    ``expected``: a slice's shard indices (from ``rows_present``); exactly those must be there.
+    """
+    if expected is not None:
+        return _slice_order(root, found, expected)
     indices = sorted(found)
     if num_shards is not None:
         beyond = [i for i in indices if i >= num_shards]
@@ -323,6 +365,60 @@ def _shard_order(root: Path, found: dict[int, Path], num_shards: int | None) -> 
             "to say which"
         )
     return [found[i] for i in indices]
+
+
+def _slice_order(root: Path, found: dict[int, Path], expected: list[int]) -> list[Path]:
+    stray = sorted(set(found) - set(expected))
+    if stray:
+        raise SidecarError(
+            f"{root}: {_names(stray)} hold rows outside rows_present in {META_NAME}: not part "
+            "of this slice; remove them (or re-slice with `flashnext ple slice`)"
+        )
+    missing = [i for i in expected if i not in found]
+    if missing:
+        raise SidecarError(
+            f"{root}: missing {_names(missing)} ({len(missing)} of the {len(expected)} shards "
+            f"rows_present in {META_NAME} needs); re-slice with `flashnext ple slice`"
+        )
+    return [found[i] for i in expected]
+
+
+def _rows_present(
+    root: Path, meta: Mapping[str, Any], counts: tuple[int | None, int | None, int | None]
+) -> tuple[tuple[tuple[int, int], ...], list[int]] | None:
+    """A slice's ``rows_present`` and the shard indices holding them (None: a whole table).
+
+    ``counts``: META.json's ``(num_shards, rows_per_shard, num_rows)``, all required for a slice.
+    """
+    raw = meta.get("rows_present")
+    if raw is None:
+        return None
+    num_shards, per, rows = counts
+    where = f"{root / META_NAME}: rows_present"
+    if num_shards is None or per is None or rows is None:
+        raise SidecarError(f"{where} needs num_shards, rows_per_shard and num_rows beside it")
+    ok = (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) for r in raw)
+    )
+    ranges = tuple((int(r[0]), int(r[1])) for r in raw) if ok else ()
+    flat = [v for r in ranges for v in r]
+    if (
+        not ok
+        or flat != sorted(flat)
+        or any(
+            not 0 <= lo < hi <= rows or lo % per or (hi % per and hi != rows) for lo, hi in ranges
+        )
+    ):
+        raise SidecarError(
+            f"{where}={raw!r}: expected sorted, disjoint [start, end] pairs on shard boundaries "
+            f"(multiples of {per}, or {rows}) inside the table; re-slice with `flashnext ple slice`"
+        )  # fmt: skip
+    indices = [k for lo, hi in ranges for k in range(lo // per, -(-hi // per))]
+    if indices and indices[-1] >= num_shards:
+        raise SidecarError(f"{where}={raw!r} needs shards beyond num_shards={num_shards}")
+    return ranges, indices
 
 
 def _read_headers(paths: list[Path]) -> list[Header]:
@@ -387,7 +483,9 @@ def _open_sidecar(root: Path) -> Sidecar:
     rows_per_shard = _meta_int(root, meta, "rows_per_shard", "shard_rows")
     num_rows = _meta_int(root, meta, "num_rows", "total_rows")
     meta_width = _meta_int(root, meta, "width", limit=MAX_WIDTH)
-    headers = _read_headers(_shard_order(root, _list_shards(root), num_shards))
+    present = _rows_present(root, meta, (num_shards, rows_per_shard, num_rows))
+    indices = present[1] if present else None
+    headers = _read_headers(_shard_order(root, _list_shards(root), num_shards, indices))
     codec = _detect_codec(root, headers[0], meta)
     rows_per_shard = rows_per_shard or _rows_of(headers[0], codec)
     width = meta_width or _width_of(headers[0], codec)
@@ -396,23 +494,28 @@ def _open_sidecar(root: Path) -> Sidecar:
     except FormatError as exc:
         source = META_NAME if meta_width else headers[0].path.name
         raise SidecarError(f"{root}: width {width} from {source}: {exc}") from None
+    order = indices or list(range(len(headers)))
+    last = num_shards - 1 if present and num_shards else len(headers) - 1
     shards = []
-    row_start = 0
-    for i, header in enumerate(headers):
-        rows = _check_shard(header, codec, width, rows_per_shard, is_last=i == len(headers) - 1)
-        _check_shard_metadata(header, codec, row_start)
+    for k, header in zip(order, headers, strict=True):
+        rows = _check_shard(header, codec, width, rows_per_shard, is_last=k == last)
+        _check_shard_metadata(header, codec, k * rows_per_shard)
         shards.append(
-            Shard(i, header.path, row_start, rows, header.tensors, _scalars(header, codec))
+            Shard(k, header.path, k * rows_per_shard, rows, header.tensors, _scalars(header, codec))
         )
-        row_start += rows
-    if num_rows is not None and num_rows != row_start:
+    held = sum(sh.rows for sh in shards)
+    table_rows = num_rows if present and num_rows else held
+    wanted = sum(hi - lo for lo, hi in present[0]) if present else num_rows
+    if wanted is not None and wanted != held:
+        says = "rows_present covers " if present else "num_rows="
         raise SidecarError(
-            f"{root}: shards hold {row_start} rows in all, but {META_NAME} says num_rows={num_rows}"
+            f"{root}: shards hold {held} rows in all, but {META_NAME} says {says}{wanted}"
         )
     for header in headers:
-        _check_table_rows(header, row_start)
-    _meta_geometry(root, meta, row_start, width)
-    return Sidecar(root, codec, width, rows_per_shard, row_start, shards, meta)
+        _check_table_rows(header, table_rows)
+    _meta_geometry(root, meta, table_rows, width)
+    ranges = present[0] if present else None
+    return Sidecar(root, codec, width, rows_per_shard, table_rows, shards, meta, ranges)
 
 
 def _scalars(header: Header, codec: Codec) -> dict[str, float]:
@@ -518,144 +621,6 @@ def _check_shard(
     return rows
 
 
-class SidecarWriter:
-    """Writes a sidecar shard by shard; :meth:`finish` writes META.json last.
-
-    :meth:`start` marks the directory unfinished (the state record :data:`STATE_NAME`) before
-    anything else is written, and only then removes an old META.json, so at every instant the
-    directory is either finished or refused by readers as unfinished. :meth:`finish` writes
-    META.json, then removes the state record. Shards may be written in any order (parallel
-    workers: :meth:`adopt` counts a shard written elsewhere); each lands atomically.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        fmt: str,
-        width: int,
-        num_rows: int,
-        rows_per_shard: int,
-        geometry: PLEGeometry | Mapping[str, Any] | None = None,
-        source: Mapping[str, Any] | None = None,
-        settings: Mapping[str, Any] | None = None,
-    ) -> None:
-        self.path = Path(path)
-        self.codec = get_codec(fmt)
-        self.codec.check_width(width)
-        if num_rows <= 0 or rows_per_shard <= 0:
-            raise SidecarError(
-                f"{self.path}: num_rows={num_rows} and rows_per_shard={rows_per_shard} must be positive"
-            )
-        self.width = width
-        self.num_rows = num_rows
-        self.rows_per_shard = rows_per_shard
-        self.num_shards = -(-num_rows // rows_per_shard)
-        if isinstance(geometry, PLEGeometry):
-            geometry = geometry.to_dict()
-        self.geometry = dict(geometry) if geometry is not None else None
-        self.source = dict(source or {})
-        #: What the output depends on besides the source; recorded in the state and META.json.
-        self.settings = dict(settings) if settings else self.default_settings()
-        self.records: dict[int, dict[str, Any]] = {}
-        self._started = False
-
-    def default_settings(self) -> dict[str, Any]:
-        return {
-            "format": self.codec.name,
-            "rows_per_shard": self.rows_per_shard,
-            "num_rows": self.num_rows,
-            "width": self.width,
-            "flashnext_version": __version__,
-        }
-
-    @property
-    def params(self) -> dict[str, Any]:
-        """The identity of this output: settings and the source's identity."""
-        return {"settings": self.settings, "source": self.source}
-
-    def shard_rows(self, index: int) -> tuple[int, int]:
-        """Global row range ``[start, end)`` of shard ``index``."""
-        start = index * self.rows_per_shard
-        return start, min(start + self.rows_per_shard, self.num_rows)
-
-    def start(self, kept: Mapping[int, Mapping[str, Any]] | None = None) -> None:
-        """Mark the directory unfinished (creating it), counting ``kept`` shards as written."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.records = {int(i): dict(r) for i, r in (kept or {}).items()}
-        self._save_state()
-        (self.path / META_NAME).unlink(missing_ok=True)
-        self._started = True
-
-    def _save_state(self) -> None:
-        payload = {
-            "directory": str(self.path),
-            "num_shards": self.num_shards,
-            "params": self.params,
-            "shards": {str(k): v for k, v in sorted(self.records.items())},
-        }
-        write_json(self.path / STATE_NAME, make_record(STATE_KIND, payload))
-
-    def write_shard(
-        self, index: int, tensors: Mapping[str, np.ndarray], **extra: Any
-    ) -> dict[str, Any]:
-        """Check ``tensors`` against the format and write shard ``index`` atomically.
-
-        ``extra`` (e.g. ``rel_rmse``) is stored in the shard's META.json record.
-        Returns the record ``{"file", "rows", "sha256", **extra}``.
-        """
-        if not 0 <= index < self.num_shards:
-            raise SidecarError(f"{self.path}: shard index {index} outside [0, {self.num_shards})")
-        if not self._started:
-            self.start()
-        start, end = self.shard_rows(index)
-        record = write_shard_file(
-            self.path,
-            self.codec,
-            self.width,
-            index,
-            start,
-            end - start,
-            tensors,
-            table_rows=self.num_rows,
-            **extra,
-        )
-        self.adopt(record)
-        return record
-
-    def adopt(self, record: Mapping[str, Any]) -> None:
-        """Count a shard already on disk (written by a worker or verified) as written."""
-        m = _SHARD_RE.match(str(record.get("file", "")))
-        if not m:
-            raise SidecarError(f"{self.path}: record {record!r} names no shard file")
-        if not self._started:
-            self.start()
-        self.records[int(m.group(1))] = dict(record)
-        self._save_state()
-
-    def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:
-        """Write META.json once every shard is written, drop the state record, re-open."""
-        missing = [i for i in range(self.num_shards) if i not in self.records]
-        if missing:
-            raise SidecarError(f"{self.path}: cannot finish, shards {missing[:8]} not written")
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "format": self.codec.name,
-            "width": self.width,
-            "rows_per_shard": self.rows_per_shard,
-            "num_rows": self.num_rows,
-            "num_shards": self.num_shards,
-            "shards": [self.records[i] for i in range(self.num_shards)],
-            "geometry": self.geometry,
-            "source": self.source,
-            "settings": self.settings,
-            "quantization": dict(quantization) if quantization else None,
-            "flashnext_version": __version__,
-        }
-        write_json(self.path / META_NAME, meta)
-        (self.path / STATE_NAME).unlink(missing_ok=True)
-        return open_sidecar(self.path)
-
-
 def write_shard_file(
     root: Path,
     codec: Codec,
@@ -699,26 +664,3 @@ def write_shard_file(
         },
     )
     return {"file": shard_name(index), "rows": rows, "sha256": digest, **extra}
-
-
-def write_sidecar(
-    path: str | os.PathLike[str],
-    fmt: str,
-    rows: np.ndarray,
-    rows_per_shard: int,
-    geometry: Mapping[str, Any] | None = None,
-    source: Mapping[str, Any] | None = None,
-) -> Sidecar:
-    """Quantize float32 ``rows`` [num_rows, width] to ``fmt`` and write a whole sidecar.
-
-    Convenience for tables that fit in memory (tests, the demo); large tables stream through
-    :func:`flashnext.ple.quantize.quantize_sidecar`.
-    """
-    rows = np.asarray(rows)
-    writer = SidecarWriter(
-        path, fmt, rows.shape[1], rows.shape[0], rows_per_shard, geometry, source
-    )
-    for i in range(writer.num_shards):
-        start, end = writer.shard_rows(i)
-        writer.write_shard(i, writer.codec.quantize(rows[start:end]))
-    return writer.finish()

@@ -34,7 +34,7 @@ from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
 from flashnext.ple.mapping import advise, cached_pages
 from flashnext.ple.preflight import HostMemory, check_fits
-from flashnext.ple.profile import PROFILE_NAME, HotRowProfile, load_profile
+from flashnext.ple.profile import HotRowProfile, load_profile
 from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
 
 #: A hot tier: a profile (object, file or directory), row ids in priority order, or a count N
@@ -143,6 +143,7 @@ class PLETable:
                 f"{sidecar.path}: row_range ({start}, {end}) is not inside the table's "
                 f"{sidecar.num_rows} rows"
             )
+        _refuse_missing_rows(sidecar, start, end, row_range is None)
         self.row_range = (start, end)
         self._set_layout()
         self._shards = [
@@ -333,7 +334,7 @@ class PLETable:
         if isinstance(hot_rows, int):
             if hot_rows < 0:
                 raise SidecarError(f"hot_rows must be >= 0, found {hot_rows}")
-            ids = load_profile(self.sidecar.path / PROFILE_NAME).row_ids[:hot_rows]
+            ids = load_profile(self.sidecar.path).row_ids[:hot_rows]
         elif isinstance(hot_rows, HotRowProfile):
             ids = hot_rows.row_ids
         elif isinstance(hot_rows, (str, os.PathLike)):
@@ -818,6 +819,20 @@ def open_table(
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
     return PLETable(sidecar, residency, row_range, preflight, hot_rows, threads)
+
+
+def _refuse_missing_rows(sidecar: Sidecar, start: int, end: int, whole: bool) -> None:
+    """Refuse rows ``[start, end)`` of a slice that does not hold them all, naming the missing."""
+    missing = sidecar.missing_rows(start, end)
+    if not missing:
+        return
+    gaps = ", ".join(f"{lo}..{hi}" for lo, hi in missing[:4]) + (" ..." if len(missing) > 4 else "")
+    asked = "the whole table (no row_range)" if whole else f"rows {start}..{end}"
+    raise SidecarError(
+        f"{sidecar.path}: a slice holding rows {sidecar.present_text()} of {sidecar.num_rows}; "
+        f"{asked} needs rows {gaps}, which it does not hold: serve this rank from a slice with its "
+        "ranks (`flashnext ple slice SIDECAR DST --tp N --ranks R`) or from the full sidecar"
+    )
 
 
 def dequantize_raw(codec: Codec, raw: Mapping[str, np.ndarray], width: int) -> np.ndarray:

@@ -1,0 +1,674 @@
+"""Where a writing command may write, and the life of a sidecar directory being written.
+
+Two jobs, one owner:
+
+**The rule** (:func:`destination_problem`), a pure check every writing command calls before any
+work: a destination may not be an input, contain one, or lie inside one (after following
+symbolic links, and a hard link to an input file counts as the input), nor be the working
+directory or one of its ancestors (``.``, ``..``, ``/``); a directory is expected where a
+directory belongs and a file where a file does; an existing file the command would replace
+must be one it wrote itself (the caller says how to recognise its own files).
+
+**A sidecar destination** (:class:`SidecarDestination`): refuse or adopt what is there, lock it
+against a second writer, keep the resume state, hand out the writer, commit, clean up.
+
+- It is written only when it is missing, empty, or this command's own output for the same
+  source and settings: unfinished (its state record, :data:`~flashnext.ple.sidecar.STATE_NAME`,
+  matches) or finished (its META.json matches). Anything else is refused, naming what is there.
+- ``force`` replaces it, but the new table is written beside it (``.DST.flashnext-new``) and
+  swapped in only once complete: the old contents stay intact until then. A ``force`` run that
+  fails for lack of space removes its partial ``.DST.flashnext-new`` (it holds the space and
+  cannot finish); other failures keep it, and the same command resumes it.
+- Lock: ``.DST.flashnext-lock`` beside the destination is held (``fcntl.flock``) from the first
+  look until the commit or the failure; a second writer is refused with "another flashnext
+  process (pid N) is writing DST". The kernel drops the lock when its holder dies, so a
+  killed run never blocks the next one.
+- Resume: the state record lists the settings, the source's identity and each finished shard's
+  sha256. Shards whose files still hash to the recorded value are kept; a changed source or
+  setting is refused (or replaced with ``force``). Output is deterministic, so a resumed result
+  is byte-identical to an uninterrupted run.
+- Finished iff no state file: :meth:`SidecarWriter.start` writes the state record before
+  anything else and removes an old META.json; :meth:`SidecarWriter.finish` writes META.json and
+  only then removes the state record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from flashnext import __version__
+from flashnext.atomic import final_name, is_temp_name, write_json
+from flashnext.errors import SidecarError
+from flashnext.ple.formats import get_codec
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.sidecar import (
+    FORMAT_VERSION,
+    META_NAME,
+    STATE_KIND,
+    STATE_NAME,
+    Sidecar,
+    open_sidecar,
+    read_meta,
+    read_state,
+    shard_index,
+    shard_name,
+    write_shard_file,
+)
+from flashnext.records import make_record
+from flashnext.safetensors_file import sha256_file
+
+__all__ = [
+    "DestinationLock",
+    "SidecarDestination",
+    "SidecarWriter",
+    "destination_problem",
+    "recorded_source",
+    "write_sidecar",
+]
+
+Expect = Literal["dir", "file"]
+
+
+# -- the rule ------------------------------------------------------------------------------
+def destination_problem(
+    dst: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    *,
+    expect: Expect = "dir",
+    owns: Callable[[Path], bool] | None = None,
+    writes: Iterable[str] = (),
+    cwd: str | os.PathLike[str] | None = None,
+) -> str | None:
+    """Why a command may not write ``dst``, or None when it may (pure: reads, never writes).
+
+    Args:
+        dst: the destination as the user gave it.
+        inputs: every path the command reads (missing ones are ignored).
+        expect: ``dir`` (a directory written into) or ``file`` (one file written whole).
+        owns: whether an existing file is one this command wrote (may be replaced); without it
+            no existing file is replaced.
+        writes: for ``dir``: the names the command writes inside it (each checked with ``owns``).
+        cwd: the working directory (default: the process's).
+    """
+    path = Path(os.fsdecode(dst))
+    shape = _shape_problem(path, expect)
+    if shape:
+        return shape
+    real = path.resolve()
+    here = Path(cwd if cwd is not None else os.getcwd()).resolve()
+    if real == here or real in here.parents:
+        which = "the working directory" if real == here else "an ancestor of the working directory"
+        return f"{path} is {which} ({here}); choose a new directory for the output"
+    for given in inputs:
+        problem = _input_problem(path, real, Path(os.fsdecode(given)))
+        if problem:
+            return problem
+    targets = [path] if expect == "file" else [path / name for name in writes]
+    for target in targets:
+        if target.exists() and not (owns is not None and target.is_file() and owns(target)):
+            return (
+                f"{target} exists and was not written by this command; it is never replaced: "
+                "remove it yourself or choose another path"
+            )
+    return None
+
+
+def _shape_problem(path: Path, expect: Expect) -> str | None:
+    """A file where a directory belongs (or the reverse), or a dangling symbolic link."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a dangling symbolic link; remove it or choose another path"
+    if expect == "dir" and path.exists() and not path.is_dir():
+        return f"{path} is a file, not a directory; choose another path"
+    if expect == "file" and path.is_dir():
+        return f"{path} is a directory, expected a file; choose another path"
+    return None
+
+
+def _input_problem(path: Path, real: Path, given: Path) -> str | None:
+    """Whether ``path`` (resolved: ``real``) is, holds or lies inside the input ``given``."""
+    if not given.exists():
+        return None
+    source = given.resolve()
+    if real == source or (path.exists() and os.path.samefile(path, given)):
+        return f"{path} is the input {given}; choose another destination (nothing was written)"
+    if real in source.parents:
+        return (
+            f"{path} contains the input {given}; writing there could destroy it: choose a "
+            "destination outside every input"
+        )
+    if source in real.parents:
+        return (
+            f"{path} lies inside the input {given}; writing there would change an input: "
+            "choose a destination outside it"
+        )
+    return None
+
+
+# -- the lock ------------------------------------------------------------------------------
+class DestinationLock:
+    """An exclusive ``flock`` on ``.NAME.flashnext-lock`` beside a destination.
+
+    The lock file holds the holder's pid (for the refusal) and is removed on release. A writer
+    that opened a lock file another writer has just removed checks that it still holds the
+    file under its name, and retries otherwise, so two writers never both hold it.
+
+    Raises:
+        SidecarError: "another flashnext process (pid N) is writing DST".
+    """
+
+    def __init__(self, dst: Path) -> None:
+        self.dst = dst
+        self.path = dst.with_name(f".{dst.name}.flashnext-lock")
+        self._fd: int | None = None
+        self._made: list[Path] = []  # parents created for the lock file, deepest last
+
+    def acquire(self) -> DestinationLock:
+        missing = [p for p in [self.path.parent, *self.path.parent.parents] if not p.exists()]
+        for parent in reversed(missing):
+            parent.mkdir(exist_ok=True)
+            self._made.append(parent)
+        while self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                os.close(fd)
+                raise SidecarError(
+                    f"another flashnext process (pid {holder}) is writing {self.dst}; wait for "
+                    "it to finish (or stop it), then run this command again"
+                ) from None
+            if _same_file(fd, self.path):
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                self._fd = fd
+            else:  # removed by the holder that just released it: take a fresh one
+                os.close(fd)
+        return self
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+        for parent in reversed(self._made):  # only those still empty: a failed run's
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        self._made = []
+
+    def __enter__(self) -> DestinationLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_pid(fd: int) -> str:
+    """The pid a lock file names ("?" while its holder has not written it yet)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return "?"
+    return text if text.isdigit() else "?"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+
+
+# -- the writer ----------------------------------------------------------------------------
+class SidecarWriter:
+    """Writes a sidecar shard by shard; :meth:`finish` writes META.json last.
+
+    :meth:`start` marks the directory unfinished (the state record :data:`STATE_NAME`) before
+    anything else is written, and only then removes an old META.json, so at every instant the
+    directory is either finished or refused by readers as unfinished. :meth:`finish` writes
+    META.json, then removes the state record. Shards may be written in any order (parallel
+    workers: :meth:`adopt` counts a shard written elsewhere); each lands atomically.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        fmt: str,
+        width: int,
+        num_rows: int,
+        rows_per_shard: int,
+        geometry: PLEGeometry | Mapping[str, Any] | None = None,
+        source: Mapping[str, Any] | None = None,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.codec = get_codec(fmt)
+        self.codec.check_width(width)
+        if num_rows <= 0 or rows_per_shard <= 0:
+            raise SidecarError(
+                f"{self.path}: num_rows={num_rows} and rows_per_shard={rows_per_shard} must be "
+                "positive"
+            )
+        self.width = width
+        self.num_rows = num_rows
+        self.rows_per_shard = rows_per_shard
+        self.num_shards = -(-num_rows // rows_per_shard)
+        if isinstance(geometry, PLEGeometry):
+            geometry = geometry.to_dict()
+        self.geometry = dict(geometry) if geometry is not None else None
+        self.source = dict(source or {})
+        #: What the output depends on besides the source; recorded in the state and META.json.
+        self.settings = {**self.default_settings(), **(settings or {})}
+        self.records: dict[int, dict[str, Any]] = {}
+        self._started = False
+
+    def default_settings(self) -> dict[str, Any]:
+        return {
+            "format": self.codec.name,
+            "rows_per_shard": self.rows_per_shard,
+            "num_rows": self.num_rows,
+            "width": self.width,
+            "flashnext_version": __version__,
+        }
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The identity of this output: settings and the source's identity."""
+        return {"settings": self.settings, "source": self.source}
+
+    def shard_rows(self, index: int) -> tuple[int, int]:
+        """Global row range ``[start, end)`` of shard ``index``."""
+        start = index * self.rows_per_shard
+        return start, min(start + self.rows_per_shard, self.num_rows)
+
+    def start(self, kept: Mapping[int, Mapping[str, Any]] | None = None) -> None:
+        """Mark the directory unfinished (creating it), counting ``kept`` shards as written."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.records = {int(i): dict(r) for i, r in (kept or {}).items()}
+        self._save_state()
+        (self.path / META_NAME).unlink(missing_ok=True)
+        self._started = True
+
+    def _save_state(self) -> None:
+        payload = {
+            "directory": str(self.path),
+            "num_shards": self.num_shards,
+            "params": self.params,
+            "shards": {str(k): v for k, v in sorted(self.records.items())},
+        }
+        write_json(self.path / STATE_NAME, make_record(STATE_KIND, payload))
+
+    def write_shard(
+        self, index: int, tensors: Mapping[str, np.ndarray], **extra: Any
+    ) -> dict[str, Any]:
+        """Check ``tensors`` against the format and write shard ``index`` atomically.
+
+        ``extra`` (e.g. ``rel_rmse``) is stored in the shard's META.json record.
+        Returns the record ``{"file", "rows", "sha256", **extra}``.
+        """
+        if not 0 <= index < self.num_shards:
+            raise SidecarError(f"{self.path}: shard index {index} outside [0, {self.num_shards})")
+        if not self._started:
+            self.start()
+        start, end = self.shard_rows(index)
+        record = write_shard_file(
+            self.path,
+            self.codec,
+            self.width,
+            index,
+            start,
+            end - start,
+            tensors,
+            table_rows=self.num_rows,
+            **extra,
+        )
+        self.adopt(record)
+        return record
+
+    def adopt(self, record: Mapping[str, Any]) -> None:
+        """Count a shard already on disk (written by a worker or verified) as written."""
+        index = shard_index(str(record.get("file", "")))
+        if index is None:
+            raise SidecarError(f"{self.path}: record {record!r} names no shard file")
+        if not self._started:
+            self.start()
+        self.records[index] = dict(record)
+        self._save_state()
+
+    def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:
+        """Write META.json once every shard is written, drop the state record, re-open."""
+        missing = [i for i in range(self.num_shards) if i not in self.records]
+        if missing:
+            raise SidecarError(f"{self.path}: cannot finish, shards {missing[:8]} not written")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "format": self.codec.name,
+            "width": self.width,
+            "rows_per_shard": self.rows_per_shard,
+            "num_rows": self.num_rows,
+            "num_shards": self.num_shards,
+            "shards": [self.records[i] for i in range(self.num_shards)],
+            "geometry": self.geometry,
+            "source": self.source,
+            "settings": self.settings,
+            "quantization": dict(quantization) if quantization else None,
+            "flashnext_version": __version__,
+        }
+        write_json(self.path / META_NAME, meta)
+        (self.path / STATE_NAME).unlink(missing_ok=True)
+        return open_sidecar(self.path)
+
+
+def write_sidecar(
+    path: str | os.PathLike[str],
+    fmt: str,
+    rows: np.ndarray,
+    rows_per_shard: int,
+    geometry: Mapping[str, Any] | None = None,
+    source: Mapping[str, Any] | None = None,
+) -> Sidecar:
+    """Quantize float32 ``rows`` [num_rows, width] to ``fmt`` and write a whole sidecar.
+
+    Convenience for tables that fit in memory (tests, the demo); large tables stream through
+    :func:`flashnext.ple.quantize.quantize_table`. No destination checks: the caller owns
+    ``path``.
+    """
+    rows = np.asarray(rows)
+    writer = SidecarWriter(
+        path, fmt, rows.shape[1], rows.shape[0], rows_per_shard, geometry, source
+    )
+    for i in range(writer.num_shards):
+        start, end = writer.shard_rows(i)
+        writer.write_shard(i, writer.codec.quantize(rows[start:end]))
+    return writer.finish()
+
+
+# -- a sidecar destination's life ------------------------------------------------------------
+@dataclass(frozen=True)
+class _Found:
+    """What an earlier run left in a directory."""
+
+    status: str  # "unfinished" | "finished" | "" (no flashnext table)
+    params: dict[str, Any] | None
+    shards: dict[int, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Existing:
+    """A directory judged as a destination: this run's own output, or ``refusal``."""
+
+    kept: dict[int, dict[str, Any]]  # shard index -> its record, verified by sha256
+    finished: bool  # the directory already is this exact output
+    refusal: str | None  # what is there, when it is not this run's own output
+
+
+class SidecarDestination:
+    """The directory a sidecar is written to, from the first look to the commit.
+
+    Use as a context manager around the whole write::
+
+        with SidecarDestination(dst, writer, force=force, inputs=[src]) as dest:
+            for index in dest.todo: ...write shard index into dest.workdir, dest.adopt(record)
+            sidecar = dest.commit(quantization={...})
+
+    ``writer`` is built by the caller for ``dst`` with every setting that makes the output;
+    the destination points it at its work directory (``dst``, or ``.DST.flashnext-new`` beside
+    it with ``force``) and starts it. ``lock``: a :class:`DestinationLock` on ``dst`` the caller
+    already holds (and releases), e.g. taken before a long read of the source so that a second
+    writer is refused at once; without it the destination takes its own. See the module
+    docstring for the rules.
+
+    Raises:
+        SidecarError: the rule refuses ``dst`` (an input, ``.``, ...), another process holds
+            it, or it holds something else and ``force`` is not set (the message names what).
+    """
+
+    def __init__(
+        self,
+        dst: str | os.PathLike[str],
+        writer: SidecarWriter,
+        *,
+        force: bool = False,
+        inputs: Iterable[str | os.PathLike[str]] = (),
+        lock: DestinationLock | None = None,
+    ) -> None:
+        self.dst = Path(dst)
+        self.stage = self.dst.with_name(f".{self.dst.name}.flashnext-new")
+        self._old = self.dst.with_name(f".{self.dst.name}.flashnext-old")
+        self._writer = writer
+        self._force = force
+        self._inputs = list(inputs)
+        self._own_lock = lock is None
+        self._lock = lock or DestinationLock(self.dst)
+        if self._lock.dst != self.dst:
+            raise SidecarError(f"{self._lock.path}: a lock for another destination than {self.dst}")
+        self.workdir = self.dst
+        self.kept: dict[int, dict[str, Any]] = {}
+        self.finished = False  # the destination already is this exact output
+
+    def __enter__(self) -> SidecarDestination:
+        problem = destination_problem(self.dst, self._inputs)
+        if problem:
+            raise SidecarError(problem)
+        if self._own_lock:
+            self._lock.acquire()
+        elif not self._lock.held:
+            raise SidecarError(f"{self._lock.path}: the caller's lock is not held")
+        try:
+            self._decide()
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    def _release(self) -> None:
+        if self._own_lock:
+            self._lock.release()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._free_stage()
+        finally:
+            self._release()
+
+    @property
+    def replaces(self) -> bool:
+        """Whether the output is written beside ``dst`` and swapped in (``force``)."""
+        return self.workdir != self.dst
+
+    @property
+    def todo(self) -> list[int]:
+        """Shard indices still to write (empty when the destination is already finished)."""
+        if self.finished:
+            return []
+        return [i for i in range(self._writer.num_shards) if i not in self.kept]
+
+    def start(self) -> SidecarWriter:
+        """Remove temporaries a killed run left, mark the work directory unfinished."""
+        self._writer.path = self.workdir
+        self._remove_own_temps()
+        self._writer.start(self.kept)
+        return self._writer
+
+    def adopt(self, record: Mapping[str, Any]) -> None:
+        """Count a shard written into :attr:`workdir` (by a worker) as done."""
+        self._writer.adopt(record)
+
+    def commit(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:
+        """Finish the sidecar (META.json, state record gone) and swap it in when replacing."""
+        if self.finished:
+            return open_sidecar(self.dst)
+        sidecar = self._writer.finish(quantization)
+        if not self.replaces:
+            return sidecar
+        shutil.rmtree(self._old, ignore_errors=True)
+        if self.dst.exists():
+            os.replace(self.dst, self._old)
+        os.replace(self.workdir, self.dst)
+        shutil.rmtree(self._old, ignore_errors=True)
+        return open_sidecar(self.dst)
+
+    # -- refuse or adopt what is there -------------------------------------------------------
+    def _decide(self) -> None:
+        found = self._existing(self.dst)
+        if found.refusal is None:
+            self.kept, self.finished = found.kept, found.finished
+            return
+        if not self._force:
+            raise SidecarError(
+                f"{self.dst}: {found.refusal}. Refusing to overwrite it: choose a new or empty "
+                "directory, or pass --force to replace it (the old contents stay until the new "
+                "table is complete)"
+            )
+        staged = self._existing(self.stage)
+        if staged.refusal is not None:
+            if not all(self._ours(n, 1 << 20) for n in _listing(self.stage)):
+                raise SidecarError(f"{self.stage}: {staged.refusal}; remove it")
+            shutil.rmtree(self.stage, ignore_errors=True)  # an earlier --force run's leftovers
+            staged = _Existing({}, False, None)
+        self.workdir = self.stage
+        self.kept = staged.kept
+
+    def _existing(self, directory: Path) -> _Existing:
+        """What ``directory`` holds: this run's own output (the shards to keep, whether
+        finished), or something else (``refusal`` says what, in words)."""
+        names = _listing(directory)
+        if not names:
+            return _Existing({}, False, None)
+        params = self._writer.params
+        found = _found(directory)
+        num_shards = self._writer.num_shards
+        foreign = [n for n in names if not self._ours(n, max(num_shards, len(found.shards)))]
+        there = []
+        if found.status and found.params != params:
+            article = "an" if found.status == "unfinished" else "a"
+            there.append(
+                f"{article} {found.status} table that differs "
+                f"({_differences(found.params, params)})"
+            )
+        if foreign:
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            there.append(f"files this command did not write ({', '.join(foreign[:5])}{more})")
+        if not found.status and not foreign:
+            there.append(f"{', '.join(names[:3])} but no flashnext {META_NAME} or run state")
+        if there:
+            return _Existing({}, False, "holds " + " and ".join(there))
+        kept = {}
+        for index, record in found.shards.items():
+            path = directory / shard_name(index)
+            ok = 0 <= index < num_shards and path.is_file()
+            if ok and sha256_file(path) == record.get("sha256"):
+                kept[index] = dict(record)
+        return _Existing(kept, found.status == "finished" and len(kept) == num_shards, None)
+
+    @staticmethod
+    def _ours(name: str, num_shards: int) -> bool:
+        """Whether a file name is one this writer creates (shards, META, state, their temps)."""
+        if is_temp_name(name):
+            name = final_name(name)
+        index = shard_index(name)
+        return name in (META_NAME, STATE_NAME) or (index is not None and index < num_shards)
+
+    def _remove_own_temps(self) -> None:
+        """Temporary files a killed run left (only names this writer creates)."""
+        for name in _listing(self.workdir):
+            if is_temp_name(name) and self._ours(name, self._writer.num_shards):
+                (self.workdir / name).unlink(missing_ok=True)
+
+    def _free_stage(self) -> None:
+        """A ``force`` run that ran out of space: its partial table only holds the space."""
+        if self.replaces:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def recorded_source(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``source`` a sidecar writer recorded in ``directory`` (finished or not), or None
+    when the directory holds anything a sidecar writer does not write, or no record at all.
+
+    Lets a command that rebuilds its own tables (the demo) tell them from anything else.
+    """
+    root = Path(directory)
+    names = _listing(root)
+    if not names or not all(SidecarDestination._ours(n, 1 << 20) for n in names):
+        return None
+    found = _found(root)
+    source = (found.params or {}).get("source")
+    return dict(source) if isinstance(source, Mapping) else None
+
+
+def _listing(directory: Path) -> list[str]:
+    if not directory.exists() and not directory.is_symlink():
+        return []
+    if not directory.is_dir():
+        raise SidecarError(
+            f"{directory}: exists and is not a directory; choose another destination"
+        )
+    try:
+        return sorted(p.name for p in directory.iterdir())
+    except OSError as exc:
+        raise SidecarError(f"{directory}: cannot list ({exc.strerror})") from None
+
+
+def _found(directory: Path) -> _Found:
+    """What an earlier run left: its status, its params and its shards' records."""
+    try:
+        state = read_state(directory)
+    except SidecarError:
+        return _Found("unfinished", None, {})
+    if state is not None:
+        done = state.get("shards")
+        shards = done if isinstance(done, dict) else {}
+        return _Found("unfinished", state.get("params"), {int(k): v for k, v in shards.items()})
+    try:
+        meta = read_meta(directory)
+    except SidecarError:
+        return _Found("", None, {})
+    if not meta:
+        return _Found("", None, {})
+    params = {"settings": meta.get("settings"), "source": meta.get("source")}
+    listed = meta.get("shards")
+    records = listed if isinstance(listed, list) else []
+    return _Found("finished", params, {i: r for i, r in enumerate(records) if isinstance(r, dict)})
+
+
+def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
+    """What changed between two runs' params, in words."""
+    if not isinstance(old, Mapping):
+        return "made by another version or tool"
+
+    def mapping(value: Any) -> Mapping[str, Any]:
+        return value if isinstance(value, Mapping) else {}
+
+    out = []
+    old_settings = mapping(old.get("settings"))
+    for key, value in new["settings"].items():
+        if old_settings.get(key) != value:
+            out.append(f"{key} {old_settings.get(key)!r} -> {value!r}")
+    old_src, new_src = mapping(old.get("source")), new["source"]
+    if old_src.get("path") != new_src.get("path"):
+        out.append(f"source {old_src.get('path')} -> {new_src.get('path')}")
+    elif old_src != new_src:
+        old_files = mapping(old_src.get("files"))
+        changed = [n for n, v in new_src.get("files", {}).items() if old_files.get(n) != v]
+        out.append(f"source changed since ({', '.join(changed[:3]) or 'its description'})")
+    return (
+        "; ".join(out[:3] + (["..."] if len(out) > 3 else [])) or "made by another version or tool"
+    )
