@@ -200,6 +200,22 @@ def test_cache_plan_counts_the_rows_that_fit_and_their_hit_rate(tmp_path, rng, r
     assert f"{100 * want:.1f}%" in plan.describe() and str(tmp_path) in plan.describe()
 
 
+def test_a_truncated_profile_counts_its_unprofiled_lookups_as_misses(tmp_path, rng):
+    from flashnext.ple.profile import HotRowProfile
+
+    ids = rng.permutation(1000)[:50].astype(np.int64)
+    counts = np.sort(rng.integers(1, 100, size=50))[::-1].astype(np.int64)
+    total = int(counts.sum()) + 4000  # lookups of rows `--rows` left out
+    profile = HotRowProfile(ids, counts, total)
+    whole = plan_cache(profile, tmp_path, 20 * 7, 7, (0, 1000), 1000)
+    assert whole.rows == 20 and whole.expected_hit_rate == pytest.approx(profile.coverage(20))
+    lo, hi = 0, 400  # 40% of the rows: 40% of the unprofiled lookups
+    mine = (ids >= lo) & (ids < hi)
+    half = plan_cache(profile, tmp_path, 10**6, 7, (lo, hi), 1000)
+    want = counts[mine].sum() / (counts[mine].sum() + 0.4 * 4000)
+    assert half.rows == int(mine.sum()) and half.expected_hit_rate == pytest.approx(float(want))
+
+
 def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
     geo = PLEGeometry.from_config(CONFIG, layer_id=4)
     _sidecar(tmp_path / "s", geo, rng)

@@ -270,6 +270,10 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
             make_plan(model, req).fit.available_bytes - make_plan(model, cached).fit.available_bytes
         )
         assert lost == layers * GIB + slot_map, placement
+        host = {i.name: i.bytes for i in make_plan(model, cached).host_items}
+        assert host.get("PLE hot-row cache slot map (staged)") == (
+            4 * rows if placement == "staged" else None
+        )
     argv = ["plan", "--model", QWEN4, "--gpu-memory", "96GiB", "--ple-format", "int4"]
     code, out, _ = run_in_process(
         [*argv, "--ple-cache", "2GiB", "--ple-placement", "staged"], capsys

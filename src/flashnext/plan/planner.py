@@ -252,6 +252,12 @@ def _host_items(
         items.append(Item(f"PLE table ({fmt}, staged, resident)", table, "committed RAM"))
     if table and req.ple_placement == "staged" and req.ple_residency == "mmap":
         items.append(Item(f"PLE table ({fmt}, staged, mmap)", table, "page cache, reclaimable"))
+    if table and req.ple_placement == "staged" and req.ple_cache:
+        rows = sum(
+            PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers))
+        )
+        # StagedTable keeps its cache's int32 slot map in host RAM: 4 bytes per row, all ranks.
+        items.append(Item("PLE hot-row cache slot map (staged)", 4 * rows, "committed RAM"))
     streamed = weights.total(exclude=("ple_table",))
     items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
     return items
