@@ -45,6 +45,10 @@ def test_slice_copies_the_ranks_shards_and_serves_them_identically(full, tmp_pat
     assert meta["rows_present"] == [[128, 768]] and meta["num_rows"] == ROWS
     assert meta["slice"]["ranks"] == [1, 2] and meta["num_shards"] == 8
     assert open_sidecar(dst).verify_checksums() == []
+    code, out, err = run_in_process(["ple", "info", dst, "--json"], capsys)
+    info = json.loads(out)
+    assert code == 0 and info["rows_present"] == [[128, 768]] and info["checksums"] == "ok", err
+    assert info["resident_bytes"] == 640 * info["bytes_per_row"] and info["num_shards"] == 5
     ids = rng.integers(-1, ROWS, size=(64, 3))
     want_all = open_table(full).reference_lookup(ids)  # the plain numpy path, every row
     for rank in (1, 2):

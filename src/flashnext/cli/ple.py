@@ -105,6 +105,9 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         ):
             value = record[key]
             table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))
+        if record["rows_present"] is not None:
+            held = ", ".join(f"{lo:,}..{hi:,}" for lo, hi in record["rows_present"])
+            table.add_row("rows present", f"{held} (a slice: `flashnext ple slice`)")
         table.add_row("size", human_bytes(record["size_bytes"]))
         fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
         table.add_row(
