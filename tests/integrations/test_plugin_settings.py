@@ -115,8 +115,14 @@ def test_cache_and_profile_switches_from_either_source(tmp_path):
     settings = PluginSettings.resolve(env={}, additional_config={"flashnext": section})
     assert settings.ple_cache == 512 * 2**20
     assert settings.ple_profile == Path("~/p.st").expanduser()
-    both = {"flashnext": {"ple_cache": 1_000_000_000}}
+    both = {"flashnext": {"ple_cache": "1000MB"}}
     assert PluginSettings.resolve({**env, "FLASHNEXT_PLE_CACHE": "1GB"}, both).ple_cache == 10**9
+    assert (
+        PluginSettings.resolve(
+            {**env, "FLASHNEXT_PLE_CACHE": "0"}, {"flashnext": {"ple_cache": 0}}
+        ).ple_cache
+        == 0
+    )
     off = PluginSettings.resolve({**env, "FLASHNEXT_PLE_CACHE": "0"})
     assert off.ple_cache == 0 and off.parts == ("ple_sidecar",)
 
@@ -127,6 +133,9 @@ def test_cache_and_profile_switches_from_either_source(tmp_path):
         ({"FLASHNEXT_PLE_CACHE": "2 gigs"}, None, "FLASHNEXT_PLE_CACHE='2 gigs': expected a cache"),
         ({"FLASHNEXT_PLE_CACHE": "-1GiB"}, None, "FLASHNEXT_PLE_CACHE='-1GiB': expected a cache"),
         ({}, {"flashnext": {"ple_cache": -5}}, "flashnext.ple_cache=-5: expected a cache size"),
+        # A bare number could be bytes or GiB: only 0 needs no unit.
+        ({}, {"flashnext": {"ple_cache": 10**9}}, "ple_cache=1000000000: expected a cache size"),
+        ({"FLASHNEXT_PLE_CACHE": "4096"}, None, "FLASHNEXT_PLE_CACHE='4096': expected a cache"),
         ({}, {"flashnext": {"ple_cache": True}}, "flashnext.ple_cache=True: expected a cache"),
         ({}, {"flashnext": {"ple_profile": 3}}, "flashnext.ple_profile must be a hot-row profile"),
         ({"FLASHNEXT_PLE_CACHE": "1GiB"}, None, "set without FLASHNEXT_PLE_SIDECAR"),

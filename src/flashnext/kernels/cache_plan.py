@@ -4,8 +4,8 @@ What the plugin's ``FLASHNEXT_PLE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` 
 the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext plan`` and ``flashnext
 check`` share (no torch, no vLLM, no GPU):
 
-- :func:`parse_cache_size`: the size (``0`` = off; ``2GiB``, ``512MiB``, ``1.5GB``; a JSON number
-  of bytes from ``--additional-config``), read by :mod:`flashnext.sizes` like every size.
+- :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
+  number without a unit), read by :mod:`flashnext.sizes` like every size.
 - :func:`profile_path`: which profile fills a layer's cache (the setting's file, its
   ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.hot_rows.safetensors``
   beside it, where ``flashnext ple profile`` writes, or ``hot_rows.safetensors`` inside it).
@@ -42,13 +42,16 @@ CACHED_PLACEMENTS = ("pinned", "staged")
 
 
 def parse_cache_size(value: object, where: str = "FLASHNEXT_PLE_CACHE") -> int:
-    """Bytes from ``0``, ``2GiB``, ``512MiB``, ``1.5GB`` or a JSON number of bytes (int >= 0).
+    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB``, or ``0`` (off; text or a JSON number).
+
+    A size needs its unit, as every size flag does (:mod:`flashnext.sizes`): ``0`` is the one
+    bare number, in text or as ``--additional-config``'s JSON number.
 
     Raises:
         PluginError: naming ``where`` and the value, when it is not a size.
     """
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
+    if type(value) is int and value == 0:
+        return 0
     if isinstance(value, str):
         try:
             return byte_count(value)

@@ -260,5 +260,5 @@ def _value(name: str, raw: Any, where: str) -> Any:
 
 
 def _cache_bytes(raw: Any, where: str) -> int:
-    """The cache size: bytes as text (``2GiB``) or a JSON number of bytes; ``0`` turns it off."""
+    """The cache size with its unit (``2GiB``); ``0`` (text or JSON number) turns it off."""
     return parse_cache_size(raw, where)
