@@ -118,10 +118,10 @@ BAD_INPUTS: dict[str, dict[str, Args | str]] = {
         "out-of-range": "ple warm has no flag with a range",
     },
     "ple slice": {
-        "missing": lambda i: [i.fresh("nothing"), i.fresh("slice"), "--tp", "1", "--ranks", "0"],
-        "wrong-kind": lambda i: [i.a_file, i.fresh("slice"), "--tp", "1", "--ranks", "0"],
-        "unreadable": lambda i: [_unreadable_shard(i), i.fresh("slice"), "--tp", "1", "--ranks", "0"],
-        "out-of-range": lambda i: [i.sidecar, i.fresh("slice"), "--tp", "0", "--ranks", "0"],
+        "missing": lambda i: [i.fresh("nothing"), i.fresh("dst"), "--tp", "2", "--ranks", "0"],
+        "wrong-kind": lambda i: [i.sidecar, i.a_file, "--tp", "2", "--ranks", "0"],
+        "unreadable": lambda i: [_unreadable_shard(i), i.fresh("dst"), "--tp", "2", "--ranks", "0"],
+        "out-of-range": lambda i: [i.sidecar, i.fresh("dst"), "--tp", "2", "--ranks", "0,2"],
     },
     "ple quantize": {
         "missing": lambda i: [i.fresh("nothing"), i.fresh("dst"), "--format", "int4"],

@@ -99,7 +99,7 @@ COMMANDS = {
         lambda w: w.sidecar,
     ),
     "ple slice": Command(
-        lambda w, d: ["ple", "slice", w.sidecar, d, "--tp", "2", "--ranks", "0"],
+        lambda w, d: ["ple", "slice", w.sidecar, d, "--tp", "1", "--ranks", "0"],
         "dir",
         lambda w: w.sidecar,
     ),

@@ -1,5 +1,6 @@
 """flashnext check: one case per rule, on real checkpoints written at test time."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -382,3 +383,24 @@ def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
     row = rows["ple-sidecar"]
     assert row.status == "fail" and f"holds {other.num_rows} rows" in row.why
     assert f"is {geo.num_rows} rows" in row.why and "flashnext ple quantize" in row.fix
+
+
+def test_memory_plan_counts_the_ple_cache_of_the_planned_environment(tmp_path):
+    from flashnext.plan.planner import PlanRequest, load_model, make_plan
+    from flashnext.sizes import gib
+
+    root = model(tmp_path)
+    argv = ["--max-model-len", "8192", "--max-num-seqs", "4"]
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "ple"), "FLASHNEXT_PLE_PLACEMENT": "staged"}
+    rows, _ = checks_for(root, argv, env=env)
+    plain = rows["memory-plan"]
+    rows, _ = checks_for(root, argv, env={**env, "FLASHNEXT_PLE_CACHE": "1KiB"})
+    cached = rows["memory-plan"]
+    assert plain.status == cached.status == "pass", (plain, cached)
+    # The same request through the planner: the cache is a device item before the KV pool.
+    req = PlanRequest(96 << 30, max_model_len=8192, max_num_seqs=4, ple_placement="staged")
+    plan = make_plan(load_model(root), dataclasses.replace(req, ple_cache=1 << 10))
+    cache = [i.bytes for i in plan.device_items if i.name.startswith("PLE hot-row")]
+    assert cache == [len(plan.shape.ple_layers) << 10]
+    assert "hot-row cache" not in plain.why
+    assert f"{gib(cache[0])} of PLE hot-row cache counted first" in cached.why

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,54 @@ def test_versions_checked_and_refused():
     require_checked("0.34.0", allow_untested=True)
     with pytest.raises(PluginError, match=r"vLLM 0\.34\.0 is not a version .* nothing was applied"):
         require_checked("0.34.0", allow_untested=False)
+
+
+def test_cache_and_profile_switches_from_either_source(tmp_path):
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path), "FLASHNEXT_PLE_CACHE": "2GiB"}
+    settings = PluginSettings.resolve(env=env)
+    assert settings.ple_cache == 2 * 2**30 and settings.ple_profile is None
+    section = {"ple_sidecar": str(tmp_path), "ple_cache": "512MiB", "ple_profile": "~/p.st"}
+    settings = PluginSettings.resolve(env={}, additional_config={"flashnext": section})
+    assert settings.ple_cache == 512 * 2**20
+    assert settings.ple_profile == Path("~/p.st").expanduser()
+    both = {"flashnext": {"ple_cache": "1000MB"}}
+    assert PluginSettings.resolve({**env, "FLASHNEXT_PLE_CACHE": "1GB"}, both).ple_cache == 10**9
+    assert (
+        PluginSettings.resolve(
+            {**env, "FLASHNEXT_PLE_CACHE": "0"}, {"flashnext": {"ple_cache": 0}}
+        ).ple_cache
+        == 0
+    )
+    off = PluginSettings.resolve({**env, "FLASHNEXT_PLE_CACHE": "0"})
+    assert off.ple_cache == 0 and off.parts == ("ple_sidecar",)
+
+
+@pytest.mark.parametrize(
+    ("env", "config", "named"),
+    [
+        ({"FLASHNEXT_PLE_CACHE": "2 gigs"}, None, "FLASHNEXT_PLE_CACHE='2 gigs': expected a cache"),
+        ({"FLASHNEXT_PLE_CACHE": "-1GiB"}, None, "FLASHNEXT_PLE_CACHE='-1GiB': expected a cache"),
+        ({}, {"flashnext": {"ple_cache": -5}}, "flashnext.ple_cache=-5: expected a cache size"),
+        # A bare number could be bytes or GiB: only 0 needs no unit.
+        ({}, {"flashnext": {"ple_cache": 10**9}}, "ple_cache=1000000000: expected a cache size"),
+        ({"FLASHNEXT_PLE_CACHE": "4096"}, None, "FLASHNEXT_PLE_CACHE='4096': expected a cache"),
+        ({}, {"flashnext": {"ple_cache": True}}, "flashnext.ple_cache=True: expected a cache"),
+        ({}, {"flashnext": {"ple_profile": 3}}, "flashnext.ple_profile must be a hot-row profile"),
+        ({"FLASHNEXT_PLE_CACHE": "1GiB"}, None, "set without FLASHNEXT_PLE_SIDECAR"),
+        ({"FLASHNEXT_PLE_PROFILE": "/p"}, None, "set without FLASHNEXT_PLE_SIDECAR"),
+        (
+            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_CACHE": "1GiB"},
+            {"flashnext": {"ple_placement": "device"}},
+            "with FLASHNEXT_PLE_PLACEMENT=device",
+        ),
+        (
+            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_CACHE": "1GiB"},
+            {"flashnext": {"ple_cache": "2GiB"}},
+            "FLASHNEXT_PLE_CACHE=1073741824 and --additional-config flashnext.ple_cache=2147483648",
+        ),
+    ],
+)
+def test_bad_cache_switches_are_refused_in_one_line(env, config, named):
+    with pytest.raises(PluginError) as exc:
+        PluginSettings.resolve(env=env, additional_config=config)
+    assert named in str(exc.value) and "\n" not in str(exc.value)

@@ -23,6 +23,8 @@ from devtools.vllm_cpu import ensure_vllm_venv, free_port
 from flashnext.ple.destination import write_sidecar
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.sidecar import open_sidecar
+from flashnext.ple.slicing import plan_slice, write_slice
 from flashnext.ple.table import open_table
 from tests.ple.reference import dequant64
 
@@ -93,6 +95,9 @@ def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         sidecars[fmt] = str(path)
     wrong = PLEGeometry.from_config({**MODEL, "ngram_vocab_size_base": 1500})
     write_sidecar(root / "wrong", "bf16", rng.standard_normal((wrong.num_rows, wrong.width)), 512)
+    full = open_sidecar(sidecars["bf16"])
+    for r in (0, 1):
+        write_slice(full, root / f"slice_rank{r}", plan_slice(full, 2, [r]))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(_entry_point_dir(root / "ep")), str(SRC)]),
@@ -114,6 +119,7 @@ def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         "table": str(root / "table.npy"),
         "sidecars": sidecars,
         "wrong_sidecar": str(root / "wrong"),
+        "slices": {str(r): str(root / f"slice_rank{r}") for r in (0, 1)},
         "batch": _tokens(rng),
         "max_tokens": 64,
         "ports": {"1": free_port(), "2": free_port()},
@@ -257,3 +263,21 @@ def test_every_line_is_prefixed_and_names_versions(probes):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_slice_serves_the_rank_it_holds_and_refuses_the_others(probes):
+    """TP=2 per-rank slices: each rank equals vLLM's own layer (after the ETP all-reduce); the
+    other rank's slice, and rank 1's for TP=1, are refused at build naming the missing rows;
+    the start line says the cache is not used on a CPU device."""
+    rows = PLEGeometry.from_config(MODEL).num_rows
+    half = rows // 2
+    for rank in (0, 1):
+        facts, arrays = probes[(2, rank)]
+        np.testing.assert_array_equal(arrays["slice"], arrays["vllm"])
+        line = next(x for x in facts["log"] if f"slice_rank{rank}" in x)
+        assert "no device cache (the cpu path has none)" in line, line
+        missing = f"0..{half}" if rank == 0 else f"{half}..{rows}"
+        err = facts["slice_error"]
+        assert err.startswith("SidecarError: ") and f"needs rows {missing}, which" in err, err
+    err = probes[(1, 0)][0]["slice_error"]
+    assert f"rows 0..{rows} needs rows 0..{half}, which" in err, err

@@ -241,6 +241,19 @@ def probe(spec: dict, facts: dict, arrays: dict) -> None:
         lambda: build(spec, {"flashnext": {"ple_sidecar": spec["wrong_sidecar"]}})
     )
 
+    # (d) per-rank slices of TP=2 with the cache switch (no cache on a CPU device): the other
+    # rank's slice is refused (on every rank alike: no collective is left waiting), then each
+    # rank of world 2 serves from its own slice.
+    world, rank = facts["world"], facts["rank"]
+
+    def sliced(path: str) -> dict:
+        return {"flashnext": {"ple_sidecar": path, "ple_cache": "1MiB"}}
+
+    facts["slice_error"] = error_of(lambda: build(spec, sliced(spec["slices"][str(1 - rank)])))
+    if world == 2:
+        layer = build(spec, sliced(spec["slices"][str(rank)]))
+        _, arrays["slice"], _ = run_forward(layer, batch)
+
 
 def pinned_attrs(emb, facts: dict) -> None:
     """What vLLM's pinned ``__init__`` assigns (from its source) beside what the replacement set."""

@@ -282,13 +282,15 @@ def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, rng):
 @pytest.mark.parametrize("fmt", ["nvfp4"] if not CUDA else ["int4", "nvfp4"])
 def test_a_sliced_rank_directory_serves_the_rank_like_the_full_sidecar(sidecars, fmt, rng,
                                                                        tmp_path):  # fmt: skip
-    from flashnext.ple.slicing import rank_rows, slice_sidecar
+    from flashnext.ple.sidecar import open_sidecar
+    from flashnext.ple.slicing import plan_slice, rank_rows, write_slice
 
     rows = rank_rows(ROWS, 4, 2)  # (500, 750): shards 3..5 of 128 rows
-    part = slice_sidecar(sidecars / fmt, tmp_path / "rank2", 4, [2])
+    source = open_sidecar(sidecars / fmt)
+    part = write_slice(source, tmp_path / "rank2", plan_slice(source, 4, [2]))
     ids = random_ids(rng, 30)
     full = GpuTable.from_table(open_table(sidecars / fmt, row_range=rows), device=DEVICE)
-    sliced = GpuTable.from_table(open_table(part.path, row_range=rows), device=DEVICE)
+    sliced = GpuTable.from_table(open_table(part, row_range=rows), device=DEVICE)
     ids_d = torch.from_numpy(ids).to(DEVICE)
     np.testing.assert_array_equal(bits(sliced.lookup(ids_d)), bits(full.lookup(ids_d)))
     np.testing.assert_array_equal(bits(sliced.lookup(ids_d)), expected(open_table(sidecars / fmt),

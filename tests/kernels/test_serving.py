@@ -6,6 +6,7 @@ says so when it is missing.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -13,9 +14,11 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
+from flashnext.kernels.cache_plan import plan_cache, plan_layer_cache, profile_path
 from flashnext.kernels.serving import (
     PlacementChoice,
     SidecarRows,
+    attach_cache,
     check_geometry,
     choose_placement,
     host_residency,
@@ -140,3 +143,123 @@ def test_cpu_rows_equal_the_tables_bf16_lookup(tmp_path, rng, fmt):
     want[np.repeat(ids < half, geo.width, axis=1)] = 0  # other rank's rows
     got = out.float().numpy()
     np.testing.assert_array_equal(got, torch.from_numpy(want).to(torch.bfloat16).float().numpy())
+
+
+# -- the hot-row device cache ------------------------------------------------------------------
+def _profiled(path, geo, rng, docs=6):
+    """A real profile of random token documents, written into the sidecar at ``path``."""
+    from flashnext.ple.profile import build_profile, load_profile, write_profile
+
+    tokens = [rng.integers(0, geo.vocab_size, size=int(rng.integers(20, 60))) for _ in range(docs)]
+    write_profile(path, build_profile(geo, tokens))
+    return load_profile(path)
+
+
+def test_profile_defaults_to_the_sidecars_own(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG)
+    _sidecar(tmp_path / "s", geo, rng)
+    assert profile_path(tmp_path / "s", None, PREFIX) is None
+    _profiled(tmp_path / "s", geo, rng)  # where `ple profile` writes: beside the sidecar
+    beside = tmp_path / "s.hot_rows.safetensors"
+    assert profile_path(tmp_path / "s", None, PREFIX) == beside
+    shutil.move(beside, tmp_path / "s" / "hot_rows.safetensors")  # inside: a slice's, older
+    inside = tmp_path / "s" / "hot_rows.safetensors"
+    assert profile_path(tmp_path / "s", None, PREFIX) == inside
+    assert profile_path(tmp_path / "elsewhere", inside, PREFIX) == inside
+    assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == inside
+    (tmp_path / "p" / "layer_3").mkdir(parents=True)
+    shutil.copy(inside, tmp_path / "p" / "layer_3.hot_rows.safetensors")
+    assert (
+        profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.hot_rows.safetensors"
+    )
+    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no hot-row profile for"):
+        profile_path(tmp_path / "s", tmp_path / "p" / "layer_3", PREFIX)
+
+
+@pytest.mark.parametrize("row_range", [(0, None), (None, None)])
+def test_cache_plan_counts_the_rows_that_fit_and_their_hit_rate(tmp_path, rng, row_range):
+    geo = PLEGeometry.from_config(CONFIG)
+    _sidecar(tmp_path / "s", geo, rng)
+    profile = _profiled(tmp_path / "s", geo, rng)
+    half = geo.num_rows // 2
+    lo, hi = (0, half) if row_range[0] == 0 else (half, geo.num_rows)
+    cache_rows = int(rng.integers(1, 40))
+    plan = plan_cache(profile, tmp_path, cache_rows * 10, 10, (lo, hi), geo.num_rows)
+    # Reference: every lookup of the profiled text in this range, recounted from scratch.
+    ids = np.asarray(profile.row_ids)
+    counts = np.asarray(profile.counts)
+    mine = (ids >= lo) & (ids < hi)
+    assert profile.total_lookups == counts.sum()  # a full profile: nothing left unprofiled
+    assert plan.rows == min(cache_rows, int(mine.sum()))
+    want = counts[mine][: plan.rows].sum() / counts[mine].sum()
+    assert plan.expected_hit_rate == pytest.approx(float(want), rel=1e-12)
+    if lo == 0 and hi == geo.num_rows:
+        assert plan.expected_hit_rate == pytest.approx(profile.coverage(plan.rows))
+    assert f"{100 * want:.1f}%" in plan.describe() and str(tmp_path) in plan.describe()
+
+
+def test_a_truncated_profile_counts_its_unprofiled_lookups_as_misses(tmp_path, rng):
+    from flashnext.ple.profile import HotRowProfile
+
+    ids = rng.permutation(1000)[:50].astype(np.int64)
+    counts = np.sort(rng.integers(1, 100, size=50))[::-1].astype(np.int64)
+    total = int(counts.sum()) + 4000  # lookups of rows `--rows` left out
+    profile = HotRowProfile(ids, counts, total)
+    whole = plan_cache(profile, tmp_path, 20 * 7, 7, (0, 1000), 1000)
+    assert whole.rows == 20 and whole.expected_hit_rate == pytest.approx(profile.coverage(20))
+    lo, hi = 0, 400  # 40% of the rows: 40% of the unprofiled lookups
+    mine = (ids >= lo) & (ids < hi)
+    half = plan_cache(profile, tmp_path, 10**6, 7, (lo, hi), 1000)
+    want = counts[mine].sum() / (counts[mine].sum() + 0.4 * 4000)
+    assert half.rows == int(mine.sum()) and half.expected_hit_rate == pytest.approx(float(want))
+
+
+def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "s", geo, rng)
+    shape = (geo.num_rows, geo.width)
+    rows, _ = open_rows(tmp_path / "s", PREFIX, shape, (0, geo.num_rows), geo, "auto", "cpu",
+                        None, 8, cache_bytes=2**20)  # fmt: skip
+    assert rows.cache.expected_hit_rate is None and "the cpu path has none" in rows.cache.describe()
+    sidecar = open_sidecar(tmp_path / "s")
+    plan, _ = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "staged")
+    assert "no hot-row profile beside or in" in plan.describe()
+    _profiled(tmp_path / "s", geo, rng)
+    plan, profile = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "pinned")
+    assert plan.rows == len(profile) and plan.expected_hit_rate == pytest.approx(1.0)
+    off, none = plan_layer_cache(sidecar, PREFIX, 0, None, (0, geo.num_rows), "pinned")
+    assert none is None and "FLASHNEXT_PLE_CACHE is 0" in off.describe()
+
+
+def test_a_profile_of_another_layer_is_refused(tmp_path, rng):
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "s", geo, rng)
+    _profiled(tmp_path / "p", PLEGeometry.from_config(CONFIG, layer_id=2), rng)
+    sidecar = open_sidecar(tmp_path / "s")
+    with pytest.raises(PluginError, match="was made for another PLE table than sidecar"):
+        plan_layer_cache(sidecar, PREFIX, 2**20, tmp_path / "p", (0, geo.num_rows), "staged")
+
+
+def test_attach_cache_refuses_a_table_without_one():
+    with pytest.raises(PluginError, match="object has no device cache in this flashnext"):
+        attach_cache(object(), None, 1)
+
+
+def test_the_plugin_serves_a_rank_from_a_slice_holding_its_rows(tmp_path, rng):
+    from flashnext.errors import SidecarError
+    from flashnext.ple.slicing import plan_slice, write_slice
+
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    _sidecar(tmp_path / "full", geo, rng)
+    full = open_sidecar(tmp_path / "full")
+    write_slice(full, tmp_path / "s" / "layer_3", plan_slice(full, 2, [1]))
+    shape, half = (geo.num_rows, geo.width), geo.num_rows // 2
+    rows, sidecar = open_rows(
+        tmp_path / "s", PREFIX, shape, (half, geo.num_rows), geo, "auto", "cpu", None, 8
+    )
+    assert sidecar.rows_present is not None and rows.table.row_range == (half, geo.num_rows)
+    ids = rng.integers(0, geo.num_rows, size=(9, geo.num_heads))
+    want = open_table(full, row_range=(half, geo.num_rows)).lookup(ids)
+    np.testing.assert_array_equal(rows.table.lookup(ids), want)
+    with pytest.raises(SidecarError, match=rf"rows 0\.\.{half} needs rows 0\.\."):
+        open_rows(tmp_path / "s", PREFIX, shape, (0, half), geo, "auto", "cpu", None, 8)

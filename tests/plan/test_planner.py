@@ -21,6 +21,7 @@ from flashnext.plan import vllm_kv
 from flashnext.plan.model import PlanError
 from flashnext.plan.planner import ModelInput, PlanRequest, make_plan
 from flashnext.plan.sizes import parse_size
+from flashnext.ple.geometry import PLEGeometry
 
 from ..cli.runner import run_in_process
 
@@ -258,3 +259,34 @@ def test_host_short_suggests_a_quantized_sidecar() -> None:
     (opt,) = options(_qwen4(), plan)
     assert opt["change"] == "--ple-format int4 --ple-placement staged --ple-residency mmap"
     assert opt["result"].endswith("fits as asked")
+
+
+def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    """FLASHNEXT_PLE_CACHE bytes per PLE layer, plus GpuTable's int32 slot map when pinned."""
+    model = _qwen4()
+    base = PlanRequest(96 * GIB, 0.92, max_model_len=32768, ple_format="int4", tp=2)
+    layers = len(make_plan(model, base).shape.ple_layers)
+    rows = sum(PLEGeometry.from_config(model.config, d).num_rows for d in range(layers))
+    for placement, slot_map in (("pinned", 4 * rows // 2), ("staged", 0)):
+        req = dataclasses.replace(base, ple_placement=placement)
+        cached = dataclasses.replace(req, ple_cache=GIB)
+        lost = (
+            make_plan(model, req).fit.available_bytes - make_plan(model, cached).fit.available_bytes
+        )
+        assert lost == layers * GIB + slot_map, placement
+        host = {i.name: i.bytes for i in make_plan(model, cached).host_items}
+        assert host.get("PLE hot-row cache slot map (staged)") == (
+            4 * rows if placement == "staged" else None
+        )
+    argv = ["plan", "--model", QWEN4, "--gpu-memory", "96GiB", "--ple-format", "int4"]
+    code, out, _ = run_in_process(
+        [*argv, "--ple-cache", "2GiB", "--ple-placement", "staged"], capsys
+    )
+    assert code in (0, 3) and "PLE hot-row cache (--ple-cache)" in out
+    for bad, named in (
+        (["--ple-cache", "2 gigs"], "--ple-cache '2 gigs': expected a number with a unit"),
+        (["--ple-cache", "1GiB", "--ple-placement", "device"], "the table is on the GPU already"),
+        (["--ple-cache", "1GiB", "--ple-gpu-cache-rows", "5"], "both size the cache"),
+    ):
+        code, _, err = run_in_process([*argv, *bad], capsys)
+        assert code == 1 and named in err and err.count("\n") == 1, err

@@ -153,7 +153,8 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
 
     reports = report_ple_tables(directory, tp)
     if as_json:
-        print_record(RECORD_KIND, {"tables": [r.to_dict() for r in reports]}, SCHEMA_VERSION)
+        tables = [{**r.to_dict(), **_slice_command(r.table.layer_index, tp)} for r in reports]
+        print_record(RECORD_KIND, {"tables": tables}, SCHEMA_VERSION)
         return
     for r in reports:
         t = r.table
@@ -169,11 +170,19 @@ def ple(directory: Path, tp: int | None, as_json: bool) -> None:
             say(f"  note: {text}")
         for rank, copies in enumerate(r.ranks):
             say(f"  rank {rank}: " + "; ".join(row_copy_text(c) for c in copies))
-        if r.ranks:
-            say(
-                f"  a node's ranks only: flashnext ple slice SIDECAR DST --tp {len(r.ranks)} "
-                "--ranks R[,R...] (copies the shards holding those ranks' rows)"
-            )
+        for command in _slice_command(t.layer_index, tp).values():
+            say(f"  a node's ranks only: {command}")
+
+
+def _slice_command(layer_index: int, tp: int | None) -> dict[str, str]:
+    """``flashnext ple slice`` for this layer's quantized sidecar (empty without ``--tp``)."""
+    if tp is None:
+        return {}
+    layer = f"layer_{layer_index}"
+    return {
+        "slice_command": f"flashnext ple slice SIDECAR/{layer} DST/{layer} --tp {tp} "
+        "--ranks R[,R...]"
+    }
 
 
 @checkpoint.command("override")

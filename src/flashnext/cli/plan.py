@@ -92,6 +92,11 @@ def _ple_options() -> list[Callable[[Any], Any]]:
             default=0,
             help="GPU hot-row cache rows.",
         ),
+        click.option(
+            "--ple-cache",
+            callback=_size,
+            help="Device cache of hot PLE rows per PLE layer, e.g. 2GiB (FLASHNEXT_PLE_CACHE).",
+        ),
     ]
 
 
@@ -167,6 +172,7 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         ple_placement=as_placement(kw["ple_placement"][0]),
         ple_residency=as_residency(_residency(kw)),
         ple_gpu_cache_rows=kw["ple_gpu_cache_rows"],
+        ple_cache=kw["ple_cache"] or 0,
         headroom=kw["headroom"],
         kv_cache_memory=kw["kv_cache_memory"],
         device=kw["device"],

@@ -55,7 +55,6 @@ from flashnext.ple.profile import (
 from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
 from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
 from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.slicing import slice_sidecar
 from flashnext.ple.table import PLETable, Warming, open_table
 from flashnext.records import (
     PLE_INFO,
@@ -63,6 +62,7 @@ from flashnext.records import (
     PLE_PREFLIGHT,
     PLE_PROFILE_SUMMARY,
     PLE_QUANTIZE,
+    PLE_SLICE,
     PLE_WARM,
 )
 
@@ -117,6 +117,9 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         ):
             value = record[key]
             table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))
+        if record["rows_present"] is not None:
+            held = ", ".join(f"{lo:,}..{hi:,}" for lo, hi in record["rows_present"])
+            table.add_row("rows present", f"{held} (a slice: `flashnext ple slice`)")
         table.add_row("size", human_bytes(record["size_bytes"]))
         fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
         table.add_row(
@@ -437,53 +440,6 @@ def warm(directory: Path, as_json: bool) -> None:
     )
 
 
-def _ranks_option(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
-    try:
-        ranks = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected ranks like 0 or 2,3") from None
-    if not ranks or min(ranks) < 0:
-        raise click.BadParameter(f"{value!r}: expected non-negative ranks like 0 or 2,3")
-    return ranks
-
-
-@ple.command(name="slice")
-@click.argument("sidecar", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--tp", type=click.IntRange(min=1), required=True, help="Tensor-parallel size.")
-@click.option("--ranks", required=True, callback=_ranks_option,
-              help="Consecutive ranks this node serves: R or R,R,...")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
-def slice_(sidecar: Path, dst: Path, tp: int, ranks: list[int], as_json: bool) -> None:
-    """Copy the shards of SIDECAR that hold RANKS' rows (of --tp) into a new DST.
-
-    Byte-for-byte copies, each sha256 checked against SIDECAR's META.json; DST's META.json says
-    which rows are present, and open_table / the plugin serve a rank whose rows lie inside.
-    """
-    check_output(dst, [sidecar], hint="DST")
-    part = slice_sidecar(sidecar, dst, tp, ranks)
-    kept = sorted(set(ranks))
-    record = {
-        "path": str(part.path),
-        "source": str(sidecar),
-        "tp": tp,
-        "ranks": kept,
-        "rows_present": list(part.rows_present),
-        "num_rows": part.num_rows,
-        "shards": len(part.shards),
-        "bytes": part.nbytes,
-    }
-    if as_json:
-        print_record("flashnext.ple.slice", record)
-        return
-    lo, hi = part.rows_present
-    say(
-        f"sliced {sidecar} -> {part.path}: {len(part.shards)} shards, rows {lo}..{hi} of "
-        f"{part.num_rows} ({human_bytes(part.nbytes)}) for --tp {tp} ranks "
-        f"{','.join(map(str, kept))}"
-    )
-
-
 def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]:
     """``--hot-rows`` as (rows, profile path): a count, or a profile file / directory."""
     if value is None:
@@ -707,3 +663,63 @@ def _show_profile(summary: dict[str, Any]) -> None:
     for share, value in summary["coverage_by_table_share"].items():
         table.add_row(f"top {share} of rows", f"{value['rows']:,} rows: {value['coverage']:.1%}")
     show(table)
+
+
+def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        ranks = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected ranks like 0 or 0,1", ctx, param) from None
+    tp = int(ctx.params.get("tp") or 1)  # --tp is eager and required: parsed first
+    bad = [r for r in ranks if not 0 <= r < tp]
+    if bad:
+        raise click.BadParameter(
+            f"{value!r}: rank {bad[0]} is not in a group of --tp {tp} (ranks 0..{tp - 1})",
+            ctx,
+            param,
+        )
+    return ranks
+
+
+@ple.command("slice")
+@click.argument("sidecar", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("dst", type=OutputDir())
+@click.option("--tp", type=click.IntRange(min=1, max=4096), required=True, is_eager=True,
+              help="Tensor-parallel size the model is served with.")  # fmt: skip
+@click.option("--ranks", required=True, callback=_rank_list,
+              help="The ranks this node serves, comma separated (e.g. 0,1).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: bool) -> None:
+    """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
+
+    Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
+    along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
+    rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
+    DST must be new or empty (no file in it is replaced).
+    """
+    from flashnext.ple.slicing import plan_slice, slice_file_names, write_slice
+
+    source = open_sidecar(sidecar)
+    plan = plan_slice(source, tp, ranks)
+    check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source))
+    with terminate_cleanly(), DestinationLock(dst), _bar(disable=as_json) as bar:
+        task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
+        write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))
+    summary = {
+        "source": str(sidecar),
+        "destination": str(dst),
+        "tp": tp,
+        "ranks": list(plan.ranks),
+        "rank_rows": [list(r) for r in plan.rank_rows],
+        "rows_present": [list(r) for r in plan.rows_present],
+        "shards": [sh.index for sh in plan.shards],
+        "bytes": plan.nbytes,
+    }
+    if as_json:
+        print_record(PLE_SLICE, summary)
+        return
+    rows = ", ".join(f"{lo}..{hi}" for lo, hi in plan.rows_present)
+    say(
+        f"{dst}: {len(plan.shards)} of {len(source.shards)} shards ({human_bytes(plan.nbytes)}), "
+        f"rows {rows} of {source.num_rows}, for ranks {','.join(map(str, plan.ranks))} of {tp}"
+    )

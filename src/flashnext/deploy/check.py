@@ -457,6 +457,7 @@ def _check_layer_sidecar(serving: Any, root: Path, config: dict[str, Any], layer
 def check_memory_plan(ctx: CheckContext) -> Check:
     """The planner's verdict for these flags on this GPU (KV capacity, state blocks, headroom)."""
     from flashnext.plan.planner import PlanRequest, load_model, make_plan
+    from flashnext.sizes import gib
 
     if ctx.gpu.memory_bytes is None:
         return Check(
@@ -475,7 +476,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
             num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
-            ple_placement="pinned" if a.ple_cpu_offload else "device",
+            **_planned_ple(a.ple_cpu_offload, _plugin_settings(a.env)),
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
@@ -483,10 +484,26 @@ def check_memory_plan(ctx: CheckContext) -> Check:
     command = f"flashnext plan --model {ctx.model_dir} --gpu-memory {ctx.gpu.memory_bytes}B"
     if plan.problems:
         return Check("memory-plan", "fail", "; ".join(plan.problems), f"{command} for options")
+    cache = sum(i.bytes for i in plan.device_items if i.name.startswith("PLE hot-row cache"))
+    counted = f"; {gib(cache)} of PLE hot-row cache counted first" if req.ple_cache else ""
     return Check(
         "memory-plan", "pass", f"KV fits: up to {plan.max_model_len_one:,} tokens for one request, "
-        f"{plan.max_num_seqs_state:,} sequences' state",
+        f"{plan.max_num_seqs_state:,} sequences' state{counted}",
     )  # fmt: skip
+
+
+def _planned_ple(cpu_offload: bool, plugin: PluginSettings | None) -> dict[str, Any]:
+    """The PLE placement and hot-row cache the planned environment serves with: vLLM's own
+    (pinned with cpu_offload, else device) unless a sidecar placement is switched on, and the
+    ``FLASHNEXT_PLE_CACHE`` bytes per layer in front of it (counted before the KV pool)."""
+    placement = "pinned" if cpu_offload else "device"
+    if plugin is None or plugin.ple_sidecar is None:
+        return {"ple_placement": placement}
+    if plugin.ple_placement != "auto":
+        placement = plugin.ple_placement
+    elif plugin.ple_cache:
+        placement = "pinned"  # auto places pinned or staged; the cache costs the same bar the map
+    return {"ple_placement": placement, "ple_cache": plugin.ple_cache}
 
 
 def probe_pidfd_getfd() -> tuple[str, int]:

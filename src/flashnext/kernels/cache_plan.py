@@ -1,131 +1,235 @@
-"""The device cache a server puts in front of a pinned or staged table, planned without a GPU.
+"""The device cache of hot rows in front of a pinned or staged table, planned without a GPU.
 
-What the plugin's ``FLASHNEXT_PLE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean,
-in one place that the plugin, ``flashnext plan`` and ``flashnext check`` can share (no torch, no
-vLLM): :func:`parse_cache_size` reads the size (``0`` = off; ``2GiB``, ``512MiB``, ``1.5GB`` or
-plain bytes), :func:`plan_cache` finds the profile (the given file, else the sidecar's
-``hot_rows.safetensors``) and works out, with the size rule of ``GpuTable.set_hot_rows`` /
-``StagedTable.set_hot_rows``, how many rows the cache holds for a rank's row range, the GPU bytes
-it takes (records; plus the 4-byte-per-row slot map on the device for a pinned table, nvfp4
-``scale_2`` for a staged one) and the hit rate the profile itself predicts for those rows.
+What the plugin's ``FLASHNEXT_PLE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean, in
+the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext plan`` and ``flashnext
+check`` share (no torch, no vLLM, no GPU):
+
+- :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
+  number without a unit), read by :mod:`flashnext.sizes` like every size.
+- :func:`profile_path`: which profile fills a layer's cache (the setting's file, its
+  ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.hot_rows.safetensors``
+  beside it, where ``flashnext ple profile`` writes, or ``hot_rows.safetensors`` inside it).
+- :func:`plan_cache`: how many rows of a rank's range the cache holds (``GpuTable.set_hot_rows``
+  / ``StagedTable.set_hot_rows``' rule), the GPU bytes they take and the hit rate the profile
+  itself predicts (a truncated profile's unprofiled lookups count as misses).
+- :func:`plan_layer_cache`: all of that for one served layer, refusing a profile made for
+  another table (its geometry against the sidecar's META.json).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from flashnext.errors import PluginError
-from flashnext.ple.profile import PROFILE_NAME, HotRowProfile, load_profile
+from flashnext.sizes import SIZE_HINT, SizeError, byte_count
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+if TYPE_CHECKING:
+    from flashnext.ple.profile import HotRowProfile
+    from flashnext.ple.sidecar import Sidecar
+
+#: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+#: Bytes per served row of the cache's int32 slot map: on the GPU in front of a pinned table
+#: (``GpuTable``), in host RAM in front of a staged one (``StagedTable``).
+SLOT_MAP_BYTES = 4
+#: Placements a device cache can stand in front of (``device`` is all on the GPU already).
+CACHED_PLACEMENTS = ("pinned", "staged")
 
 
 def parse_cache_size(value: object, where: str = "FLASHNEXT_PLE_CACHE") -> int:
-    """Bytes from ``0``, ``2GiB``, ``512MiB``, ``1.5GB`` or an integer byte count.
+    """Bytes from ``2GiB``, ``512MiB``, ``1.5GB``, or ``0`` (off; text or a JSON number).
+
+    A size needs its unit, as every size flag does (:mod:`flashnext.sizes`): ``0`` is the one
+    bare number, in text or as ``--additional-config``'s JSON number.
 
     Raises:
         PluginError: naming ``where`` and the value, when it is not a size.
     """
-    if isinstance(value, bool):
-        raise PluginError(f"{where}={value!r}: expected a size like 2GiB, 512MiB or 0 (off)")
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE.match(str(value))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise PluginError(f"{where}={value!r}: expected a size like 2GiB, 512MiB or 0 (off)")
-        size = int(float(m.group(1)) * _UNITS[unit])
-    if size < 0:
-        raise PluginError(f"{where}={value!r}: a cache size is 0 (off) or more bytes")
-    return size
+    if type(value) is int and value == 0:
+        return 0
+    if isinstance(value, str):
+        try:
+            return byte_count(value)
+        except SizeError:
+            pass
+    raise PluginError(f"{where}={value!r}: expected a cache size, {SIZE_HINT}, or 0 for off")
+
+
+def slot_map_on_device(placement: str) -> bool:
+    """Whether the cache's slot map takes GPU memory (pinned) or host RAM (staged)."""
+    return placement == "pinned"
 
 
 @dataclass(frozen=True)
 class CachePlan:
-    """The cache for one rank's rows: ``rows`` from ``profile``, ``device_bytes`` of GPU
-    memory, ``expected_hit_rate`` (0..1) the profile predicts for this rank's lookups."""
+    """The hot-row device cache in front of one layer's pinned or staged rows.
+
+    Attributes:
+        cache_bytes: device bytes asked for cached records (``FLASHNEXT_PLE_CACHE``; 0 = off).
+        profile: the hot-row profile file that fills it, or None (no cache then).
+        rows: rows of this rank's range that fit (the profile's order, ``cache_bytes //
+            record_bytes`` at most).
+        expected_hit_rate: the share of this rank's profiled lookups those rows serve (from
+            the profile's own counts), or None with no cache.
+        reason: why there is no cache, when there is none.
+        device_bytes: GPU bytes the cache takes: records, plus the slot map in front of a
+            pinned table, plus nvfp4 ``scale_2`` (4 bytes per cached row) of a staged one.
+    """
 
     cache_bytes: int
     profile: Path | None
-    rows: int
-    device_bytes: int
-    expected_hit_rate: float
+    rows: int = 0
+    expected_hit_rate: float | None = None
+    reason: str = ""
+    device_bytes: int = 0
 
     def describe(self) -> str:
         """One phrase for the plugin's start line."""
-        if self.rows == 0:
-            return "no device cache"
+        if self.expected_hit_rate is None:
+            return f"no device cache ({self.reason})"
         return (
-            f"device cache {self.device_bytes / 2**30:.2f} GiB: {self.rows:,} hot rows from "
-            f"{self.profile}, expected hit rate {self.expected_hit_rate:.1%} (the profile's own "
-            "coverage)"
+            f"device cache {self.cache_bytes / 2**30:.2f} GiB = {self.rows} hot rows from "
+            f"{self.profile}, expected hit rate {100 * self.expected_hit_rate:.1f}%"
         )
 
 
-def find_profile(sidecar: str | os.PathLike[str], profile: str | os.PathLike[str] | None) -> Path:
-    """The profile file: ``profile`` if given, else ``hot_rows.safetensors`` in the sidecar.
+def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path | None:
+    """The hot-row profile for the layer ``prefix`` serves from ``sidecar_dir``.
+
+    ``setting`` (``FLASHNEXT_PLE_PROFILE``) is a profile file, or a directory read like the
+    sidecar root (``layer_{L}/hot_rows.safetensors``, ``layer_{L}.hot_rows.safetensors`` or
+    ``hot_rows.safetensors`` in it). None means the sidecar's own profile when it has one:
+    ``SIDECAR.hot_rows.safetensors`` beside it (where ``flashnext ple profile`` writes), else
+    ``hot_rows.safetensors`` inside it (earlier versions, and ``flashnext ple slice``).
 
     Raises:
-        PluginError: neither exists (the fix is named).
+        PluginError: ``setting`` is given but holds no profile for this layer.
     """
-    path = Path(profile) if profile is not None else Path(sidecar) / PROFILE_NAME
-    if path.is_file() or (path.is_dir() and (path / PROFILE_NAME).is_file()):
-        return path
+    from flashnext.ple.profile import PROFILE_NAME, default_profile_path
+
+    if setting is None:
+        own = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
+        return next((p for p in own if p.is_file()), None)
+    if setting.is_file():
+        return setting
+    match = LAYER_INDEX.search(prefix)
+    layer = [setting / f"layer_{match.group(1)}"] if match else []
+    candidates = [d / PROFILE_NAME for d in layer] + [default_profile_path(d) for d in layer]
+    for candidate in [*candidates, setting / PROFILE_NAME]:
+        if candidate.is_file():
+            return candidate
     raise PluginError(
-        f"a device cache needs a hot-row profile: {path} does not exist; set "
-        f"FLASHNEXT_PLE_PROFILE=PATH or build one with `flashnext ple profile {sidecar} --text FILE`"
+        f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a profile "
+        f"file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
+        f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text FILES...`"
     )
 
 
 def plan_cache(
-    sidecar: str | os.PathLike[str],
+    profile: HotRowProfile,
+    path: Path | None,
     cache_bytes: int,
     record_bytes: int,
     row_range: tuple[int, int],
-    placement: str,
-    profile: str | os.PathLike[str] | HotRowProfile | None = None,
+    num_rows: int,
+    placement: str = "staged",
     scale_2: bool = False,
 ) -> CachePlan:
-    """Plan the cache for rows ``row_range`` of ``sidecar`` served ``placement``-style.
+    """How many of ``profile``'s rows a cache of ``cache_bytes`` holds for ``row_range``, the
+    GPU bytes they take, and the share of the rank's lookups they serve.
+
+    The rows kept follow ``set_hot_rows``' rule (profile order, rows inside the range,
+    ``cache_bytes // record_bytes`` of them). The hit rate's denominator is the profiled lookups
+    of this range: the profile's counts inside it, plus the lookups of rows the profile left
+    out (``total_lookups`` less every count) in the range's share of the table's rows.
 
     Args:
-        sidecar: the layer's sidecar directory (where the default profile lives).
-        cache_bytes: the size setting in bytes (0 = off).
-        record_bytes: bytes per row record of the sidecar's format.
-        row_range: ``(start, end)`` rows this rank serves.
+        profile: the hot-row profile (row ids int64 ``[n]`` in priority order, counts ``[n]``).
+        path: its file, for the description.
+        cache_bytes, record_bytes: the cache size and one row's record bytes.
+        row_range: this rank's rows ``[start, end)``; num_rows: the table's rows.
         placement: ``pinned`` (slot map on the GPU) or ``staged`` (slot map in host RAM).
-        profile: a profile path, an opened profile, or None (the sidecar's own).
-        scale_2: the format carries nvfp4 ``scale_2`` per staged row (4 bytes each).
+        scale_2: the format keeps nvfp4 ``scale_2`` per cached row on the GPU (staged).
+    """
+    import numpy as np  # lazily: serving's import stays light
+
+    ids = np.asarray(profile.row_ids, dtype=np.int64)
+    counts = np.asarray(profile.counts, dtype=np.int64)
+    lo, hi = row_range
+    inside = (ids >= lo) & (ids < hi)
+    mine = counts[inside]
+    kept = min(mine.size, max(0, cache_bytes) // max(1, record_bytes))
+    unprofiled = max(0, int(profile.total_lookups) - int(counts.sum()))
+    share = (hi - lo) / max(1, num_rows)
+    lookups = int(mine.sum()) + unprofiled * share
+    rate = float(mine[:kept].sum()) / lookups if lookups > 0 else 0.0
+    device = kept * record_bytes
+    if slot_map_on_device(placement):
+        device += SLOT_MAP_BYTES * (hi - lo)
+    elif scale_2:
+        device += 4 * kept
+    return CachePlan(cache_bytes, path, kept, rate, device_bytes=device)
+
+
+def plan_layer_cache(
+    sidecar: Sidecar,
+    prefix: str,
+    cache_bytes: int,
+    setting: Path | None,
+    row_range: tuple[int, int],
+    placement: str,
+) -> tuple[CachePlan, Any]:
+    """The cache plan of one layer and the profile that fills it (None when there is no cache).
 
     Raises:
-        PluginError: a placement with no cache, or no profile to be found.
+        PluginError: the profile asked for is missing or was made for another table.
         SidecarError: the profile file is not a valid profile.
     """
+    from flashnext.kernels.records import record_layout
+    from flashnext.ple.profile import load_profile
+
     if cache_bytes <= 0:
-        return CachePlan(0, None, 0, 0, 0.0)
-    if placement not in ("pinned", "staged"):
+        return CachePlan(0, None, reason="FLASHNEXT_PLE_CACHE is 0"), None
+    if placement not in CACHED_PLACEMENTS:
+        return CachePlan(cache_bytes, None, reason=f"the {placement} path has none"), None
+    path = profile_path(sidecar.path, setting, prefix)
+    if path is None:
+        why = f"no FLASHNEXT_PLE_PROFILE and no hot-row profile beside or in {sidecar.path}"
+        return CachePlan(cache_bytes, None, reason=why), None
+    profile = load_profile(path)
+    check_profile_table(profile, path, sidecar)
+    record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
+    scale_2 = sidecar.format == "nvfp4"
+    plan = plan_cache(profile, path, cache_bytes, record_bytes, row_range, sidecar.num_rows,
+                      placement, scale_2)  # fmt: skip
+    return plan, profile
+
+
+def check_profile_table(profile: HotRowProfile, path: Path, sidecar: Sidecar) -> None:
+    """Refuse a profile made for another table than ``sidecar`` (geometry or row count).
+
+    Raises:
+        PluginError: naming the profile and the sidecar.
+    """
+    meta = profile.meta if isinstance(profile.meta, Mapping) else {}
+    geometry = meta.get("geometry")
+    # Through JSON as the profile's record was, so tuples and lists compare equal.
+    ours = json.loads(json.dumps(sidecar.geometry.to_dict())) if sidecar.geometry else None
+    rows = geometry.get("num_rows") if isinstance(geometry, dict) else None
+    if ours is not None and isinstance(geometry, dict) and geometry != ours:
         raise PluginError(
-            f"a device cache serves the pinned and staged placements, not {placement!r}"
+            f"hot-row profile {path} was made for another PLE table than sidecar {sidecar.path} "
+            "(their geometries differ: another layer or model); profile this sidecar with "
+            "`flashnext ple profile`"
         )
-    if isinstance(profile, HotRowProfile):
-        path, prof = None, profile
-    else:
-        path = find_profile(sidecar, profile)
-        prof = load_profile(path)
-    lo, hi = row_range
-    inside = (prof.row_ids >= lo) & (prof.row_ids < hi)
-    counts = prof.counts[inside]
-    rows = min(int(counts.size), cache_bytes // record_bytes)
-    total = int(counts.sum(dtype=np.int64))
-    hit = float(counts[:rows].sum(dtype=np.int64)) / total if total else 0.0
-    device = rows * record_bytes
-    device += 4 * (hi - lo) if placement == "pinned" else (4 * rows if scale_2 else 0)
-    return CachePlan(cache_bytes, path, rows, device, hit)
+    top = int(profile.row_ids.max()) if len(profile) else -1
+    if top >= sidecar.num_rows or (rows is not None and rows != sidecar.num_rows):
+        raise PluginError(
+            f"hot-row profile {path} names rows up to {max(top, (rows or 0) - 1)}, but sidecar "
+            f"{sidecar.path} has {sidecar.num_rows} rows; profile this sidecar"
+        )

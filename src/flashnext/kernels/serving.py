@@ -12,13 +12,13 @@ there the rows are looked up on the host (:meth:`PLETable.lookup`), path ``"cpu"
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from flashnext.errors import PluginError
+from flashnext.kernels.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
 
 if TYPE_CHECKING:
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from flashnext.ple.sidecar import Sidecar
     from flashnext.ple.table import PLETable
 
-#: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
-LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: The serving path: a placement on a GPU, or ``cpu`` (host lookups on a CPU device).
 ServingPath = Placement | Literal["cpu"]
 
@@ -174,6 +172,25 @@ def host_residency(choice: PlacementChoice, setting: str) -> Residency:
     return "resident" if choice.placement == "cpu" and setting in ("device", "pinned") else "mmap"
 
 
+# -- the device cache of hot rows (planned by flashnext.kernels.cache_plan) ---------------------
+def attach_cache(target: Any, profile: Any, cache_bytes: int) -> Any:
+    """Fill the device cache of a pinned ``GpuTable`` or a ``StagedTable`` from ``profile``.
+
+    Both take the same call, ``set_hot_rows(profile, cache_bytes)``: the one place the
+    plugin's cache switch meets the kernels. Returns their ``CacheInfo``.
+
+    Raises:
+        PluginError: ``target`` has no device cache (a staged table of a flashnext built before
+            the staged cache existed).
+    """
+    if not hasattr(target, "set_hot_rows"):
+        raise PluginError(
+            f"{type(target).__name__} has no device cache in this flashnext; set "
+            "FLASHNEXT_PLE_CACHE=0 or use FLASHNEXT_PLE_PLACEMENT=pinned"
+        )
+    return target.set_hot_rows(profile, cache_bytes)
+
+
 # -- the rows object the plugin calls ------------------------------------------------------
 class SidecarRows:
     """This rank's rows of one sidecar, looked up into bf16 ``[N, heads * width]``.
@@ -183,12 +200,22 @@ class SidecarRows:
         choice: the serving path (:func:`choose_placement`).
         device: the torch device the lookups run on.
         max_ids: the most ids one staged lookup takes (``staged`` sizes its buffers by it).
+        cache: the hot-row cache (:func:`plan_layer_cache`) and its profile; pinned and staged
+            only, ignored elsewhere.
     """
 
-    def __init__(self, table: PLETable, choice: PlacementChoice, device: Any, max_ids: int):
+    def __init__(
+        self,
+        table: PLETable,
+        choice: PlacementChoice,
+        device: Any,
+        max_ids: int,
+        cache: tuple[CachePlan, Any] | None = None,
+    ):
         self.table = table
         self.choice = choice
         self.device = device
+        self.cache = cache[0] if cache else CachePlan(0, None, reason="not asked for")
         self._gpu: Any = None
         self._staged: Any = None
         if choice.placement in ("device", "pinned"):
@@ -201,6 +228,9 @@ class SidecarRows:
             from flashnext.kernels import StagedTable
 
             self._staged = StagedTable(table, max_ids=max(1, max_ids), device=device)
+        target = self._gpu if choice.placement == "pinned" else self._staged
+        if cache is not None and cache[1] is not None and target is not None:
+            attach_cache(target, cache[1], cache[0].cache_bytes)
 
     def lookup(self, ids: Any, out: Any) -> None:
         """Fill ``out`` (torch bf16 ``[N, heads * width]``, contiguous) with the rows of ``ids``
@@ -235,6 +265,8 @@ def open_rows(
     device: Any,
     device_free: int | None,
     max_ids: int,
+    cache_bytes: int = 0,
+    profile: Path | None = None,
 ) -> tuple[SidecarRows, Sidecar]:
     """Find, check, place and open the sidecar rows the layer named ``prefix`` serves.
 
@@ -248,9 +280,12 @@ def open_rows(
         device: the torch device the model is built on.
         device_free: free GPU bytes, or None.
         max_ids: the most ids one lookup takes.
+        cache_bytes: the hot-row device cache (``FLASHNEXT_PLE_CACHE``; 0 = off).
+        profile: ``FLASHNEXT_PLE_PROFILE`` (:func:`profile_path`), or None.
 
     Raises:
-        PluginError: no sidecar for the layer, a geometry mismatch, or a placement that cannot fit.
+        PluginError: no sidecar for the layer, a geometry mismatch, a placement that cannot fit,
+            or a cache profile that is missing or made for another table.
         SidecarError: the sidecar directory is not a valid sidecar.
         PreflightError: a pinned or resident copy does not fit in host memory.
     """
@@ -263,5 +298,6 @@ def open_rows(
     record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
     table_bytes = (row_range[1] - row_range[0]) * record_bytes
     choice = choose_placement(setting, device, table_bytes, device_free)
+    cache = plan_layer_cache(sidecar, prefix, cache_bytes, profile, row_range, choice.placement)
     table = open_table(sidecar, host_residency(choice, setting), row_range=row_range)
-    return SidecarRows(table, choice, device, max_ids), sidecar
+    return SidecarRows(table, choice, device, max_ids, cache), sidecar

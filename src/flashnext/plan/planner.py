@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
+from flashnext.kernels.cache_plan import SLOT_MAP_BYTES, slot_map_on_device
 from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
 from flashnext.plan import vllm_kv
 from flashnext.plan.model import ModelShape, PlanError, kv_spec, model_shape
@@ -50,6 +51,7 @@ class PlanRequest:
     ple_placement: Placement = "pinned"  # flashnext.placement's words
     ple_residency: Residency = "mmap"  # how a staged table's host copy holds rows
     ple_gpu_cache_rows: int = 0
+    ple_cache: int = 0  # device bytes of hot rows per PLE layer (FLASHNEXT_PLE_CACHE)
     headroom: int | None = None
     kv_cache_memory: int | None = None
     dtype: str = "auto"
@@ -77,8 +79,17 @@ class PlanRequest:
         for name in ("max_num_seqs", "tp", "gpu_memory"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive")
-        if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0:
-            raise PlanError("--num-speculative-tokens and --ple-gpu-cache-rows must be >= 0")
+        if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0 or self.ple_cache < 0:
+            raise PlanError(
+                "--num-speculative-tokens, --ple-gpu-cache-rows and --ple-cache must be >= 0"
+            )
+        if self.ple_cache and self.ple_gpu_cache_rows:
+            raise PlanError("--ple-cache and --ple-gpu-cache-rows both size the cache: give one")
+        if self.ple_cache and self.ple_placement == "device":
+            raise PlanError(
+                "--ple-cache with --ple-placement device: the table is on the GPU already; "
+                "the cache serves pinned and staged"
+            )
 
 
 @dataclass(frozen=True)
@@ -211,9 +222,24 @@ def _device_items(
     if table and req.ple_gpu_cache_rows:
         cache = req.ple_gpu_cache_rows * row_bytes
         items.append(Item("PLE hot-row cache", cache, f"{req.ple_gpu_cache_rows:,} rows/layer"))
+    if table and req.ple_cache:
+        items.extend(_cache_items(model, shape, req, table))
     headroom = DEFAULT_HEADROOM if req.headroom is None else req.headroom
     src = "default" if req.headroom is None else "given/calibrated"
     items.append(Item("headroom: activations, CUDA graphs, sampler", headroom, src))
+    return items
+
+
+def _cache_items(model: ModelInput, shape: ModelShape, req: PlanRequest, table: int) -> list[Item]:
+    """The hot-row device cache: ``ple_cache`` bytes per PLE layer (at most the rank's rows),
+    plus, in front of a pinned table, ``GpuTable``'s slot map of 4 bytes per served row."""
+    layers = len(shape.ple_layers)
+    cached = min(req.ple_cache, table // req.tp // layers) * layers
+    items = [Item("PLE hot-row cache (--ple-cache)", cached, f"{gib(req.ple_cache)} per layer")]
+    if slot_map_on_device(req.ple_placement):
+        rows = sum(PLEGeometry.from_config(model.config, d).num_rows for d in range(layers))
+        slots = SLOT_MAP_BYTES * rows // req.tp
+        items.append(Item("PLE hot-row cache slot map", slots, f"{SLOT_MAP_BYTES} bytes per row"))
     return items
 
 
@@ -228,6 +254,13 @@ def _host_items(
         items.append(Item(f"PLE table ({fmt}, staged, resident)", table, "committed RAM"))
     if table and req.ple_placement == "staged" and req.ple_residency == "mmap":
         items.append(Item(f"PLE table ({fmt}, staged, mmap)", table, "page cache, reclaimable"))
+    if table and req.ple_cache and not slot_map_on_device(req.ple_placement):
+        rows = sum(
+            PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers))
+        )
+        # StagedTable keeps its cache's int32 slot map in host RAM: every rank's rows.
+        slots = SLOT_MAP_BYTES * rows
+        items.append(Item("PLE hot-row cache slot map (staged)", slots, "committed RAM"))
     streamed = weights.total(exclude=("ple_table",))
     items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
     return items

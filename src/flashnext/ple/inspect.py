@@ -31,6 +31,8 @@ class SidecarInfo:
     resident_fits: bool
     geometry: dict[str, Any] | None
     memory: HostMemory = field(repr=False)
+    #: A slice's rows (``[[start, end], ...]``, ``flashnext ple slice``); None: the whole table.
+    rows_present: list[list[int]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -65,7 +67,8 @@ def inspect_sidecar(
         checks = "ok" if not problems else f"{len(problems)} mismatched"
     memory = memory or host_memory()
     bytes_per_row = sidecar.codec.bytes_per_row(sidecar.width)
-    resident = sidecar.num_rows * bytes_per_row
+    present = sidecar.rows_present or ((0, sidecar.num_rows),)
+    resident = sum(hi - lo for lo, hi in present) * bytes_per_row  # a slice: its rows only
     quant = sidecar.meta.get("quantization")
     rmse = quant.get("rel_rmse") if isinstance(quant, dict) else None
     geometry = sidecar.geometry
@@ -87,4 +90,5 @@ def inspect_sidecar(
         resident_fits=resident + DEFAULT_HEADROOM <= memory.available,
         geometry=geometry.to_dict() if geometry is not None else None,
         memory=memory,
+        rows_present=[list(r) for r in sidecar.rows_present] if sidecar.rows_present else None,
     )

@@ -22,12 +22,12 @@ A sidecar is a directory holding one PLE layer's table, split by rows:
 
   META.json holds no timestamp, so the same input always gives byte-identical files.
 
-  A *partial* sidecar (``flashnext ple slice``: some tensor-parallel ranks' rows) adds
-  ``"rows_present": [a, b]`` (on shard bounds) and ``"sliced_for": {"tp", "ranks", "rows"}``;
-  it holds exactly shards ``a // S`` .. ``ceil(b / S) - 1``, byte-identical to the full
-  sidecar's, and ``num_rows``/``num_shards`` stay the whole table's (so ``row_start`` and
-  ``table_rows`` in each shard still check). ``Sidecar.rows_present`` says which rows a
-  directory holds; tables refuse row ranges outside it.
+  A *slice* (``flashnext ple slice``: the shards some tensor-parallel ranks read) holds only
+  some shards. Its META.json gives ``num_rows``, ``num_shards`` and ``rows_per_shard`` of the
+  whole table, ``shards`` lists the shards present, and ``"rows_present": [[start, end], ...]``
+  (sorted, disjoint, on shard boundaries) says which rows they hold; ``"slice": {"tp": N,
+  "ranks": [...], "source": DIR}`` says how it was cut. Readers open exactly those shards at
+  their place in the table and refuse a row range that is not inside the rows present.
 
   Readers ignore unknown fields and accept the alternative key names other tools use
   (``shard_rows``, ``total_rows``, ``variant``). Where META.json gives ``rows_per_shard``,
@@ -129,6 +129,28 @@ class Sidecar:
     num_rows: int
     shards: list[Shard]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: The rows a slice holds (``[(start, end), ...]``), or None for a whole table.
+    rows_present: tuple[tuple[int, int], ...] | None = None
+
+    def missing_rows(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The parts of rows ``[start, end)`` this sidecar does not hold ([] for a whole table)."""
+        if self.rows_present is None:
+            return []
+        missing, at = [], start
+        for lo, hi in self.rows_present:
+            if hi <= at or lo >= end:
+                continue
+            if lo > at:
+                missing.append((at, lo))
+            at = max(at, hi)
+        if at < end:
+            missing.append((at, end))
+        return missing
+
+    def present_text(self) -> str:
+        """The rows held, as ``a..b, c..d`` (``0..num_rows`` for a whole table)."""
+        ranges = self.rows_present or ((0, self.num_rows),)
+        return ", ".join(f"{lo}..{hi}" for lo, hi in ranges)
 
     @property
     def format(self) -> str:
@@ -138,12 +160,6 @@ class Sidecar:
     def nbytes(self) -> int:
         """Bytes on disk of all shard files."""
         return sum(s.path.stat().st_size for s in self.shards)
-
-    @property
-    def rows_present(self) -> tuple[int, int]:
-        """``(start, end)`` global rows the shard files hold: the whole table, or a slice's
-        (``flashnext ple slice``, META.json ``rows_present``)."""
-        return self.shards[0].row_start, self.shards[-1].row_start + self.shards[-1].rows
 
     @property
     def geometry(self) -> PLEGeometry | None:
@@ -306,8 +322,15 @@ def _names(indices: list[int], limit: int = 5) -> str:
     return names + (" ..." if len(indices) > limit else "")
 
 
-def _shard_order(root: Path, found: dict[int, Path], num_shards: int | None) -> list[Path]:
-    """The shard files in row order, or an error saying what is missing or does not belong."""
+def _shard_order(
+    root: Path, found: dict[int, Path], num_shards: int | None, expected: list[int] | None = None
+) -> list[Path]:
+    """The shard files in row order, or an error saying what is missing or does not belong.
+
+    ``expected``: a slice's shard indices (from ``rows_present``); exactly those must be there.
+    """
+    if expected is not None:
+        return _slice_order(root, found, expected)
     indices = sorted(found)
     if num_shards is not None:
         beyond = [i for i in indices if i >= num_shards]
@@ -342,6 +365,60 @@ def _shard_order(root: Path, found: dict[int, Path], num_shards: int | None) -> 
             "to say which"
         )
     return [found[i] for i in indices]
+
+
+def _slice_order(root: Path, found: dict[int, Path], expected: list[int]) -> list[Path]:
+    stray = sorted(set(found) - set(expected))
+    if stray:
+        raise SidecarError(
+            f"{root}: {_names(stray)} hold rows outside rows_present in {META_NAME}: not part "
+            "of this slice; remove them (or re-slice with `flashnext ple slice`)"
+        )
+    missing = [i for i in expected if i not in found]
+    if missing:
+        raise SidecarError(
+            f"{root}: missing {_names(missing)} ({len(missing)} of the {len(expected)} shards "
+            f"rows_present in {META_NAME} needs); re-slice with `flashnext ple slice`"
+        )
+    return [found[i] for i in expected]
+
+
+def _rows_present(
+    root: Path, meta: Mapping[str, Any], counts: tuple[int | None, int | None, int | None]
+) -> tuple[tuple[tuple[int, int], ...], list[int]] | None:
+    """A slice's ``rows_present`` and the shard indices holding them (None: a whole table).
+
+    ``counts``: META.json's ``(num_shards, rows_per_shard, num_rows)``, all required for a slice.
+    """
+    raw = meta.get("rows_present")
+    if raw is None:
+        return None
+    num_shards, per, rows = counts
+    where = f"{root / META_NAME}: rows_present"
+    if num_shards is None or per is None or rows is None:
+        raise SidecarError(f"{where} needs num_shards, rows_per_shard and num_rows beside it")
+    ok = (
+        isinstance(raw, list)
+        and raw
+        and all(isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) for r in raw)
+    )
+    ranges = tuple((int(r[0]), int(r[1])) for r in raw) if ok else ()
+    flat = [v for r in ranges for v in r]
+    if (
+        not ok
+        or flat != sorted(flat)
+        or any(
+            not 0 <= lo < hi <= rows or lo % per or (hi % per and hi != rows) for lo, hi in ranges
+        )
+    ):
+        raise SidecarError(
+            f"{where}={raw!r}: expected sorted, disjoint [start, end] pairs on shard boundaries "
+            f"(multiples of {per}, or {rows}) inside the table; re-slice with `flashnext ple slice`"
+        )  # fmt: skip
+    indices = [k for lo, hi in ranges for k in range(lo // per, -(-hi // per))]
+    if indices and indices[-1] >= num_shards:
+        raise SidecarError(f"{where}={raw!r} needs shards beyond num_shards={num_shards}")
+    return ranges, indices
 
 
 def _read_headers(paths: list[Path]) -> list[Header]:
@@ -406,13 +483,9 @@ def _open_sidecar(root: Path) -> Sidecar:
     rows_per_shard = _meta_int(root, meta, "rows_per_shard", "shard_rows")
     num_rows = _meta_int(root, meta, "num_rows", "total_rows")
     meta_width = _meta_int(root, meta, "width", limit=MAX_WIDTH)
-    present = _rows_present(root, meta, num_rows, rows_per_shard)
-    found = _list_shards(root)
-    if present is None:
-        first, paths = 0, _shard_order(root, found, num_shards)
-    else:
-        first, paths = _partial_order(root, found, present, rows_per_shard or 1)
-    headers = _read_headers(paths)
+    present = _rows_present(root, meta, (num_shards, rows_per_shard, num_rows))
+    indices = present[1] if present else None
+    headers = _read_headers(_shard_order(root, _list_shards(root), num_shards, indices))
     codec = _detect_codec(root, headers[0], meta)
     rows_per_shard = rows_per_shard or _rows_of(headers[0], codec)
     width = meta_width or _width_of(headers[0], codec)
@@ -421,75 +494,28 @@ def _open_sidecar(root: Path) -> Sidecar:
     except FormatError as exc:
         source = META_NAME if meta_width else headers[0].path.name
         raise SidecarError(f"{root}: width {width} from {source}: {exc}") from None
+    order = indices or list(range(len(headers)))
+    last = num_shards - 1 if present and num_shards else len(headers) - 1
     shards = []
-    row_start = first * rows_per_shard
-    table_end = present[2] if present is not None else None
-    for i, header in enumerate(headers):
-        last = i == len(headers) - 1 and (present is None or present[1] == table_end)
-        rows = _check_shard(header, codec, width, rows_per_shard, is_last=last)
-        _check_shard_metadata(header, codec, row_start)
+    for k, header in zip(order, headers, strict=True):
+        rows = _check_shard(header, codec, width, rows_per_shard, is_last=k == last)
+        _check_shard_metadata(header, codec, k * rows_per_shard)
         shards.append(
-            Shard(first + i, header.path, row_start, rows, header.tensors, _scalars(header, codec))
+            Shard(k, header.path, k * rows_per_shard, rows, header.tensors, _scalars(header, codec))
         )
-        row_start += rows
-    if present is not None and row_start != present[1]:
+    held = sum(sh.rows for sh in shards)
+    table_rows = num_rows if present and num_rows else held
+    wanted = sum(hi - lo for lo, hi in present[0]) if present else num_rows
+    if wanted is not None and wanted != held:
+        says = "rows_present covers " if present else "num_rows="
         raise SidecarError(
-            f"{root}: its shards end at row {row_start}, but {META_NAME} says rows_present ends "
-            f"at {present[1]}; re-run `flashnext ple slice`"
-        )
-    total = table_end if table_end is not None else row_start
-    if num_rows is not None and num_rows != total:
-        raise SidecarError(
-            f"{root}: shards hold {total} rows in all, but {META_NAME} says num_rows={num_rows}"
+            f"{root}: shards hold {held} rows in all, but {META_NAME} says {says}{wanted}"
         )
     for header in headers:
-        _check_table_rows(header, total)
-    _meta_geometry(root, meta, total, width)
-    return Sidecar(root, codec, width, rows_per_shard, total, shards, meta)
-
-
-def _rows_present(
-    root: Path, meta: Mapping[str, Any], num_rows: int | None, rows_per_shard: int | None
-) -> tuple[int, int, int] | None:
-    """``(start, end, num_rows)`` of a partial sidecar's META.json ``rows_present``, else None.
-
-    A partial sidecar (``flashnext ple slice``) holds whole shards ``[start, end)`` of a table of
-    ``num_rows`` rows; META.json must give ``rows_per_shard`` and ``num_rows`` beside it.
-    """
-    value = meta.get("rows_present")
-    if value is None:
-        return None
-    where = f"{root / META_NAME}: rows_present"
-    if num_rows is None or rows_per_shard is None:
-        raise SidecarError(f"{where} needs num_rows and rows_per_shard beside it")
-    ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)
-    start, end = (value[0], value[1]) if ok else (-1, -1)
-    if not (0 <= start < end <= num_rows and start % rows_per_shard == 0) or (
-        end % rows_per_shard and end != num_rows
-    ):
-        raise SidecarError(
-            f"{where} is {value!r}, expected [start, end] on shard bounds (multiples of "
-            f"{rows_per_shard}, or the table's end {num_rows}) inside the table's rows"
-        )
-    return start, end, num_rows
-
-
-def _partial_order(
-    root: Path, found: dict[int, Path], present: tuple[int, int, int], rows_per_shard: int
-) -> tuple[int, list[Path]]:
-    """The first shard index and the shard files of a partial sidecar, all and only those
-    holding ``rows_present``."""
-    first = present[0] // rows_per_shard
-    want = list(range(first, -(-present[1] // rows_per_shard)))
-    missing = [i for i in want if i not in found]
-    stray = sorted(set(found) - set(want))
-    if missing or stray:
-        what = f"missing {_names(missing)}" if missing else f"{_names(stray)} do not belong"
-        raise SidecarError(
-            f"{root}: a partial sidecar of rows {present[0]}..{present[1]} holds shards "
-            f"{shard_name(want[0])} .. {shard_name(want[-1])}: {what}; re-run `flashnext ple slice`"
-        )
-    return first, [found[i] for i in want]
+        _check_table_rows(header, table_rows)
+    _meta_geometry(root, meta, table_rows, width)
+    ranges = present[0] if present else None
+    return Sidecar(root, codec, width, rows_per_shard, table_rows, shards, meta, ranges)
 
 
 def _scalars(header: Header, codec: Codec) -> dict[str, float]:

@@ -1,125 +1,176 @@
-"""Per-rank sidecars: copy the shard files that hold some tensor-parallel ranks' rows.
+"""Slices of a sidecar: the shard files some tensor-parallel ranks read, copied byte for byte.
 
-Under tensor parallelism rank ``r`` of ``tp`` serves rows ``[r * P, (r + 1) * P)``,
-``P = num_rows / tp`` (vLLM splits the padded table contiguously). A node needs only its ranks'
-rows: :func:`slice_sidecar` copies, byte for byte, the whole shard files overlapping them,
-checks each copy's sha256 against the source's META.json, and writes a META.json that says
-which rows are present (``rows_present``, on shard bounds). ``open_table(row_range=...)`` serves
-a rank from it when the rank's rows lie inside; otherwise it refuses naming the missing rows.
+Under tensor parallelism rank ``r`` of ``tp`` serves rows ``[r*P, (r+1)*P)``, ``P = num_rows /
+tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its ranks' rows.
+:func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
+against the source's META.json (where it records one), copies the hot-row profile (beside
+or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
+:mod:`flashnext.ple.sidecar`). Every file is written under a temporary name and renamed when
+complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
+``row_range`` inside the rows present and refuses one outside, naming the missing rows.
+
+The destination rule (not an input, not inside one, no file replaced that this command did
+not write) is the caller's: :func:`flashnext.ple.destination.destination_problem`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashnext.atomic import write_json
+from flashnext import __version__
+from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
-from flashnext.ple.destination import destination_problem
-from flashnext.ple.sidecar import META_NAME, Sidecar, open_sidecar
-from flashnext.safetensors_file import sha256_file
+from flashnext.ple.profile import PROFILE_NAME, default_profile_path
+from flashnext.ple.sidecar import FORMAT_VERSION, META_NAME, Shard, Sidecar, shard_name
+
+_CHUNK = 8 << 20  # bytes per read while copying
 
 
 def rank_rows(num_rows: int, tp: int, rank: int) -> tuple[int, int]:
-    """Rows ``[start, end)`` rank ``rank`` of ``tp`` serves.
+    """Rows ``[start, end)`` tensor-parallel ``rank`` of ``tp`` serves (vLLM's even split).
 
     Raises:
-        SidecarError: ``tp`` does not divide ``num_rows`` or ``rank`` is not in ``[0, tp)``.
+        SidecarError: ``rank`` is not in the group, or the rows do not split evenly.
     """
-    if tp < 1 or num_rows % tp:
-        raise SidecarError(
-            f"--tp {tp}: the table's {num_rows} rows do not split into {tp} equal rank ranges"
-        )
-    if not 0 <= rank < tp:
-        raise SidecarError(f"--ranks: rank {rank} is not in [0, {tp}) for --tp {tp}")
-    part = num_rows // tp
-    return rank * part, (rank + 1) * part
+    if tp <= 0 or not 0 <= rank < tp:
+        raise SidecarError(f"--ranks {rank}: not a rank of a tensor-parallel group of {tp}")
+    if num_rows % tp:
+        raise SidecarError(f"--tp {tp}: the table's {num_rows} rows do not split evenly")
+    per = num_rows // tp
+    return rank * per, (rank + 1) * per
 
 
-def slice_rows(num_rows: int, tp: int, ranks: list[int]) -> tuple[int, int]:
-    """The rows ``[start, end)`` of ``ranks`` together (they must be consecutive).
+@dataclass(frozen=True)
+class SlicePlan:
+    """What a slice holds: the ranks' rows, the shards that hold them, the rows present."""
+
+    tp: int
+    ranks: tuple[int, ...]
+    rank_rows: tuple[tuple[int, int], ...]
+    shards: tuple[Shard, ...]
+    rows_present: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shard files to copy."""
+        return sum(sh.path.stat().st_size for sh in self.shards)
+
+
+def plan_slice(sidecar: Sidecar, tp: int, ranks: Sequence[int]) -> SlicePlan:
+    """The shards of ``sidecar`` that ranks ``ranks`` of ``tp`` read.
 
     Raises:
-        SidecarError: no ranks, a bad rank, or ranks with a gap (slice those separately).
+        SidecarError: a rank outside the group, rows that do not split evenly, or (slicing a
+            slice) ranks whose rows the source does not hold.
     """
-    if not ranks:
-        raise SidecarError("--ranks: give at least one rank")
-    ordered = sorted(set(ranks))
-    if ordered != list(range(ordered[0], ordered[-1] + 1)):
-        raise SidecarError(
-            f"--ranks {','.join(map(str, ranks))}: not consecutive; a slice holds one contiguous "
-            "row range: slice each run of ranks into its own directory"
-        )
-    return rank_rows(num_rows, tp, ordered[0])[0], rank_rows(num_rows, tp, ordered[-1])[1]
+    wanted = tuple(sorted(set(ranks)))
+    spans = tuple(rank_rows(sidecar.num_rows, tp, r) for r in wanted)
+    for r, (lo, hi) in zip(wanted, spans, strict=True):
+        missing = sidecar.missing_rows(lo, hi)
+        if missing:
+            raise SidecarError(
+                f"{sidecar.path}: rank {r} of {tp} serves rows {lo}..{hi}, but this slice holds "
+                f"only rows {sidecar.present_text()}: slice the full sidecar"
+            )
+    shards = tuple(
+        sh
+        for sh in sidecar.shards
+        if any(sh.row_start < hi and lo < sh.row_start + sh.rows for lo, hi in spans)
+    )
+    present: list[tuple[int, int]] = []
+    for sh in shards:
+        if present and present[-1][1] == sh.row_start:
+            present[-1] = (present[-1][0], sh.row_start + sh.rows)
+        else:
+            present.append((sh.row_start, sh.row_start + sh.rows))
+    return SlicePlan(tp, wanted, spans, shards, tuple(present))
 
 
-def _check_destination(src: Path, dst: Path) -> None:
-    """The shared destination rule, and a slice is always written into a new directory."""
-    problem = destination_problem(dst, [src])
-    if problem:
-        raise SidecarError(problem)
-    if dst.exists():
-        raise SidecarError(f"{dst}: already exists; slice into a new directory")
+def slice_file_names(plan: SlicePlan, sidecar: Sidecar) -> list[str]:
+    """Every name :func:`write_slice` writes in the destination (for the destination rule)."""
+    names = [shard_name(sh.index) for sh in plan.shards] + [META_NAME]
+    return names + ([PROFILE_NAME] if source_profile(sidecar) else [])
 
 
-def slice_sidecar(src: str | os.PathLike[str], dst: str | os.PathLike[str], tp: int,
-                  ranks: list[int]) -> Sidecar:  # fmt: skip
-    """Copy the shards of ``src`` holding ``ranks``' rows (of ``tp``) into a new ``dst``.
+def source_profile(sidecar: Sidecar) -> Path | None:
+    """The sidecar's hot-row profile: beside it (``ple profile``'s default) or inside it."""
+    own = [default_profile_path(sidecar.path), sidecar.path / PROFILE_NAME]
+    return next((p for p in own if p.is_file()), None)
 
-    Written under a temporary name beside ``dst`` and renamed when complete and verified.
+
+def write_slice(
+    sidecar: Sidecar,
+    dst: str | os.PathLike[str],
+    plan: SlicePlan,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Copy ``plan``'s shards (and the hot-row profile) into ``dst``, then write META.json.
+
+    Args:
+        sidecar: the source (a whole sidecar or a slice holding the ranks' rows).
+        dst: the destination directory (created; the caller has applied the destination rule).
+        plan: :func:`plan_slice`'s answer for ``sidecar``.
+        progress: called with the bytes copied since the last call.
 
     Raises:
-        SidecarError: a bad ``tp``/``ranks``, rows the source does not hold, a destination that
-            exists or overlaps the source, or a copy whose sha256 differs from the source's.
+        SidecarError: a copy's sha256 differs from the one the source's META.json records
+            (the copy is removed; the source changed after it was written).
+        OSError: a file cannot be read or written (naming it).
     """
-    source = open_sidecar(src)
-    start, end = slice_rows(source.num_rows, tp, ranks)
-    lo, hi = source.rows_present
-    if not (lo <= start and end <= hi):
-        raise SidecarError(
-            f"{source.path}: holds rows {lo}..{hi}, the ranks need {start}..{end}; slice the "
-            "full sidecar"
-        )
-    dst = Path(dst)
-    _check_destination(source.path, dst)
-    shards = [s for s in source.shards if s.row_start < end and s.row_start + s.rows > start]
-    checksums = source.expected_checksums()
-    work = dst.with_name(f".{dst.name}.slice-partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
-        records = []
-        for shard in shards:
-            copy = work / shard.path.name
-            shutil.copyfile(shard.path, copy)
-            digest = sha256_file(copy)
-            want = checksums.get(shard.index) or sha256_file(shard.path)
-            if digest != want:
-                raise SidecarError(
-                    f"{shard.path}: the copy's sha256 {digest[:16]}... differs from "
-                    f"{want[:16]}... recorded for it; the source changed or is damaged"
-                )
-            records.append({"file": shard.path.name, "rows": shard.rows, "sha256": digest})
-        present = [shards[0].row_start, shards[-1].row_start + shards[-1].rows]
-        write_json(work / META_NAME, _meta(source, records, present, tp, ranks, (start, end)))
-        work.rename(dst)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return open_sidecar(dst)
+    out = Path(dst)
+    out.mkdir(parents=True, exist_ok=True)
+    expected = sidecar.expected_checksums()
+    records = []
+    for sh in plan.shards:
+        digest = copy_checked(sh.path, out / shard_name(sh.index), expected.get(sh.index), progress)
+        records.append({"file": shard_name(sh.index), "rows": sh.rows, "sha256": digest})
+    profile = source_profile(sidecar)
+    if profile is not None:  # inside the slice: the destination holds everything it writes
+        copy_checked(profile, out / PROFILE_NAME, None, progress)
+    write_json(out / META_NAME, slice_meta(sidecar, plan, records))
+    return out
 
 
-def _meta(source: Sidecar, records: list[dict], present: list[int], tp: int, ranks: list[int],
-          rows: tuple[int, int]) -> dict[str, Any]:  # fmt: skip
-    meta = dict(source.meta)
-    meta.update({
-        "format": source.format, "width": source.width, "num_rows": source.num_rows,
-        "rows_per_shard": source.rows_per_shard,
-        "num_shards": -(-source.num_rows // source.rows_per_shard),
-        "shards": records, "rows_present": present,
-        "sliced_for": {"tp": tp, "ranks": sorted(set(ranks)), "rows": list(rows)},
-    })  # fmt: skip
-    meta.setdefault("format_version", 1)
-    return meta
+def copy_checked(
+    src: Path, dst: Path, sha256: str | None, progress: Callable[[int], None] | None = None
+) -> str:
+    """Copy ``src`` to ``dst`` byte for byte (atomically), hashing what was read; refuse (and
+    leave no ``dst``) when ``sha256`` is given and differs. Returns the hex digest."""
+    h = hashlib.sha256()
+    with open(src, "rb") as fin, atomic_write(dst) as fout:
+        while chunk := fin.read(_CHUNK):
+            h.update(chunk)
+            fout.write(chunk)
+            if progress is not None:
+                progress(len(chunk))
+        digest = h.hexdigest()
+        if sha256 is not None and digest != sha256:
+            raise SidecarError(
+                f"{src}: sha256 {digest[:16]}..., expected {sha256[:16]}... from its "
+                f"{META_NAME}; the file changed after it was written: re-create it (nothing "
+                f"was written to {dst})"
+            )
+    return digest
+
+
+def slice_meta(sidecar: Sidecar, plan: SlicePlan, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The slice's META.json: the source's, with the shards present and ``rows_present``."""
+    num_shards = -(-sidecar.num_rows // sidecar.rows_per_shard)
+    return {
+        **sidecar.meta,
+        "format_version": FORMAT_VERSION,
+        "format": sidecar.format,
+        "width": sidecar.width,
+        "rows_per_shard": sidecar.rows_per_shard,
+        "num_rows": sidecar.num_rows,
+        "num_shards": num_shards,
+        "shards": records,
+        "rows_present": [list(r) for r in plan.rows_present],
+        "slice": {"tp": plan.tp, "ranks": list(plan.ranks), "source": str(sidecar.path.resolve())},
+        "flashnext_version": __version__,
+    }

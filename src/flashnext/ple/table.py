@@ -141,7 +141,7 @@ class PLETable:
                 f"{sidecar.path}: row_range ({start}, {end}) is not inside the table's "
                 f"{sidecar.num_rows} rows"
             )
-        _check_present(sidecar, start, end)
+        _refuse_missing_rows(sidecar, start, end, row_range is None)
         self.row_range = (start, end)
         self._warming: Warming | None = None  # background warming in progress
         self._set_layout()
@@ -699,20 +699,17 @@ def open_table(
     return PLETable(sidecar, residency, row_range, preflight, hot_rows, threads)
 
 
-def _check_present(sidecar: Sidecar, start: int, end: int) -> None:
-    """Refuse rows ``[start, end)`` that a partial sidecar (``flashnext ple slice``) lacks.
-
-    Raises:
-        SidecarError: naming the rows asked for, the rows present and the rows missing.
-    """
-    lo, hi = sidecar.rows_present
-    if lo <= start and end <= hi:
+def _refuse_missing_rows(sidecar: Sidecar, start: int, end: int, whole: bool) -> None:
+    """Refuse rows ``[start, end)`` of a slice that does not hold them all, naming the missing."""
+    missing = sidecar.missing_rows(start, end)
+    if not missing:
         return
-    missing = [f"{a}..{b}" for a, b in ((start, min(end, lo)), (max(start, hi), end)) if a < b]
+    gaps = ", ".join(f"{lo}..{hi}" for lo, hi in missing[:4]) + (" ..." if len(missing) > 4 else "")
+    asked = "the whole table (no row_range)" if whole else f"rows {start}..{end}"
     raise SidecarError(
-        f"{sidecar.path}: a partial sidecar with rows {lo}..{hi} of {sidecar.num_rows}; rows "
-        f"{start}..{end} were asked for and rows {', '.join(missing)} are missing: slice the "
-        "full sidecar for this rank (flashnext ple slice SIDECAR DST --tp N --ranks R)"
+        f"{sidecar.path}: a slice holding rows {sidecar.present_text()} of {sidecar.num_rows}; "
+        f"{asked} needs rows {gaps}, which it does not hold: serve this rank from a slice with its "
+        "ranks (`flashnext ple slice SIDECAR DST --tp N --ranks R`) or from the full sidecar"
     )
 
 

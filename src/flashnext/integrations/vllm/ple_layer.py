@@ -135,6 +135,8 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
         device,
         free,
         max_ids,
+        settings.ple_cache,
+        settings.ple_profile,
     )
     choice = rows.choice
     logger.info(
@@ -142,7 +144,8 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
             PART,
             f"{layer.prefix} <- {sidecar.path} ({sidecar.format}, rows {start}..{end} of "
             f"{sidecar.num_rows}, ETP rank {layer.tp_rank}/{layer.tp_size}, "
-            f"{choice.placement}: {choice.reason}; replaces {layer.embedding_method.replaced})",
+            f"{choice.placement}: {choice.reason}; {rows.cache.describe()}; "
+            f"replaces {layer.embedding_method.replaced})",
         )
     )
     return rows

@@ -10,6 +10,10 @@ Two sources, read at different times:
                                    layer (``L`` = the 0-based decoder index of the checkpoint's tensor
                                    names), or ``DIR`` itself when it is one sidecar
   ``FLASHNEXT_PLE_PLACEMENT=P``    ``auto`` (default), ``device``, ``pinned`` or ``staged``
+  ``FLASHNEXT_PLE_CACHE=SIZE``     device cache of hot rows in front of a pinned or staged
+                                   placement (``2GiB``, ``512MiB``; ``0`` = off, the default)
+  ``FLASHNEXT_PLE_PROFILE=PATH``   the hot-row profile that fills the cache (``flashnext ple
+                                   profile``); default: the sidecar's ``hot_rows.safetensors``
   ``FLASHNEXT_MOE_GUARD=1``        sanitize B12x top-k ids, share MoE workspaces
   ``FLASHNEXT_PLE_LOADER_FIX=1``   load a table the checkpoint keeps (empty shard index, both
                                    prefixes, FP8 ``weight_scale``)
@@ -19,8 +23,8 @@ Two sources, read at different times:
   ===============================  =================================================================
 
 - **``--additional-config``** (``vllm serve ... --additional-config '{"flashnext": {...}}'``, keys
-  ``ple_sidecar``, ``ple_placement``, ``moe_guard``, ``ple_loader_fix``, ``drop_indexer``,
-  ``allow_untested_vllm``):
+  ``ple_sidecar``, ``ple_placement``, ``ple_cache``, ``ple_profile``, ``moe_guard``,
+  ``ple_loader_fix``, ``drop_indexer``, ``allow_untested_vllm``):
   read when the model is built (the first PLE layer's construction, from vLLM's current config),
   because a general plugin is called before vLLM has parsed its config. Parts switched on only
   here are applied at that point, still checked before they are applied.
@@ -49,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.errors import PluginError
+from flashnext.kernels.cache_plan import parse_cache_size
 from flashnext.placement import PLACEMENT_SETTINGS, PlacementSetting
 
 #: The ``--additional-config`` section the plugin reads.
@@ -57,11 +62,14 @@ CONFIG_SECTION = "flashnext"
 ENV_NAMES = {
     "ple_sidecar": "FLASHNEXT_PLE_SIDECAR",
     "ple_placement": "FLASHNEXT_PLE_PLACEMENT",
+    "ple_cache": "FLASHNEXT_PLE_CACHE",
+    "ple_profile": "FLASHNEXT_PLE_PROFILE",
     "moe_guard": "FLASHNEXT_MOE_GUARD",
     "ple_loader_fix": "FLASHNEXT_PLE_LOADER_FIX",
     "drop_indexer": "FLASHNEXT_DROP_INDEXER",
     "allow_untested_vllm": "FLASHNEXT_ALLOW_UNTESTED_VLLM",
 }
+_PATHS_AND_WORDS = ("ple_sidecar", "ple_placement", "ple_cache", "ple_profile")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -74,6 +82,10 @@ class PluginSettings:
         ple_sidecar: directory of the sidecar(s) serving the PLE tables, or None (off).
         ple_placement: where a GPU reads the rows (:mod:`flashnext.placement`; ``auto`` lets
             :func:`flashnext.kernels.serving.choose_placement` decide).
+        ple_cache: device bytes for the hot-row cache (0 = off); used by the pinned and staged
+            placements only.
+        ple_profile: the hot-row profile file, or None (the sidecar's ``hot_rows.safetensors``
+            when it has one).
         moe_guard: the B12x guard (route sanitizer, shared workspaces).
         ple_loader_fix: the loader fix for checkpoints that keep the table.
         drop_indexer: skip QSA indexer tensors a dense-attention config has no place for.
@@ -82,6 +94,8 @@ class PluginSettings:
 
     ple_sidecar: Path | None = None
     ple_placement: PlacementSetting = "auto"
+    ple_cache: int = 0
+    ple_profile: Path | None = None
     moe_guard: bool = False
     ple_loader_fix: bool = False
     drop_indexer: bool = False
@@ -136,7 +150,8 @@ class PluginSettings:
 
         Raises:
             PluginError: a bad value, an unknown key in the ``flashnext`` section, the two
-                sources disagreeing, or a sidecar together with the loader fix.
+                sources disagreeing, a sidecar together with the loader fix, or a cache or
+                profile without a sidecar (or with the device placement).
         """
         from_env = _parse_env(os.environ if env is None else env)
         from_config = _parse_section(additional_config)
@@ -152,12 +167,26 @@ class PluginSettings:
             if value is not None:
                 merged[name] = value
         settings = cls(**merged)
-        if settings.ple_sidecar is not None and settings.ple_loader_fix:
+        settings._check_combination()
+        return settings
+
+    def _check_combination(self) -> None:
+        if self.ple_sidecar is not None and self.ple_loader_fix:
             raise PluginError(
                 "ple_sidecar and ple_loader_fix are both on: a sidecar replaces the checkpoint's "
                 "table, the loader fix loads it; switch one off"
             )
-        return settings
+        if self.ple_sidecar is None and (self.ple_cache or self.ple_profile is not None):
+            raise PluginError(
+                "FLASHNEXT_PLE_CACHE / FLASHNEXT_PLE_PROFILE set without FLASHNEXT_PLE_SIDECAR: "
+                "the hot-row cache serves a sidecar's rows; set the sidecar or drop the cache"
+            )
+        if self.ple_cache and self.ple_placement == "device":
+            raise PluginError(
+                f"FLASHNEXT_PLE_CACHE={self.ple_cache} with FLASHNEXT_PLE_PLACEMENT=device: the "
+                "device placement holds every row on the GPU already; the cache serves pinned "
+                "and staged (set FLASHNEXT_PLE_CACHE=0 or another placement)"
+            )
 
 
 def command_line_config(argv: Sequence[str]) -> dict[str, Any] | None:
@@ -183,7 +212,7 @@ def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, var in ENV_NAMES.items():
         raw = env.get(var)
-        if raw is None or (raw.strip() == "" and name in ("ple_sidecar", "ple_placement")):
+        if raw is None or (raw.strip() == "" and name in _PATHS_AND_WORDS):
             continue
         out[name] = _value(name, raw, var)
     return out
@@ -218,6 +247,12 @@ def _value(name: str, raw: Any, where: str) -> Any:
         if not isinstance(raw, str | os.PathLike) or not str(raw).strip():
             raise PluginError(f"{where} must be a sidecar directory, found {raw!r}")
         return Path(raw).expanduser()
+    if name == "ple_profile":
+        if not isinstance(raw, str | os.PathLike) or not str(raw).strip():
+            raise PluginError(f"{where} must be a hot-row profile file, found {raw!r}")
+        return Path(raw).expanduser()
+    if name == "ple_cache":
+        return _cache_bytes(raw, where)
     if name == "ple_placement":
         if raw not in PLACEMENT_SETTINGS:
             raise PluginError(f"{where}={raw!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
@@ -230,3 +265,8 @@ def _value(name: str, raw: Any, where: str) -> Any:
     if text in _FALSE:
         return False
     raise PluginError(f"{where}={raw!r}: expected 1 or 0 (true/false)")
+
+
+def _cache_bytes(raw: Any, where: str) -> int:
+    """The cache size with its unit (``2GiB``); ``0`` (text or JSON number) turns it off."""
+    return parse_cache_size(raw, where)
