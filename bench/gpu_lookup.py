@@ -13,7 +13,8 @@ giving ``vocab_size`` and ``eos_token_id``; made by ``bench/text_tokens.py`` fro
 ``--baseline-rows`` rows; (b) ours over UVA for fp8/int4/nvfp4 at ``--rows`` rows; (c) ours
 from device memory; (d) the staged path from a memory-mapped int4 sidecar of ``--staged-rows``
 rows; (e) int4 over UVA behind a device cache of the hottest rows of the text's first half
-(1, 2, 4 GB), timed on the second half. Each timing replays a CUDA graph of several lookups
+(1, 2, 4 GB), timed on the second half; (f) ``staged-cache``: the staged and graph-staged paths
+behind a device cache of those hot rows (none, 1, 2 GB), text ids, with the host bytes each pins. Each timing replays a CUDA graph of several lookups
 on fresh ids after flushing L2; the median of ``--repeats`` and the spread (min..max) are
 printed with rows/s, useful GB/s (stored bytes gathered), hit rate and the ratio to (a).
 
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import add_shard_rows_option, build_sidecar, positive_int, shard_starts
+from _common import add_shard_rows_option, build_repeated, positive_int, shard_starts
 
 from flashnext import __version__
 from flashnext.ple import open_table
@@ -56,7 +57,8 @@ except ImportError:
 HEADS, WIDTH = 16, 160
 TOKENS = (32, 512, 8192, 65536)
 FORMATS = ("fp8", "int4", "nvfp4")
-SECTIONS = ("ceilings", "baseline", "uva", "cache", "device", "staged", "staged-host", "hit-rates")
+SECTIONS = ("ceilings", "baseline", "uva", "cache", "device", "staged", "staged-cache",
+            "staged-host", "hit-rates")  # fmt: skip
 HOST_ONLY = {"hit-rates"}  # needs no torch
 # What Triton's interpreter cannot run with CPU tensors, and why (printed when skipped).
 NOT_ON_CPU = {
@@ -306,11 +308,12 @@ class Bench:
         self.record(case, "int4", kind, t, times, 100, extra)
 
     def staged_sidecar(self, root: Path) -> Path:
-        """The memory-mapped int4 sidecar of ``--staged-rows`` rows (written once per run)."""
+        """The memory-mapped int4 sidecar of ``--staged-rows`` rows (written once per run;
+        every shard the same random bytes: the timings depend on addresses, not values)."""
         path = root / "int4"
         if not path.exists():
             t0 = time.perf_counter()
-            build_sidecar(root, "int4", self.args.staged_rows, self.rng, self.args.shard_rows)
+            build_repeated(root, "int4", self.args.staged_rows, self.rng, self.args.shard_rows)
             print(f"staged: wrote a {self.args.staged_rows:,}-row int4 sidecar in "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)  # fmt: skip
         return path
@@ -481,6 +484,105 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
             )
 
 
+def staged_cache(bench: Bench, root: Path) -> None:
+    """(f) StagedTable and GraphStagedTable behind a device cache of the profile's hot rows
+    (``set_hot_rows``: none, 1 GB, 2 GB), text ids. Latency = stage + lookup + synchronize;
+    the graph is launched first and waits on the flag while the host stages (as graph_staged).
+    Records the hit rate, the unique (missed) rows staged and the host bytes each path pins."""
+    from flashnext.kernels import StagedTable
+
+    rows = bench.args.staged_rows
+    table = open_table(bench.staged_sidecar(root), "mmap")
+    staged = StagedTable(table, max_ids=max(bench.sizes) * HEADS, device=bench.device)
+    n_sets = 2 if bench.device == "cpu" else 8
+    sets = {t: bench.text.host_sets(t, n_sets, bench.rng, rows) for t in bench.sizes}
+    # the timed ids are taken modulo the table's rows; so are the hot rows (a no-op at the
+    # full 320,001,536 rows; below it, the profile would otherwise miss the ids it predicts)
+    hot_rows = bench.text.hot_rows % rows
+    if bench.device == "cpu":
+        print(f"skipped graph-staged cache: {NOT_ON_CPU['graph-staged']}", flush=True)
+    for gb in (0, 1, 2):
+        t0 = time.perf_counter()
+        info = staged.set_hot_rows(hot_rows, gb << 30)
+        print(f"staged cache {gb} GB: {info.rows:,} rows, {info.bytes / 1e9:.2f} GB on the device, "
+              f"built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+        for t in bench.sizes:
+            hit = float(np.mean([(staged._slot_map[s] >= 0).mean() for s in sets[t]])
+                        if info.rows else 0.0)  # fmt: skip
+            extra = {"hit_rate": hit, "cached_rows": info.rows, "cache_bytes": info.bytes,
+                     "pinned_bytes": staged.pinned_bytes}  # fmt: skip
+            _time_staged(bench, staged, f"staged cache {gb}GB", t, sets[t], extra)
+            if t <= 8192 and bench.device != "cpu":
+                _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB", t,
+                                    sets[t], extra)  # fmt: skip
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int, sets: list,
+                        extra: dict) -> None:  # fmt: skip
+    """One GraphStagedTable for steps of ``t`` tokens, sharing ``staged``'s device cache."""
+    from flashnext.kernels import GraphStagedTable
+
+    graph = GraphStagedTable(table, (t, HEADS), prefault=False)
+    graph.share_cache(staged)
+    _time_graph_staged(bench, graph, case, t, sets, {**extra, "pinned_bytes": graph.pinned_bytes})
+
+
+def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra: dict) -> None:
+    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=bench.device)
+    staged.lookup(staged.stage(sets[0]), out)  # warm: compile
+    synchronize()
+    latency, unique = [], []
+    repeats = bench.args.repeats if bench.device == "cpu" else max(bench.args.repeats, 20)
+    for rep in range(repeats):
+        t0 = time.perf_counter()
+        batch = staged.stage(sets[rep % len(sets)])
+        staged.lookup(batch, out)
+        synchronize()
+        latency.append((time.perf_counter() - t0) * 1e6)
+        unique.append(batch.n_unique)
+    steps = 2 * len(sets)
+    t0 = time.perf_counter()
+    batch = staged.stage(sets[0])
+    for i in range(1, steps + 1):
+        staged.lookup(batch, out)
+        if i < steps:
+            batch = staged.stage(sets[i % len(sets)])
+    synchronize()
+    pipelined = (time.perf_counter() - t0) * 1e6 / steps
+    bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
+                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
+
+
+def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
+                       extra: dict) -> None:  # fmt: skip
+    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
+    staged.stage(sets[0])
+    staged.lookup(out)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        staged.lookup(out)
+    latency, unique = [], []
+    for rep in range(max(bench.args.repeats, 20)):
+        t0 = time.perf_counter()
+        graph.replay()
+        batch = staged.stage(sets[rep % len(sets)])
+        torch.cuda.synchronize()
+        latency.append((time.perf_counter() - t0) * 1e6)
+        unique.append(batch.n_unique)
+    steps = 4 * len(sets)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        graph.replay()
+        staged.stage(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    pipelined = (time.perf_counter() - t0) * 1e6 / steps
+    bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
+                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
+
+
 def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: str) -> Any:
     """A GpuTable over the first bytes of the pinned buffer (contents: whatever is there),
     shards as bench/_common.py lays them out. On ``cpu`` the buffer is plain memory."""
@@ -526,6 +628,7 @@ def parser() -> argparse.ArgumentParser:
         type=comma_sections,
         default=["ceilings", "uva", "cache", "device", "staged"],
         help="comma-separated: ceilings, baseline, uva, cache, device, staged, "
+        "staged-cache (staged and graph-staged behind a 0/1/2 GB device cache), "
         "staged-host (the staged path's host work, numba vs numpy; torch, no GPU), "
         "hit-rates (CPU only: cache hit rates for three choices of profile text)",
     )
@@ -626,6 +729,8 @@ def gpu_sections(bench: Bench, sections: set[str], root: Path) -> dict[str, Any]
         bench.on_device()
     if "staged" in sections:
         bench.staged(root)
+    if "staged-cache" in sections:
+        staged_cache(bench, root)
     return extra
 
 

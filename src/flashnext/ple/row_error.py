@@ -44,12 +44,22 @@ class RowErrors:
         """Count rows ``first_row ..`` of float32 ``source`` [n, w] against ``restored`` [n, w]."""
         x = np.asarray(source, dtype=np.float64)
         diff = np.asarray(restored, dtype=np.float64) - x
-        ref = np.sqrt(np.einsum("ij,ij->i", x, x))
-        err = np.sqrt(np.einsum("ij,ij->i", diff, diff))
+        sums = np.empty((len(x), 3))
+        sums[:, 0] = np.einsum("ij,ij->i", diff, diff)
+        sums[:, 1] = np.einsum("ij,ij->i", x, x)
+        sums[:, 2] = np.asarray(restored).any(axis=1)
+        self.add_sums(sums, first_row)
+
+    def add_sums(self, sums: np.ndarray, first_row: int) -> None:
+        """Count rows ``first_row ..`` from their float64 sums [n, 3]: squared error, squared
+        source, and non-zero restored values (0 = the row was quantized to all-zero); what
+        the compiled quantizer's ``row_sums`` holds, so no block is dequantized again."""
+        err = np.sqrt(sums[:, 0])
+        ref = np.sqrt(sums[:, 1])
         live = ref > 0
-        rel = np.zeros(len(x))
+        rel = np.zeros(len(sums))
         rel[live] = err[live] / ref[live]
-        self.zeroed += int((live & ~np.asarray(restored).any(axis=1)).sum())
+        self.zeroed += int((live & (sums[:, 2] == 0)).sum())
         self.rows += int(live.sum())
         if live.any():
             i = int(np.argmax(np.where(live, rel, -1.0)))
