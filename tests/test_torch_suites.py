@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH_SUITES = [
     "tests/kernels/test_lookup.py",
     "tests/moe",
-    "tests/integrations/test_plugin_rows.py",
+    "tests/kernels/test_serving.py",
 ]
 
 

@@ -137,9 +137,12 @@ def _step(layer: Qwen4ExpNGramEmbedding, batch: dict[str, np.ndarray]) -> torch.
     ids = torch.from_numpy(batch["tokens"]).cuda()
     qsl = torch.from_numpy(batch["qsl"]).to(torch.int32).cuda()
     ctx = torch.from_numpy(batch["ctx"]).cuda()
-    hidden = torch.randn(ids.shape[0], 64, device="cuda", dtype=torch.bfloat16)
+    from tests.seeding import current_test_rng
+
+    gen = torch.Generator(device="cuda").manual_seed(int(current_test_rng("step").integers(1 << 31)))
+    hidden = torch.randn(ids.shape[0], 64, device="cuda", dtype=torch.bfloat16, generator=gen)
     layer.start_prefetch(ids, qsl, ctx)  # no-op for the device class
-    busy = torch.randn(2048, 2048, device="cuda")
+    busy = torch.randn(2048, 2048, device="cuda", generator=gen)
     for _ in range(4):  # the previous decoder layer, on the main stream
         busy = busy @ busy / 2048
     out = layer(hidden, ids, qsl, ctx)

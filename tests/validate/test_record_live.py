@@ -80,8 +80,9 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     rec_b = capture(second.url, api_key=API_KEY)
     (tmp_path / "b.json").write_text(json.dumps(rec_b))
     changes = record_diff(rec_a, rec_b)
-    assert [c.name for c in changes if c.variable] == ["--max-num-seqs", "--port"], changes
-    assert variables_changed(changes) == 2
+    # each early server runs in its own log directory, and the diff sees the launch's cwd too
+    assert [c.name for c in changes if c.variable] == ["--max-num-seqs", "--port", "launch cwd"]
+    assert variables_changed(changes) == 3
     diff = run("record", "diff", str(out_a), str(tmp_path / "b.json"))
     assert diff.returncode == 1 and "--max-num-seqs: '4' -> '3'" in diff.stdout
     assert f"--port: '{first.port}' -> '{second.port}'" in diff.stdout
@@ -120,31 +121,34 @@ PLUGIN_LINE = (
     "flashnext plugin: ple sidecar /x (int4, 320001536 rows, placement pinned) on vllm 0.32.0, "
     "flashnext 0.1.0"
 )
+OPENAI_SERVER = Path(__file__).parents[1] / "cli" / "openai_server.py"
+# A real process (not vLLM) that logs plugin lines and then serves the OpenAI routes that
+# `record capture` reads (tests/cli/openai_server.py), so that --pid is the process on the port.
 LOGGER = f"""
-import sys, time
+import runpy, sys
 print("(APIServer pid=7) INFO 12-01 03:00:00 [plugin.py:12] {PLUGIN_LINE}", flush=True)
 print("(EngineCore pid=8) INFO flashnext plugin: moe guard on (hub token " + sys.argv[1] + ")",
       file=sys.stderr, flush=True)
-print("ready", flush=True)
-time.sleep(60)
+sys.argv = [{str(OPENAI_SERVER)!r}, "--port-file", sys.argv[2]]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_capture_by_pid_reads_plugin_lines_from_the_process_log(vllm_server, tmp_path):
-    """A real process (not vLLM) that logs plugin lines to a file, captured by pid beside the
-    shared server's URL: its lines, its FLASHNEXT_* switches, and no secret in the record."""
+def test_capture_by_pid_reads_plugin_lines_from_the_process_log(tmp_path):
+    """A real process that logs plugin lines to a file and listens on the URL's port, captured
+    by pid: its lines, its FLASHNEXT_* switches, and no secret in the record."""
     env = {**os.environ, "FLASHNEXT_PLE_SIDECAR": "/x", "FLASHNEXT_MOE_GUARD": "1",
            "FLASHNEXT_HUB_TOKEN": TOKEN}  # fmt: skip
-    log = tmp_path / "plugin.log"
+    log, port_file = tmp_path / "plugin.log", tmp_path / "port"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", LOGGER, TOKEN], stdout=out,
+        proc = subprocess.Popen([sys.executable, "-c", LOGGER, TOKEN, str(port_file)], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
     try:
-        for _ in range(200):
-            if b"ready" in log.read_bytes():
+        for _ in range(400):
+            if port_file.exists():
                 break
             time.sleep(0.05)
-        rec = capture(vllm_server.url, pid=proc.pid)
+        rec = capture(f"http://127.0.0.1:{port_file.read_text()}", pid=proc.pid)
     finally:
         proc.kill()
         proc.wait()
