@@ -452,28 +452,9 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
         for t in [t for t in bench.sizes if t <= 8192]:
             sets = [s.cpu().numpy() for s in bench.id_sets(kind, t, rows)][:8]
             staged = GraphStagedTable(table, (t, HEADS), prefault=False)
-            out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
-            staged.stage(sets[0])
-            staged.lookup(out)  # compile outside capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                staged.lookup(out)
-            latency, host = [], []
-            for rep in range(max(bench.args.repeats, 20)):
-                t0 = time.perf_counter()
-                graph.replay()
-                batch = staged.stage(sets[rep % len(sets)])
-                torch.cuda.synchronize()
-                latency.append((time.perf_counter() - t0) * 1e6)
-                host.append(batch.host_us["dedup_gather_us"])
-            steps = 4 * len(sets)
-            t0 = time.perf_counter()
-            for i in range(steps):
-                graph.replay()
-                staged.stage(sets[i % len(sets)])
-            torch.cuda.synchronize()
-            pipelined = (time.perf_counter() - t0) * 1e6 / steps
+            latency, batches, pipelined = _replay_graph_staged(bench, staged, t, sets)
+            host = [b.host_us["dedup_gather_us"] for b in batches]
+            batch = batches[-1]
             bench.record("graph-staged", "int4", kind, t, latency, 100,
                          {"dedup_gather_us": statistics.median(host), "pipelined_us": pipelined,
                           "unique_rows": batch.n_unique})  # fmt: skip
@@ -557,6 +538,16 @@ def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra
 
 def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
                        extra: dict) -> None:  # fmt: skip
+    latency, batches, pipelined = _replay_graph_staged(bench, staged, t, sets)
+    unique = [b.n_unique for b in batches]
+    bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
+                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
+
+
+def _replay_graph_staged(bench: Bench, staged: Any, t: int, sets: list) -> tuple[list, list, float]:
+    """Capture ``staged``'s lookup for steps of ``t`` tokens in a CUDA graph and time it: per
+    step the graph is launched first and waits on the flag while the host stages the step's
+    ids. Returns (latency us per step, the timed steps' StagedBatch, pipelined us per step)."""
     out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
     staged.stage(sets[0])
     staged.lookup(out)  # compile outside capture
@@ -564,23 +555,20 @@ def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         staged.lookup(out)
-    latency, unique = [], []
+    latency, batches = [], []
     for rep in range(max(bench.args.repeats, 20)):
         t0 = time.perf_counter()
         graph.replay()
-        batch = staged.stage(sets[rep % len(sets)])
+        batches.append(staged.stage(sets[rep % len(sets)]))
         torch.cuda.synchronize()
         latency.append((time.perf_counter() - t0) * 1e6)
-        unique.append(batch.n_unique)
     steps = 4 * len(sets)
     t0 = time.perf_counter()
     for i in range(steps):
         graph.replay()
         staged.stage(sets[i % len(sets)])
     torch.cuda.synchronize()
-    pipelined = (time.perf_counter() - t0) * 1e6 / steps
-    bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
-                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
+    return latency, batches, (time.perf_counter() - t0) * 1e6 / steps
 
 
 def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: str) -> Any:

@@ -49,15 +49,20 @@ OLD_PLAN_WORDS: dict[str, tuple[Placement, Residency | None]] = {
 }
 
 
+def _one_of(what: str, word: str, words: tuple[str, ...]) -> str:
+    """``word`` when it is in ``words``; the ValueError names ``what`` and lists ``words``."""
+    if word not in words:
+        raise ValueError(f"{what} {word!r}: expected one of {', '.join(words)}")
+    return word
+
+
 def as_placement(word: str) -> Placement:
     """``word`` typed as a :data:`Placement`.
 
     Raises:
         ValueError: ``word`` is not one of :data:`PLACEMENTS` (the message lists them).
     """
-    if word not in PLACEMENTS:
-        raise ValueError(f"placement {word!r}: expected one of {', '.join(PLACEMENTS)}")
-    return cast(Placement, word)
+    return cast(Placement, _one_of("placement", word, PLACEMENTS))
 
 
 def as_residency(word: str) -> Residency:
@@ -66,9 +71,7 @@ def as_residency(word: str) -> Residency:
     Raises:
         ValueError: ``word`` is not one of :data:`RESIDENCIES` (the message lists them).
     """
-    if word not in RESIDENCIES:
-        raise ValueError(f"residency {word!r}: expected one of {', '.join(RESIDENCIES)}")
-    return cast(Residency, word)
+    return cast(Residency, _one_of("residency", word, RESIDENCIES))
 
 
 def from_old_plan_word(word: str) -> tuple[Placement, Residency | None] | None:

@@ -45,6 +45,10 @@ class ProfileInputs:
     text: Path
     tokenizer: Path
 
+    def argv(self) -> list[object]:
+        """``ple profile SIDECAR --text TEXT --tokenizer TOKENIZER`` (add the output flag)."""
+        return ["ple", "profile", self.sidecar, "--text", self.text, "--tokenizer", self.tokenizer]
+
 
 def profile_inputs(i: Inputs) -> ProfileInputs:
     """:func:`build_profile_inputs` under ``i.root``, built once per session."""

@@ -86,17 +86,7 @@ def test_checkpoint_verify_workers_is_threads(cli_inputs, capsys):
 def test_profile_output_file(tmp_path, capsys, spelling):
     inputs = build_profile_inputs(tmp_path / "in")
     target = tmp_path / "hot.safetensors"
-    argv = [
-        "ple",
-        "profile",
-        inputs.sidecar,
-        "--text",
-        inputs.text,
-        "--tokenizer",
-        inputs.tokenizer,
-    ]
-    argv += [spelling, target]
-    code, _, err = run_in_process(argv, capsys)
+    code, _, err = run_in_process([*inputs.argv(), spelling, target], capsys)
     assert code == 0 and target.is_file(), err
     if spelling == "--out":
         _deprecated_once(err, "--out", "--output")

@@ -50,15 +50,7 @@ def test_profile_matches_a_plain_python_hash(inputs, tmp_path, capsys):
     import tokenizers
 
     out = tmp_path / "p" / "hot.safetensors"
-    argv = [
-        "ple",
-        "profile",
-        inputs.sidecar,
-        "--text",
-        inputs.text,
-        "--tokenizer",
-        inputs.tokenizer,
-    ]
+    argv = inputs.argv()
     code, stdout, err = run_in_process([*argv, "--output", out, "--json"], capsys)
     assert code == 0, err
     summary = json.loads(stdout)

@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,20 @@ def _stop_once_locked(proc: subprocess.Popen[str], dst: Path) -> None:
     os.kill(proc.pid, signal.SIGSTOP)
 
 
+@contextmanager
+def _locked_writer(source: Path, dst: Path, *flags: str) -> Iterator[subprocess.Popen[str]]:
+    """A ``ple quantize source dst *flags`` process, stopped once it holds ``dst``'s lock;
+    on the way out it is resumed and killed unless it already finished."""
+    first = popen("ple", "quantize", source, dst, *flags)
+    try:
+        _stop_once_locked(first, dst)
+        yield first
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+            first.kill()
+
+
 def _resume(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     os.kill(proc.pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=300)
@@ -72,18 +88,12 @@ def _leftovers(root: Path) -> list[str]:
 @pytest.mark.skipif(not LINUX, reason="SIGSTOP/SIGCONT and flock as on Linux")
 def test_second_writer_is_refused_naming_the_first(tmp_path, source):
     dst = tmp_path / "dst"
-    first = popen("ple", "quantize", source, dst, "--format", "int4")
-    try:
-        _stop_once_locked(first, dst)
+    with _locked_writer(source, dst, "--format", "int4") as first:
         second = _run("ple", "quantize", source, dst, "--format", "int4")
         _refused_by(second, first.pid, dst)
         other = _run("ple", "quantize", source, dst, "--format", "fp8", "--force")
         _refused_by(other, first.pid, dst)
         done = _resume(first)
-    finally:
-        if first.poll() is None:
-            os.kill(first.pid, signal.SIGCONT)
-            first.kill()
     assert done.returncode == 0, done.stderr[-3000:]
     assert open_sidecar(dst).format == "int4"
     assert _leftovers(tmp_path) == []  # no lock file, no .dst.flashnext-new
@@ -93,16 +103,10 @@ def test_second_writer_is_refused_naming_the_first(tmp_path, source):
 def test_force_race_leaves_no_mixed_table(tmp_path, source, rng):
     dst = tmp_path / "dst"
     write_sidecar(dst, "fp8", embedding_rows(300, 160, rng), 100)
-    first = popen("ple", "quantize", source, dst, "--format", "int4", "--force")
-    try:
-        _stop_once_locked(first, dst)
+    with _locked_writer(source, dst, "--format", "int4", "--force") as first:
         second = _run("ple", "quantize", source, dst, "--format", "nvfp4", "--force")
         _refused_by(second, first.pid, dst)
         done = _resume(first)
-    finally:
-        if first.poll() is None:
-            os.kill(first.pid, signal.SIGCONT)
-            first.kill()
     assert done.returncode == 0, done.stderr[-3000:]
     table = open_sidecar(dst)  # META.json and every shard agree (the reader checks both)
     assert table.format == "int4" and table.num_rows == 4000

@@ -191,21 +191,28 @@ def _wait_or_release(graph_staged, timeout_s=20.0):
         time.sleep(1e-4)
 
 
-@needs_cuda
-@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, rng):
-    table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
-    t = 24
-    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
+def _eager_then_captured(staged, table, t, rng):
+    """One eager step of ``staged`` checked against the reference (it compiles the kernel
+    outside capture), then its lookup captured: (out bf16 [t, HEADS * WIDTH], the graph)."""
     out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
     ids = random_ids(rng, t)
-    staged.stage(ids)  # eager first: compiles the kernel outside capture
+    staged.stage(ids)
     staged.lookup(out)
     _wait_or_release(staged)
     np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         staged.lookup(out)
+    return out, graph
+
+
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
+def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, rng):
+    table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
+    t = 24
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
+    out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):
         ids = random_ids(rng, t)
         if step % 2:  # the host fills after the launch (the GPU waits) or before it
@@ -259,15 +266,7 @@ def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, rng):
     t = 24
     staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
     staged.set_hot_rows(rng.permutation(ROWS), 400 * staged.layout.record_bytes)
-    out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
-    ids = random_ids(rng, t)
-    staged.stage(ids)  # eager first: compiles the kernel outside capture
-    staged.lookup(out)
-    _wait_or_release(staged)
-    np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        staged.lookup(out)
+    out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):
         ids = random_ids(rng, t)
         batch = staged.stage(ids) if step % 2 else None

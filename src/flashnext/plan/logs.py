@@ -450,14 +450,6 @@ def logged_kv_memory_bytes(events: list[Event]) -> int | None:
     return None
 
 
-def logged_model(events: list[Event]) -> str | None:
-    """The model the logged server was started with (its path or hub id), or None."""
-    for e in events:
-        if e.kind == "cli_args" and isinstance(e.values.get("model"), str):
-            return str(e.values["model"])
-    return None
-
-
 def logged_kv_pool(events: list[Event]) -> int | None:
     """The KV pool (bytes) of the last "Available KV cache memory" or KV capacity error line."""
     for e in reversed(events):
