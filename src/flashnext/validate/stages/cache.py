@@ -48,21 +48,36 @@ async def fit_prefix_chars(
     return best
 
 
+def _prefix_target(run: Run) -> tuple[int, str | None]:
+    """Tokens the shared prefix may take, or why the stage cannot run on this server."""
+    mml = run.max_model_len
+    if not mml:
+        return 0, "/v1/models does not report max_model_len"
+    cache = run.cache_config()
+    if cache.get("enable_prefix_caching") in ("False", "false"):
+        return 0, "prefix caching is disabled on the server"
+    cfg = run.cfg
+    # Room for the question and the answer: a prompt over max_model_len is an HTTP 400.
+    target = min(int(mml * cfg.prefix_fraction), mml - cfg.prefix_max_tokens - QUESTION_TOKENS)
+    block = cache.get("block_size", "")
+    if block.isdigit() and int(block) > target - QUESTION_TOKENS:
+        # vLLM caches whole blocks only; a hybrid's block is sized to its state page (1152
+        # tokens for the e2e model), so no prefix that fits this context can ever hit.
+        return target, (
+            f"the server's KV block is {block} tokens: no shared prefix that fits max_model_len "
+            f"{mml} (at most {target - QUESTION_TOKENS} tokens here) fills one, so none can hit"
+        )
+    return target, None
+
+
 async def stage_prefix_cache(run: Run, res: StageResult) -> None:
     """Requests sharing a prefix of ``prefix_fraction`` of max_model_len (counted with the
     server's ``/tokenize``): hit tokens from /metrics, TTFT of cold vs warm."""
     cfg = run.cfg
-    if not run.max_model_len:
-        res.skip("/v1/models does not report max_model_len")
+    target, why_not = _prefix_target(run)
+    if why_not:
+        res.skip(why_not)
         return
-    if run.cache_config().get("enable_prefix_caching") in ("False", "false"):
-        res.skip("prefix caching is disabled on the server")
-        return
-    # Room for the question and the answer: a prompt over max_model_len is an HTTP 400.
-    target = min(
-        int(run.max_model_len * cfg.prefix_fraction),
-        run.max_model_len - cfg.prefix_max_tokens - QUESTION_TOKENS,
-    )
     nonce = uuid.uuid4().hex
     model = run.model or ""
 
