@@ -89,7 +89,7 @@ def test_explain_and_plan_agree_with_the_kv_and_state_numbers_the_server_logged(
     assert pool_bytes == "64M"
     done = run(
         "plan", "--model", checkpoints["tiny"], "--device", "cpu", "--max-model-len",
-        MAX_MODEL_LEN, "--kv-cache-memory", 64 * 2**20, "--enforce-eager", "--json",
+        MAX_MODEL_LEN, "--kv-cache-memory", "64MiB", "--enforce-eager", "--json",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     kv = json.loads(done.stdout)["kv"]
