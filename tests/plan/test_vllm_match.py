@@ -42,6 +42,8 @@ def _plan_for_log(config: str, log: str):
         max_model_len=args["max_model_len"],
         max_num_seqs=args.get("max_num_seqs", 256),
         device="cpu",
+        # these logs come from a host without AVX-512 BF16: no "Reset SSM cache type" line
+        cpu_avx512_bf16=False,
         cuda_graphs=False,
     )
     return make_plan(_model(config), req), ev

@@ -176,3 +176,38 @@ def test_sse_lines_split_only_at_line_feeds() -> None:
         return [line async for line in sse_lines(chunks())]
 
     assert asyncio.run(collect()) == ['data: {"c": "a\u2028b\x85c"}', "", "data: [DONE]"]
+
+
+@pytest.mark.parametrize("chars_per_token", [1.0, 1.7, 4.0])
+def test_prefix_cache_prefix_fits_a_short_context_whatever_the_tokenizer(
+    chars_per_token: float,
+) -> None:
+    """The prefix-cache prompt is sized by counting, not by a fixed chars/token ratio: with a
+    256-token context (the e2e server) the longest request fits for a coarse tokenizer (1
+    char/token, a 512-token BPE is close) as for a fine one, and is not far under the target."""
+    import asyncio
+
+    from flashnext.validate.stages import prompts
+    from flashnext.validate.stages.cache import QUESTION_TOKENS, fit_prefix_chars
+
+    template = len(prompts.prefix_prompt("", 4)[0]["content"])
+
+    async def count(chars: int) -> int:
+        # A tokenizer of ``chars_per_token`` plus a chat template of 12 tokens.
+        return 12 + int((len(prompts.shared_prefix("0" * 32, chars)) + template) / chars_per_token)
+
+    target = min(128, 256 - 16 - QUESTION_TOKENS)
+    chars, counted = asyncio.run(fit_prefix_chars(count, target))
+    assert counted == asyncio.run(count(chars))
+    assert target * 0.8 <= counted <= target, (chars, counted)
+
+
+def test_prefix_cache_prefix_without_tokenize_assumes_one_char_per_token() -> None:
+    import asyncio
+
+    from flashnext.validate.stages.cache import QUESTION_TOKENS, fit_prefix_chars
+
+    async def no_route(chars: int) -> None:
+        return None
+
+    assert asyncio.run(fit_prefix_chars(no_route, 128)) == (128 - QUESTION_TOKENS, None)

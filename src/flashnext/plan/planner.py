@@ -21,7 +21,7 @@ from flashnext.checkpoint.config import read_config
 from flashnext.kernels.cache_plan import SLOT_MAP_BYTES, slot_map_on_device
 from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
 from flashnext.plan import vllm_kv
-from flashnext.plan.model import ModelShape, PlanError, kv_spec, model_shape
+from flashnext.plan.model import ModelShape, PlanError, host_has_avx512_bf16, kv_spec, model_shape
 from flashnext.plan.sizes import gib
 from flashnext.plan.weights import Weights, estimate, from_headers
 from flashnext.ple.formats import get_codec
@@ -56,6 +56,9 @@ class PlanRequest:
     kv_cache_memory: int | None = None
     dtype: str = "auto"
     device: str = "cuda"
+    # vllm-cpu only: whether the serving CPU has AVX-512 BF16 (then the GDN state is float32);
+    # None: this host's, the usual case of planning for a local vllm-cpu
+    cpu_avx512_bf16: bool | None = None
     block_size: int | None = None
     prefix_caching: bool = True
     cuda_graphs: bool = True
@@ -301,6 +304,8 @@ def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None
         device=req.device,
         block_size=req.block_size,
         mamba_ssm_cache_dtype=req.mamba_ssm_cache_dtype,
+        cpu_bf16_gdn=req.device == "cpu"
+        and (host_has_avx512_bf16() if req.cpu_avx512_bf16 is None else req.cpu_avx512_bf16),
     )
     if not req.prefix_caching:
         spec = dataclasses.replace(spec, mamba_cache_mode="none")
