@@ -73,6 +73,20 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def pipelined_us(staged: Any, sets: list[Any], out: Any) -> float:
+    """Microseconds per step with staging overlapped: step i+1 is staged while step i's lookup
+    runs, two passes over ``sets``."""
+    steps = 2 * len(sets)
+    t0 = time.perf_counter()
+    batch = staged.stage(sets[0])
+    for i in range(1, steps + 1):
+        staged.lookup(batch, out)
+        if i < steps:
+            batch = staged.stage(sets[i % len(sets)])
+    synchronize()
+    return (time.perf_counter() - t0) * 1e6 / steps
+
+
 # -- timing --------------------------------------------------------------------------------
 class Timer:
     """Times ``calls`` lookups per CUDA-graph replay on fresh ids, L2 flushed before each.
@@ -349,15 +363,7 @@ class Bench:
             host.append((t1 - t0) * 1e6)
             parts.append(batch.host_us)
         breakdown = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-        steps = 2 * len(sets)
-        t0 = time.perf_counter()
-        batch = staged.stage(sets[0])
-        for i in range(1, steps + 1):
-            staged.lookup(batch, out)
-            if i < steps:
-                batch = staged.stage(sets[i % len(sets)])
-        synchronize()
-        pipelined = (time.perf_counter() - t0) * 1e6 / steps
+        pipelined = pipelined_us(staged, sets, out)
         self.record("staged", "int4", kind, t, latency, 100,
                     {"host_stage_us": statistics.median(host), "pipelined_us": pipelined,
                      "unique_rows": batch.n_unique, **breakdown})  # fmt: skip
@@ -523,15 +529,7 @@ def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra
         synchronize()
         latency.append((time.perf_counter() - t0) * 1e6)
         unique.append(batch.n_unique)
-    steps = 2 * len(sets)
-    t0 = time.perf_counter()
-    batch = staged.stage(sets[0])
-    for i in range(1, steps + 1):
-        staged.lookup(batch, out)
-        if i < steps:
-            batch = staged.stage(sets[i % len(sets)])
-    synchronize()
-    pipelined = (time.perf_counter() - t0) * 1e6 / steps
+    pipelined = pipelined_us(staged, sets, out)
     bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
                  "unique_rows": int(statistics.median(unique))})  # fmt: skip
 
