@@ -12,6 +12,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 CHATML = (
     "{% for message in messages %}"
@@ -37,21 +38,18 @@ def corpus() -> list[str]:
     return lines
 
 
-def main(out: Path) -> None:
-    """Build the model into ``out``."""
-    import torch
+def train_tokenizer(vocab_size: int, out: Path) -> Any:
+    """Train a byte-level BPE of ``vocab_size`` on :func:`corpus`, attach ChatML and save it
+    into ``out``; returns the ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=1024,
+        vocab_size=vocab_size,
         special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -64,7 +62,19 @@ def main(out: Path) -> None:
         unk_token=None,
     )
     fast.chat_template = CHATML
-    fast.save_pretrained(tmp)
+    fast.save_pretrained(out)
+    return fast
+
+
+def main(out: Path) -> None:
+    """Build the model into ``out``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fast = train_tokenizer(1024, tmp)
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=len(fast),

@@ -40,7 +40,7 @@ TIMEOUT = 300
 END_TO_END: dict[str, list[str] | str] = {
     "lookup.py": ["--shards", "2", "--shard-rows", "3000", "--repeats", "1", "--formats",
                   "fp8,int4,nvfp4", "--threads-sweep", "1,2", "--seed", str(SEED), "--json"],
-    "coldstart.py": ["--base", "2000", "--repeats", "1", "--steps", "2", "--passes", "1",
+    "coldstart.py": ["--base", "2000", "--repeats", "1", "--steps", "2", "--passes", "2",
                      "--json"],
     "quantize.py": ["--base", "300", "--parts", "4", "--workers", "1,2", "--repeats", "1",
                     "--formats", "int4,nvfp4"],

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from build_tiny_model import CHATML, corpus
+from build_tiny_model import train_tokenizer
 
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -47,29 +47,7 @@ QSA_FIELDS = {
 
 def tokenizer(out: Path) -> Any:
     """Train the 512-token byte-level BPE and save it (with ChatML) into ``out``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
-    fast.chat_template = CHATML
-    fast.save_pretrained(out)
-    return fast
+    return train_tokenizer(512, out)
 
 
 def text_config(fast: Any, opts: dict[str, Any]) -> Any:

@@ -37,7 +37,8 @@ IDENTITY_TOKENS = 8
 FORMATS = ("bf16", "int4", "nvfp4", "fp8")
 #: Which servers each test module uses.
 WAVES = {
-    "identity": ("off", "bf16_env", "bf16_cfg", "other_table", "other_geometry"),
+    # The README's commands (test_ab_identity) boot their own pair: plugin off, and on by env.
+    "identity": ("off", "bf16_cfg", "other_table", "other_geometry"),
     "formats": ("int4", "nvfp4", "fp8"),
     "loader": ("stock_empty_shard", "fix_empty_shard", "fix_fp8"),
     # test_override's dense baseline is ``off``: the same build (seed 0, no indexer).
@@ -135,7 +136,6 @@ def server_specs(
     config = json.dumps({"flashnext": {"ple_sidecar": str(side["bf16"])}})
     return {
         "off": lambda: e2e_server(rt, ckpt["tiny"], logs / "off"),
-        "bf16_env": plugin("tiny", "bf16_env", FLASHNEXT_PLE_SIDECAR=str(side["bf16"])),
         "bf16_cfg": lambda: e2e_server(
             rt, ckpt["tiny"], logs / "bf16_cfg", plugin=True, extra=["--additional-config", config]
         ),

@@ -407,3 +407,21 @@ def test_lookups_read_their_pages_ahead_while_warming(tmp_path, rng):
     table._warming._done.set()  # once warming is done, lookups stop reading ahead
     table.lookup(ids)
     assert table._warming is None
+
+
+def test_touch_pages_reads_one_byte_per_page_of_the_clipped_range(tmp_path, rng):
+    """Warming's first touch: every page of the range once, clipped at the map's end, and the
+    map can close afterwards (no array left holding it)."""
+    import mmap
+
+    from flashnext.ple.mapping import touch_pages
+
+    page = mmap.PAGESIZE
+    path = tmp_path / "data.bin"
+    path.write_bytes(rng.integers(1, 256, 64 * page, dtype=np.uint8).tobytes())
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        assert touch_pages(view, 8 * page, 20 * page + 5) == 21
+        assert touch_pages(view, 60 * page, 10 * page) == 4
+        assert touch_pages(view, 64 * page, page) == 0
+        view.close()

@@ -174,7 +174,6 @@ PATTERNS: tuple[Pattern, ...] = (
         "engine configuration",
     ),
 )
-_BY_KIND = {p.kind: p for p in PATTERNS}
 #: Leading bytes of what a log is often saved as that is not text.
 _NOT_TEXT = (
     (b"\x1f\x8b", "gzip-compressed: `zcat LOG | flashnext explain -`"),
