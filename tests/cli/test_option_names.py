@@ -37,6 +37,18 @@ def test_model_is_a_path_and_served_model_a_name():
     for name, p in models:
         assert isinstance(p.type, click.Path), f"{name} --model is not a checkpoint path"
     assert [n for n, _ in _options("--served-model")] == ["validate"]
+    # a name a server serves is a *served* model wherever it appears
+    flags = {
+        flag
+        for cmd in leaf_commands().values()
+        for p in cmd.params
+        if isinstance(p, click.Option) and not p.hidden
+        for flag in p.opts
+    }
+    names = sorted(
+        f for f in flags if f.endswith("-model") and f not in ("--model", "--served-model")
+    )
+    assert names == ["--baseline-served-model", "--candidate-served-model"], names
 
 
 def test_workers_are_processes_and_threads_threads():
@@ -66,6 +78,22 @@ def test_validate_model_is_served_model(tmp_path, capsys):
     both = [*base, "--model", "a", "--served-model", "b", "--out", tmp_path / "c"]
     code, out, err = run_in_process(both, capsys)
     assert code == 2 and "give --served-model only (--model is its old spelling)" in err
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_validate_ab_model_is_served_model(tmp_path, capsys, side):
+    url = f"http://127.0.0.1:{closed_port()}"
+    base = ["validate", "ab", "--baseline", url, "--candidate", url, "--timeout", "0.2",
+            "--no-png", "--json"]  # fmt: skip
+    old, new = f"--{side}-model", f"--{side}-served-model"
+    code, out, err = run_in_process([*base, old, "m", "--out", tmp_path / "a"], capsys)
+    assert code == 1 and json.loads(out)["kind"] == "flashnext.validate.ab", err
+    _deprecated_once(err, old, new)
+    code, out, err = run_in_process([*base, new, "m", "--out", tmp_path / "b"], capsys)
+    assert code == 1 and "deprecated" not in err
+    code, out, err = run_in_process([*base, old, "a", new, "b", "--out", tmp_path / "c"], capsys)
+    assert code == 2 and f"give {new} only ({old} is its old spelling)" in err
     assert not (tmp_path / "c").exists()
 
 

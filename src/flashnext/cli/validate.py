@@ -413,8 +413,20 @@ def _ab_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
     type=click.IntRange(min=1),
     help="K: log-probabilities per position (vLLM allows up to --max-logprobs, 20).",
 )
-@click.option("--baseline-model", default=None, help="Default: the first served model.")
-@click.option("--candidate-model", default=None, help="Default: the first served model.")
+@old_spelling("--baseline-model", "--baseline-served-model", "baseline_model")
+@click.option(
+    "--baseline-served-model",
+    "baseline_model",
+    default=None,
+    help="Model name the baseline serves (default: its first).",
+)
+@old_spelling("--candidate-model", "--candidate-served-model", "candidate_model")
+@click.option(
+    "--candidate-served-model",
+    "candidate_model",
+    default=None,
+    help="Model name the candidate serves (default: its first).",
+)
 @click.option("--api-key", default=None, envvar="FLASHNEXT_API_KEY", help="Bearer token.")
 @click.option("--seed", default=0, show_default=True)
 @click.option(
