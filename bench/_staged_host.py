@@ -186,7 +186,8 @@ def parts(stager: HostStager, draw: Any, count: int) -> dict[str, list[float]]:
         s2_at, rec_at, _ = stager.offsets(flat.size, 0)
         t0 = time.perf_counter()
         if stager.slot_map is not None:
-            n = dedup_misses(flat, lo, hi, stager._index, stager.slot_map, words, uniq)
+            n = dedup_misses(flat, lo, hi, stager._index, stager.slot_map, words, uniq,
+                             stager._pos)
         else:
             m = _staging.sort_keys(flat, lo, hi, stager._keys, words)
             keys = stager._keys[:m]

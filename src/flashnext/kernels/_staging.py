@@ -153,19 +153,16 @@ def _mark(i, row, lo, slot_map, inverse, uniq, n_unique):  # type: ignore[no-unt
     return n_unique
 
 
-@numba.njit(nogil=True, cache=True)
-def dedup_misses(ids, lo, hi, index, slot_map, inverse, uniq):  # type: ignore[no-untyped-def]
-    """Inverse of each id behind a device cache: -1 outside ``[lo, hi)``, ``-(slot + 2)`` for
-    a cached row (its slot from the hit ``index``), else the index of its row in ``uniq``
-    (first-seen order), deduplicated through ``slot_map`` (int32 ``[hi - lo]``; see the module
-    docstring; every mark is -1 again on return). Returns the unique count."""
-    n = ids.size
+@numba.njit(nogil=True, cache=True, inline="always")
+def _classify(ids, a, b, lo, hi, index, inverse, pos, k):  # type: ignore[no-untyped-def]
+    """Ids ``a..b`` against the hit ``index``: ``inverse[i]`` = -1 outside ``[lo, hi)``,
+    ``-(slot + 2)`` for a cached row; the positions of the others go to ``pos[k:]``. Returns
+    the next free place in ``pos``."""
     base = np.int64(index.ctypes.data)
-    for i in range(min(n, _MAP_AHEAD)):
+    for i in range(a, min(b, a + _MAP_AHEAD)):
         _prefetch(base + 64 * ((ids[i] - lo) // HIT_BLOCK))  # a prefetch never faults
-    n_unique = 0
-    for i in range(n):
-        if i + _MAP_AHEAD < n:
+    for i in range(a, b):
+        if i + _MAP_AHEAD < b:
             _prefetch(base + 64 * ((ids[i + _MAP_AHEAD] - lo) // HIT_BLOCK))
         row = ids[i]
         if row < lo or row >= hi:
@@ -175,7 +172,38 @@ def dedup_misses(ids, lo, hi, index, slot_map, inverse, uniq):  # type: ignore[n
         if s >= 0:
             inverse[i] = -(s + 2)
         else:
-            n_unique = _mark(i, row, lo, slot_map, inverse, uniq, n_unique)
+            pos[k] = i
+            k += 1
+    return k
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _dedup_range(  # type: ignore[no-untyped-def]
+    ids, lo, slot_map, inverse, uniq, pos, a, e, n_unique
+):
+    """The missed ids ``pos[a:e]`` deduplicated through the slot map (:func:`_mark`), its
+    entries prefetched ahead (random reads of a large map). Returns the unique count."""
+    base = np.int64(slot_map.ctypes.data)
+    for k in range(a, min(e, a + _MAP_AHEAD)):
+        _prefetch(base + 4 * (ids[pos[k]] - lo))
+    for k in range(a, e):
+        if k + _MAP_AHEAD < e:
+            _prefetch(base + 4 * (ids[pos[k + _MAP_AHEAD]] - lo))
+        i = pos[k]
+        n_unique = _mark(i, ids[i], lo, slot_map, inverse, uniq, n_unique)
+    return n_unique
+
+
+@numba.njit(nogil=True, cache=True)
+def dedup_misses(ids, lo, hi, index, slot_map, inverse, uniq, pos):  # type: ignore[no-untyped-def]
+    """Inverse of each id behind a device cache: -1 outside ``[lo, hi)``, ``-(slot + 2)`` for
+    a cached row (its slot from the hit ``index``), else the index of its row in ``uniq``
+    (first-seen order), deduplicated through ``slot_map`` (int32 ``[hi - lo]``; see the module
+    docstring; every mark is -1 again on return). Two passes: the hit index first, then only
+    the misses' slot-map entries (``pos`` int64 ``[>= n]`` holds their positions). Returns
+    the unique count."""
+    k = _classify(ids, 0, ids.size, lo, hi, index, inverse, pos, 0)
+    n_unique = _dedup_range(ids, lo, slot_map, inverse, uniq, pos, 0, k, 0)
     for u in range(n_unique):
         slot_map[uniq[u] - lo] = -1
     return n_unique
@@ -183,30 +211,14 @@ def dedup_misses(ids, lo, hi, index, slot_map, inverse, uniq):  # type: ignore[n
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def classify(ids, lo, hi, index, inverse, pos, counts, chunks):  # type: ignore[no-untyped-def]
-    """The hit-index half of :func:`dedup_misses` for a big step, on ``chunks`` of numba's
-    threads: ``inverse[i]`` = -1 outside ``[lo, hi)``, ``-(slot + 2)`` for a cached row; the
-    positions of the other ids go to ``pos[a : a + counts[c]]`` (``a``: chunk ``c``'s first
-    id), for :func:`dedup_positions`."""
+    """The hit-index pass of :func:`dedup_misses` for a big step, on ``chunks`` of numba's
+    threads: chunk ``c``'s missed ids go to ``pos[a : a + counts[c]]`` (``a``: its first id),
+    for :func:`dedup_positions`."""
     n = ids.size
-    base = np.int64(index.ctypes.data)
     for c in numba.prange(chunks):
         a = n * c // chunks
         b = n * (c + 1) // chunks
-        k = a
-        for i in range(a, b):
-            if i + _MAP_AHEAD < b:
-                _prefetch(base + 64 * ((ids[i + _MAP_AHEAD] - lo) // HIT_BLOCK))
-            row = ids[i]
-            if row < lo or row >= hi:
-                inverse[i] = -1
-                continue
-            s = _hit_slot(row - lo, index)
-            if s >= 0:
-                inverse[i] = -(s + 2)
-            else:
-                pos[k] = i
-                k += 1
-        counts[c] = k - a
+        counts[c] = _classify(ids, a, b, lo, hi, index, inverse, pos, a) - a
 
 
 @numba.njit(nogil=True, cache=True)
@@ -214,19 +226,13 @@ def dedup_positions(  # type: ignore[no-untyped-def]
     ids, lo, slot_map, inverse, uniq, pos, counts, chunks
 ):
     """After :func:`classify`: the missed ids get their row's index in ``uniq`` as in
-    :func:`dedup_misses` (slot-map entries prefetched ahead: they are random reads of a
-    large map). Returns the unique count."""
+    :func:`dedup_misses`. Returns the unique count."""
     n = ids.size
-    base = np.int64(slot_map.ctypes.data)
     n_unique = 0
     for c in range(chunks):
         a = n * c // chunks
-        e = a + counts[c]
-        for k in range(a, e):
-            if k + _MAP_AHEAD < e:
-                _prefetch(base + 4 * (ids[pos[k + _MAP_AHEAD]] - lo))
-            i = pos[k]
-            n_unique = _mark(i, ids[i], lo, slot_map, inverse, uniq, n_unique)
+        n_unique = _dedup_range(ids, lo, slot_map, inverse, uniq, pos, a, a + counts[c],
+                                n_unique)  # fmt: skip
     for u in range(n_unique):
         slot_map[uniq[u] - lo] = -1
     return n_unique
@@ -307,13 +313,13 @@ def gather_parallel(  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True)
 def stage_cached(  # type: ignore[no-untyped-def]
-    ids, lo, hi, index, slot_map, uniq, words, fwords, s2_at, rec_at, rec_bytes, seg_start,
+    ids, lo, hi, index, slot_map, uniq, pos, words, fwords, s2_at, rec_at, rec_bytes, seg_start,
     bases, row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
 ):  # fmt: skip
     """One step behind a device cache: :func:`dedup_misses` into ``words[:ids.size]``, then,
     with at most ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the
     unique count ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
-    n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq)
+    n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
     if n > serial_rows:
         return -(n + 1)
     dst = np.int64(words.ctypes.data) + rec_at
@@ -433,7 +439,7 @@ class HostStager:
         layout: the record layout of its format.
         row_range: the rows served ``[lo, hi)``; other ids give ``inverse = -1``.
         max_ids: the most ids one step may stage.
-        workers: numba threads for a big step's gather (default: up to 16).
+        workers: numba threads for a big step's gather (default: up to 8).
 
     Raises:
         KernelError: ``max_ids`` is above ``2 ** POS_BITS``.
@@ -454,7 +460,7 @@ class HostStager:
         self.row_range = (int(row_range[0]), int(row_range[1]))
         self.max_ids = int(max_ids)
         self.slot_bytes = align(self.offsets(self.max_ids, self.max_ids)[-1])
-        self.workers = workers or min(16, os.cpu_count() or 1)
+        self.workers = workers or min(8, os.cpu_count() or 1)
         self.serial_rows = SERIAL_ROWS
         self.parallel_ids = PARALLEL_IDS
         self.chunk_rows = CHUNK_ROWS
@@ -462,7 +468,7 @@ class HostStager:
         self.slot_map: np.ndarray | None = None  # int32 [hi - lo]: cache slot or -1
         self._keys = np.empty(self.max_ids, np.int64)
         self._uniq = np.empty(self.max_ids, np.int64)
-        self._pos = np.empty(self.max_ids, np.int64)  # a big step's missed ids, by chunk
+        self._pos = np.empty(self.max_ids, np.int64)  # a step's missed ids (by chunk)
         self._counts = np.empty(64, np.int64)
         self._index = np.empty((0, 8), np.uint64)  # build_hit_index's, with the slot map
         self._args = (self.src.seg_start, self.src.bases, self.src.row_bytes,
@@ -507,8 +513,8 @@ class HostStager:
             n = dedup_positions(flat, lo, self.slot_map, words, uniq, self._pos, self._counts,
                                 chunks)  # fmt: skip
         elif self.slot_map is not None:
-            n = stage_cached(flat, lo, hi, self._index, self.slot_map, uniq, words, fwords,
-                             s2_at >> 2, rec_at, rb, *src, serial, self.depth)  # fmt: skip
+            n = stage_cached(flat, lo, hi, self._index, self.slot_map, uniq, self._pos, words,
+                             fwords, s2_at >> 2, rec_at, rb, *src, serial, self.depth)  # fmt: skip
             if n >= 0:
                 return int(n)  # gathered too
             n = -n - 1

@@ -71,7 +71,7 @@ class StagedTable:
         prefault: touch every page of a memory-mapped table once now, so that steps pay no
             page-table faults (a 32 GB int4 table: 8M pages, a few seconds; the pages must
             already be in the page cache or this reads the file).
-        workers: host threads gathering a step's rows (numba's threads; default: up to 16).
+        workers: host threads gathering a step's rows (numba's threads; default: up to 8).
     """
 
     def __init__(
