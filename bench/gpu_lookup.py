@@ -14,7 +14,12 @@ giving ``vocab_size`` and ``eos_token_id``; made by ``bench/text_tokens.py`` fro
 from device memory; (d) the staged path from a memory-mapped int4 sidecar of ``--staged-rows``
 rows; (e) int4 over UVA behind a device cache of the hottest rows of the text's first half
 (1, 2, 4 GB), timed on the second half; (f) ``staged-cache``: the staged and graph-staged paths
-behind a device cache of those hot rows (none, 1, 2 GB), text ids, with the host bytes each pins. Each timing replays a CUDA graph of several lookups
+(the graph one also with ``copy_slot=False``: its kernel reads the pinned slot over UVA, "uva")
+behind a device cache of those hot rows (none, 1, 2 GB), text ids, with the host bytes each
+pins; ``staged-host``: the staged path's host work alone, no torch (bench/_staged_host.py).
+The staged sidecar is warmed as ``flashnext ple warm`` leaves it (2 MiB page-cache folios where
+the filesystem has them); the share of its maps on 2 MiB pages is printed and recorded. Each
+timing replays a CUDA graph of several lookups
 on fresh ids after flushing L2; the median of ``--repeats`` and the spread (min..max) are
 printed with rows/s, useful GB/s (stored bytes gathered), hit rate and the ratio to (a).
 
@@ -59,7 +64,7 @@ TOKENS = (32, 512, 8192, 65536)
 FORMATS = ("fp8", "int4", "nvfp4")
 SECTIONS = ("ceilings", "baseline", "uva", "cache", "device", "staged", "staged-cache",
             "staged-host", "hit-rates")  # fmt: skip
-HOST_ONLY = {"hit-rates"}  # needs no torch
+HOST_ONLY = {"hit-rates", "staged-host"}  # need no torch
 # What Triton's interpreter cannot run with CPU tensors, and why (printed when skipped).
 NOT_ON_CPU = {
     "ceilings": "H2D and device copy bandwidth mean nothing without a GPU",
@@ -323,14 +328,39 @@ class Bench:
 
     def staged_sidecar(self, root: Path) -> Path:
         """The memory-mapped int4 sidecar of ``--staged-rows`` rows (written once per run;
-        every shard the same random bytes: the timings depend on addresses, not values)."""
+        every shard the same random bytes: the timings depend on addresses, not values), warm
+        in the page cache as ``flashnext ple warm`` leaves a served table: on 2 MiB folios
+        where the filesystem has them (when under half the written file maps on 2 MiB pages,
+        it is flushed, dropped and read again by ``PLETable.warm``)."""
+        from lookup import evict, huge_mapped_fraction
+
         path = root / "int4"
-        if not path.exists():
-            t0 = time.perf_counter()
-            build_repeated(root, "int4", self.args.staged_rows, self.rng, self.args.shard_rows)
-            print(f"staged: wrote a {self.args.staged_rows:,}-row int4 sidecar in "
-                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)  # fmt: skip
+        if path.exists():
+            return path
+        t0 = time.perf_counter()
+        build_repeated(root, "int4", self.args.staged_rows, self.rng, self.args.shard_rows)
+        t1 = time.perf_counter()
+        with open_table(path, "mmap") as table:
+            table.populate_maps()
+            share = huge_mapped_fraction(path)
+        if share is None or share < 0.5:
+            evict(path)
+            with open_table(path, "mmap") as table:
+                table.warm(background=False, populate=True)
+                share = huge_mapped_fraction(path)
+        huge = "-" if share is None else f"{share:.0%}"
+        print(f"staged: wrote a {self.args.staged_rows:,}-row int4 sidecar in {t1 - t0:.0f} s, "
+              f"warm in {time.perf_counter() - t1:.0f} s, {huge} of it on 2 MiB pages",
+              flush=True)  # fmt: skip
         return path
+
+    def huge_share(self, root: Path) -> None:
+        """Print the share of this process's maps of the staged sidecar on 2 MiB pages."""
+        from lookup import huge_mapped_fraction
+
+        share = huge_mapped_fraction(root / "int4")
+        self.results.append({"case": "staged maps", "huge_page_share": share})
+        print(f"staged maps on 2 MiB pages: {'-' if share is None else f'{share:.1%}'}", flush=True)
 
     def staged(self, root: Path) -> None:
         from flashnext.kernels import StagedTable
@@ -338,6 +368,7 @@ class Bench:
         rows = self.args.staged_rows
         table = open_table(self.staged_sidecar(root), "mmap")
         staged = StagedTable(table, max_ids=max(self.sizes) * HEADS, device=self.device)
+        self.huge_share(root)
         for kind in ("uniform", "text"):
             for t in self.sizes:
                 sets = [s.cpu().numpy() for s in self.id_sets(kind, t, rows)][:8]
@@ -372,19 +403,6 @@ class Bench:
               + f"; {batch.n_unique} unique rows; pipelined {pipelined:.0f} us/step")  # fmt: skip
 
 
-def numpy_stage(table: Any, layout: Any, flat: np.ndarray, out: np.ndarray) -> int:
-    """The previous StagedTable's host work, one thread: numpy dedup, gather_raw, pack."""
-    from flashnext.kernels.records import pack_records
-
-    lo, hi = table.row_range
-    uniq, inverse = np.unique(np.where((flat >= lo) & (flat < hi), flat, -1), return_inverse=True)
-    out[: 4 * flat.size].view(np.int32)[:] = inverse
-    rec = 4 * flat.size + (-4 * flat.size) % 16
-    recs = out[rec : rec + uniq.size * layout.record_bytes].reshape(uniq.size, -1)
-    pack_records(layout, table.gather_raw(uniq), out=recs)
-    return int(uniq.size)
-
-
 def hit_rates(bench: Bench) -> None:
     """CPU only: the share of lookups a cache of the N hottest rows serves, for three ways of
     choosing the profile text: the first half of the stream for the second (the cache section),
@@ -414,41 +432,6 @@ def hit_rates(bench: Bench) -> None:
         )
 
 
-def staged_host(bench: Bench, root: Path) -> None:
-    """CPU only: the staged path's host work per step (dedup + gather into the staging slot),
-    numba (StagedTable) against numpy (the previous version), same ids, same table."""
-    from flashnext.kernels import StagedTable
-
-    args, rng = bench.args, bench.rng
-    table = open_table(bench.staged_sidecar(root), "mmap")
-    staged = StagedTable(table, max_ids=8192 * HEADS, buffers=1, device="cpu")
-    scratch = np.empty_like(staged._host_np[0])
-    for kind in ("uniform", "text"):
-        for t in [t for t in bench.sizes if t <= 8192]:
-            n = 64 if t < 8192 else 8
-            if kind == "uniform":
-                sets = [rng.integers(0, args.staged_rows, (t, HEADS)) for _ in range(n)]
-            else:
-                sets = bench.text.host_sets(t, n, rng, args.staged_rows)
-            ours, old, uniq = [], [], 0
-            for rep in range(args.repeats * n + 1):
-                ids = sets[rep % n]
-                batch = staged.stage(ids)
-                t0 = time.perf_counter()
-                numpy_stage(table, staged.layout, ids.reshape(-1), scratch)
-                if rep:  # the first call compiles
-                    old.append((time.perf_counter() - t0) * 1e6)
-                    ours.append(batch.host_us["dedup_gather_us"])
-                uniq = batch.n_unique
-            med, med_old = statistics.median(ours), statistics.median(old)
-            bench.results.append({"case": "staged-host", "ids": kind, "T": t, "us": med,
-                                  "us_min": min(ours), "us_max": max(ours), "numpy_us": med_old,
-                                  "unique_rows": uniq})  # fmt: skip
-            print(f"staged-host int4 {kind:>7} T={t:>5}: numba {med:8.1f} us "
-                  f"[{min(ours):.1f}..{max(ours):.1f}]  numpy {med_old:8.1f} us  "
-                  f"x{med_old / med:.1f}  ({uniq} unique rows)", flush=True)  # fmt: skip
-
-
 def graph_staged(bench: Bench, table: Any, rows: int) -> None:
     """(d') the staged path inside a CUDA graph (GraphStagedTable): per step the graph is
     launched first and waits on the flag while the host stages the step's ids."""
@@ -458,7 +441,7 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
         for t in [t for t in bench.sizes if t <= 8192]:
             sets = [s.cpu().numpy() for s in bench.id_sets(kind, t, rows)][:8]
             staged = GraphStagedTable(table, (t, HEADS), prefault=False)
-            latency, batches, pipelined = _replay_graph_staged(bench, staged, t, sets)
+            latency, batches, pipelined, _ = _replay_graph_staged(bench, staged, t, sets)
             host = [b.host_us["dedup_gather_us"] for b in batches]
             batch = batches[-1]
             bench.record("graph-staged", "int4", kind, t, latency, 100,
@@ -481,6 +464,7 @@ def staged_cache(bench: Bench, root: Path) -> None:
     rows = bench.args.staged_rows
     table = open_table(bench.staged_sidecar(root), "mmap")
     staged = StagedTable(table, max_ids=max(bench.sizes) * HEADS, device=bench.device)
+    bench.huge_share(root)
     n_sets = 2 if bench.device == "cpu" else 8
     sets = {t: bench.text.host_sets(t, n_sets, bench.rng, rows) for t in bench.sizes}
     # the timed ids are taken modulo the table's rows; so are the hot rows (a no-op at the
@@ -494,24 +478,26 @@ def staged_cache(bench: Bench, root: Path) -> None:
         print(f"staged cache {gb} GB: {info.rows:,} rows, {info.bytes / 1e9:.2f} GB on the device, "
               f"built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for t in bench.sizes:
-            hit = float(np.mean([(staged._slot_map[s] >= 0).mean() for s in sets[t]])
+            hit = float(np.mean([(staged.slot_map[s] >= 0).mean() for s in sets[t]])
                         if info.rows else 0.0)  # fmt: skip
             extra = {"hit_rate": hit, "cached_rows": info.rows, "cache_bytes": info.bytes,
                      "pinned_bytes": staged.pinned_bytes}  # fmt: skip
             _time_staged(bench, staged, f"staged cache {gb}GB", t, sets[t], extra)
             if t <= 8192 and bench.device != "cpu":
-                _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB", t,
-                                    sets[t], extra)  # fmt: skip
+                for copy_slot, how in ((True, ""), (False, " uva")):
+                    _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB{how}",
+                                        t, sets[t], extra, copy_slot)  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
 def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int, sets: list,
-                        extra: dict) -> None:  # fmt: skip
-    """One GraphStagedTable for steps of ``t`` tokens, sharing ``staged``'s device cache."""
+                        extra: dict, copy_slot: bool) -> None:  # fmt: skip
+    """One GraphStagedTable for steps of ``t`` tokens, sharing ``staged``'s device cache
+    (``copy_slot=False``: the kernel reads the pinned slot through UVA, no copy)."""
     from flashnext.kernels import GraphStagedTable
 
-    graph = GraphStagedTable(table, (t, HEADS), prefault=False)
+    graph = GraphStagedTable(table, (t, HEADS), prefault=False, copy_slot=copy_slot)
     graph.share_cache(staged)
     _time_graph_staged(bench, graph, case, t, sets, {**extra, "pinned_bytes": graph.pinned_bytes})
 
@@ -520,7 +506,7 @@ def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra
     out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=bench.device)
     staged.lookup(staged.stage(sets[0]), out)  # warm: compile
     synchronize()
-    latency, unique = [], []
+    latency, unique, parts = [], [], []
     repeats = bench.args.repeats if bench.device == "cpu" else max(bench.args.repeats, 20)
     for rep in range(repeats):
         t0 = time.perf_counter()
@@ -529,23 +515,46 @@ def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra
         synchronize()
         latency.append((time.perf_counter() - t0) * 1e6)
         unique.append(batch.n_unique)
+        parts.append(batch.host_us)
     pipelined = pipelined_us(staged, sets, out)
+    host = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
-                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
+                 "unique_rows": int(statistics.median(unique)), **host})  # fmt: skip
+    print(f"{'':>16} host " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()), flush=True)
 
 
 def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
                        extra: dict) -> None:  # fmt: skip
-    latency, batches, pipelined = _replay_graph_staged(bench, staged, t, sets)
+    latency, batches, pipelined, graph = _replay_graph_staged(bench, staged, t, sets)
     unique = [b.n_unique for b in batches]
+    fill = statistics.median(b.host_us["dedup_gather_us"] for b in batches)
+    gpu = _graph_without_host(staged, graph, sets, max(bench.args.repeats, 20))
     bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
-                 "unique_rows": int(statistics.median(unique))})  # fmt: skip
+                 "unique_rows": int(statistics.median(unique)), "host_fill_us": fill,
+                 "replay_gpu_sync_us": gpu})  # fmt: skip
+    print(f"{'':>16} host fill {fill:.1f} us; replay + GPU + sync with the slot already "
+          f"filled {gpu:.1f} us", flush=True)  # fmt: skip
 
 
-def _replay_graph_staged(bench: Bench, staged: Any, t: int, sets: list) -> tuple[list, list, float]:
+def _graph_without_host(staged: Any, graph: Any, sets: list, repeats: int) -> float:
+    """Median us of replay + synchronize of ``staged``'s captured ``graph`` when the host
+    filled the slot before the launch: what a step costs beyond the host's fill."""
+    times = []
+    for rep in range(repeats):
+        staged.stage(sets[rep % len(sets)])
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _replay_graph_staged(bench: Bench, staged: Any, t: int,
+                         sets: list) -> tuple[list, list, float, Any]:  # fmt: skip
     """Capture ``staged``'s lookup for steps of ``t`` tokens in a CUDA graph and time it: per
     step the graph is launched first and waits on the flag while the host stages the step's
-    ids. Returns (latency us per step, the timed steps' StagedBatch, pipelined us per step)."""
+    ids. Returns (latency us per step, the timed steps' StagedBatch, pipelined us per step,
+    the graph)."""
     out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
     staged.stage(sets[0])
     staged.lookup(out)  # compile outside capture
@@ -566,7 +575,7 @@ def _replay_graph_staged(bench: Bench, staged: Any, t: int, sets: list) -> tuple
         graph.replay()
         staged.stage(sets[i % len(sets)])
     torch.cuda.synchronize()
-    return latency, batches, (time.perf_counter() - t0) * 1e6 / steps
+    return latency, batches, (time.perf_counter() - t0) * 1e6 / steps, graph
 
 
 def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: str) -> Any:
@@ -615,7 +624,8 @@ def parser() -> argparse.ArgumentParser:
         default=["ceilings", "uva", "cache", "device", "staged"],
         help="comma-separated: ceilings, baseline, uva, cache, device, staged, "
         "staged-cache (staged and graph-staged behind a 0/1/2 GB device cache), "
-        "staged-host (the staged path's host work, numba vs numpy; torch, no GPU), "
+        "staged-host (the staged path's host work, this version against the previous one, "
+        "with and without a 2 GB cache; no torch, no GPU), "
         "hit-rates (CPU only: cache hit rates for three choices of profile text)",
     )
     ap.add_argument("--sizes", type=comma_ints, default=list(TOKENS),
@@ -640,7 +650,7 @@ def main() -> int:
         print(f"error: --sections {','.join(sorted(sections - HOST_ONLY))} need torch and triton "
               "(pip install 'flashnext[gpu]')", file=sys.stderr)  # fmt: skip
         return 1
-    gpu_work = sections - HOST_ONLY - {"staged-host"}
+    gpu_work = sections - HOST_ONLY
     if args.device == "cuda" and gpu_work and not torch.cuda.is_available():
         print("error: no CUDA GPU here; --device cpu runs the sections under Triton's "
               "interpreter (TRITON_INTERPRET=1)", file=sys.stderr)  # fmt: skip
@@ -658,7 +668,8 @@ def main() -> int:
         if "hit-rates" in sections:  # CPU only
             hit_rates(bench)
         if "staged-host" in sections:  # CPU only
-            print(f"{platform.machine()}, {os.cpu_count()} cores, seed {args.seed}", flush=True)
+            from _staged_host import staged_host
+
             staged_host(bench, root)
         if sections - {"staged-host", "hit-rates"}:
             extra = gpu_sections(bench, sections, root)

@@ -207,3 +207,70 @@ def test_sidecar_layer_equals_vllm_pinned_layer(
         buffer = emb._prefetch_buffer
         assert buffer is not None and buffer.shape == (MAX_TOKENS, emb._output_dim)
         assert emb._buffer(buffer.device) is buffer  # allocated once, reused by every step
+
+
+# -- the hot-row device cache switches (FLASHNEXT_PLE_CACHE / FLASHNEXT_PLE_PROFILE) -------------
+@pytest.fixture(scope="module")
+def profiled(table, geometry, tmp_path_factory):
+    """(a real hot-row profile file of the sidecar's table, the token documents it counted)."""
+    from flashnext.ple.profile import build_profile, write_profile
+    from tests.seeding import seeded_rng
+
+    gen = seeded_rng("plugin_vllm_gpu_profile")
+    docs = [gen.integers(0, CONFIG["vocab_size"], size=int(gen.integers(100, 300)))
+            for _ in range(12)]  # fmt: skip
+    path = tmp_path_factory.mktemp("profile") / "hot_rows.safetensors"
+    return write_profile(path, build_profile(geometry, docs)), docs
+
+
+def _mixed_batch(rng: np.random.Generator, docs: list, tokens: int) -> dict[str, np.ndarray]:
+    """Two fresh requests: the first starts like a profiled document (cache hits), the second
+    is random tokens (mostly misses)."""
+    half = max(1, tokens // 2)
+    toks = rng.integers(0, CONFIG["vocab_size"], size=tokens)
+    doc = docs[int(rng.integers(len(docs)))][:half]
+    toks[: doc.size] = doc
+    qsl = np.array([0, half, tokens] if tokens > half else [0, tokens], dtype=np.int64)
+    ctx = np.full((qsl.size - 1, 2), CONFIG["eos_token_id"], dtype=np.int64)
+    return {"tokens": toks, "qsl": qsl, "ctx": ctx}
+
+
+@pytest.mark.parametrize("placement", ["pinned", "staged"])
+def test_cache_switches_serve_the_same_rows(vllm_pinned, table, geometry, profiled, placement,
+                                            rng, caplog):  # fmt: skip
+    """FLASHNEXT_PLE_CACHE=64MiB with a profile in front of pinned and staged rows: the start
+    line names the cache, the profile and its expected hit rate, and every step (hits and
+    misses together) equals the same layer without the cache, and vLLM's, bit for bit."""
+    from flashnext.ple.hashing import ngram_ids_packed as hashed
+
+    profile_file, docs = profiled
+    apply_parts(("ple_sidecar",), PluginSettings())
+    plain_cfg = {"ple_sidecar": str(table[1].path), "ple_placement": placement}
+    cached_cfg = {**plain_cfg, "ple_cache": "64MiB", "ple_profile": str(profile_file)}
+    plain = _build(True, {"flashnext": plain_cfg})
+    with caplog.at_level(logging.INFO, logger="flashnext.integrations.vllm"):
+        cached = _build(True, {"flashnext": cached_cfg})
+    rows = cached.ngram_embedding._rows
+    plan = rows.cache
+    assert rows.choice.placement == placement and plan.rows > 0, plan.reason
+    line = [r.getMessage() for r in caplog.records if PREFIX in r.getMessage()][-1]
+    rate = f"expected hit rate {100 * plan.expected_hit_rate:.1f}%"
+    size = f"device cache {64 / 1024:.2f} GiB"  # 64 MiB, as CachePlan.describe spells it
+    for phrase in (f"{placement}: ", size, f"{plan.rows} hot rows", f"from {profile_file}", rate):
+        assert phrase in line, (phrase, line)
+    target = rows._staged if placement == "staged" else rows._gpu
+    assert target.cache_info.rows == plan.rows
+    slot_map = target.slot_map if placement == "staged" else target._slot_map.cpu().numpy()
+    start = cached.ngram_embedding.shard_indices.org_vocab_start_index
+    for layer in (plain, cached):
+        layer.load_weights(_checkpoint(table[0]))
+    mixed = 0
+    for tokens in (8, 1000, 333, 1):
+        batch = _mixed_batch(rng, docs, tokens)
+        ids = hashed(geometry, batch["tokens"], batch["qsl"], batch["ctx"]).reshape(-1)
+        hit = slot_map[ids - start] >= 0
+        mixed += bool(hit.any() and not hit.all())
+        ours, without, theirs = (_step(x, batch) for x in (cached, plain, vllm_pinned))
+        assert np.array_equal(_bits(ours), _bits(without)), f"T={tokens}"
+        assert np.array_equal(_bits(ours), _bits(theirs)), f"T={tokens}"
+    assert mixed >= 3  # hits and misses in one step (T=1 may be all hits)

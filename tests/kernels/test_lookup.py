@@ -207,11 +207,12 @@ def _eager_then_captured(staged, table, t, rng):
 
 
 @needs_cuda
+@pytest.mark.parametrize("copy_slot", [True, False], ids=["copied", "uva"])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, rng):
+def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, copy_slot, rng):
     table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
     t = 24
-    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot)
     out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):
         ids = random_ids(rng, t)
@@ -260,11 +261,12 @@ def test_staged_cache_serves_the_same_rows_and_gathers_only_misses(sidecars, fmt
 
 
 @needs_cuda
+@pytest.mark.parametrize("copy_slot", [True, False], ids=["copied", "uva"])
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, rng):
+def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, copy_slot, rng):
     table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
     t = 24
-    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE)
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot)
     staged.set_hot_rows(rng.permutation(ROWS), 400 * staged.layout.record_bytes)
     out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):

@@ -1,31 +1,68 @@
 """Host side of the staged path: dedup ids and gather stored rows into records (numba, nogil).
 
-Per step, no numpy temporaries: :func:`sort_keys` packs each in-range id with its position
-into one int64 key (``inverse = -1`` for ids outside ``[lo, hi)``, which the lookup kernel
-turns into zero rows); the caller sorts the keys (numpy's sort: measured 10x faster than a hash
-table for a prefill's 131K ids on a small host, and sorted rows gather up to 2x faster);
-:func:`unique_sorted` writes the ascending unique rows and each id's record index
-(``inverse``); :func:`gather_records` copies each unique row's stored bytes, tensor by tensor,
-straight into its record in the pinned staging buffer (prefetching a few rows ahead), and its
-per-shard scalar into ``s2``. :func:`stage_rows` does the last two in one call, the gather
-split over numba's threads.
+A step's ids become an ``inverse`` int32 index per id and the stored bytes of each unique row
+as a record in the pinned staging slot (see :mod:`flashnext.kernels.staged` for the slot's
+layout). Two ways to dedup, both exact:
+
+- **behind a device cache** (:func:`stage_cached`): a hit index (:func:`build_hit_index`: a
+  bit per served row and running counts per 384 rows, 53 MB for 320M rows, so its lines stay
+  in the CPU's last-level cache) gives each cached id its slot, ``inverse = -(slot + 2)``. The
+  misses are deduplicated through the cache's slot map (int32 per served row, -1 = not
+  cached): a row's first miss writes ``-(index + 2)`` into its entry for the rest of the step,
+  later ids read their index back, and the entries are reset to -1 before the call returns. No
+  sort, one pass, and only misses touch the big map; steps of sharing tables must not run at
+  the same time (the plugin and the benchmarks stage one step at a time). A big step looks its
+  ids up in the hit index on numba's threads first (:func:`classify`), then dedups the misses
+  (:func:`dedup_positions`).
+- **without one** (:func:`stage_sorted`): each in-range id with its position packs into one
+  int64 key (``(row << POS_BITS) | i``), the keys are sorted (numba's sort for small steps,
+  numpy's by the caller for big ones: measured 10x faster than a hash table for a prefill's
+  131K ids), and :func:`unique_sorted` walks them. Ids outside ``[lo, hi)`` get ``inverse = -1``,
+  which the lookup kernel turns into zero rows.
+
+Either way one call does all of a small step's work on the calling thread (handing work to
+numba's threads costs more than gathering a few hundred rows); a step with more unique rows
+than ``serial_rows`` returns ``-(n + 1)`` and the caller gathers with :func:`gather_parallel`
+(each core walks its own page tables: random rows of a memory map are bound by page walks,
+not bandwidth). :func:`gather_into` copies each unique row's stored bytes, tensor by tensor,
+straight into its record (prefetching a few rows ahead), and its per-shard scalar into the
+slot's ``scale_2``.
 
 Where rows live is given as addresses (the table's arrays must stay alive during a call):
 ``seg_start`` int64 [S] global first row of each stored segment (sorted, contiguous),
 ``bases`` int64 [F, S] address of field ``f``'s row ``seg_start[s]``, ``row_bytes`` and
-``field_off`` int64 [F] the field's bytes per row and offset in the record.
+``field_off`` int64 [F] the field's bytes per row and offset in the record. The slot is passed
+whole as ``words`` (int32) and ``fwords`` (float32, the same bytes): ``inverse`` is
+``words[:n]``, ``scale_2`` starts at float ``s2_at``, records at byte ``rec_at``.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from typing import Any
+
 import numba
 import numpy as np
 
-# the address intrinsics of the CPU lookup kernels (one definition for both)
-from flashnext.ple.lookup_kernels import _prefetch, _ptr
+from flashnext.errors import KernelError
+from flashnext.kernels.records import RecordLayout
 
-_AHEAD = 8  # rows prefetched ahead of the copy (page-cache reads are latency-bound)
+# the address intrinsics of the CPU lookup kernels (one definition for both)
+from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch
+from flashnext.ple.table import PLETable, StoredTable
+
+AHEAD = 32  # rows prefetched ahead of the copy (random page-cache reads: latency-bound)
+_MAP_AHEAD = 16  # ids whose slot-map entry is prefetched ahead of the dedup
 POS_BITS = 21  # sort keys are (row << POS_BITS) | position: at most 2M ids per step
+HIT_BLOCK = 384  # rows per 64-byte block of the hit index (6 words of bits after 2 of counts)
+#: Unique rows per gather thread at least (fewer: handing work out costs more than it saves).
+CHUNK_ROWS = 64
+#: Steps of at most this many unique rows (keys, without a cache) are deduplicated and gathered
+#: in one numba call on the calling thread: waking numba's threads costs more than it saves.
+SERIAL_ROWS = 256
+#: Steps of at least this many ids look them up in the hit index on numba's threads first.
+PARALLEL_IDS = 32768
 
 
 @numba.njit(nogil=True, cache=True)
@@ -37,26 +74,6 @@ def sort_keys(ids, lo, hi, keys, inverse):  # type: ignore[no-untyped-def]
         row = ids[i]
         if row < lo or row >= hi:
             inverse[i] = -1
-        else:
-            keys[m] = (row << POS_BITS) | i
-            m += 1
-    return m
-
-
-@numba.njit(nogil=True, cache=True)
-def sort_keys_cached(ids, lo, hi, slot_map, keys, inverse):  # type: ignore[no-untyped-def]
-    """:func:`sort_keys` in front of a device cache: an id whose row has a cache slot
-    (``slot_map`` int32 [hi - lo], -1 = not cached) gets ``inverse = -(slot + 2)`` and no key,
-    so only the misses are deduplicated and gathered. Returns the number of keys written."""
-    m = 0
-    for i in range(ids.size):
-        row = ids[i]
-        if row < lo or row >= hi:
-            inverse[i] = -1
-            continue
-        slot = slot_map[row - lo]
-        if slot >= 0:
-            inverse[i] = -(slot + 2)
         else:
             keys[m] = (row << POS_BITS) | i
             m += 1
@@ -80,6 +97,147 @@ def unique_sorted(keys, inverse, uniq):  # type: ignore[no-untyped-def]
     return n_unique
 
 
+@numba.njit(nogil=True, cache=True)
+def build_hit_index(rows, lo, index):  # type: ignore[no-untyped-def]
+    """Fill ``index`` (uint64 ``[ceil(served / HIT_BLOCK), 8]``, zeroed) for the cached rows
+    ``rows`` (int64, ascending, global). Block ``b`` covers local rows ``[384 b, 384 b + 384)``
+    in one 64-byte line: word 0 counts the cached rows of all earlier blocks, word 1 packs, 9
+    bits each, how many of the block's rows before word ``k`` are cached (``k`` = 0..5), words
+    2..7 are its rows' bits. A cached row's slot is its rank among the cached rows
+    (:func:`_hit_slot`: one line, one popcount), as ``HostStager.cache_rows`` assigns slots;
+    the whole index is 0.17 bytes per served row (53 MB for 320M rows: it stays in a server
+    CPU's last-level cache, where the int32 slot map, 1.28 GB, cannot)."""
+    for j in range(rows.size):
+        r = rows[j] - lo
+        b = r // HIT_BLOCK
+        w = r - b * HIT_BLOCK
+        index[b, 2 + (w >> 6)] |= np.uint64(1) << np.uint64(w & 63)
+    total = 0
+    for b in range(index.shape[0]):
+        index[b, 0] = np.uint64(total)
+        before = 0
+        packed = np.uint64(0)
+        for k in range(6):
+            packed |= np.uint64(before) << np.uint64(9 * k)
+            before += _popcount(index[b, 2 + k])
+        index[b, 1] = packed
+        total += before
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _hit_slot(r, index):  # type: ignore[no-untyped-def]
+    """The cache slot of local row ``r`` from :func:`build_hit_index`'s index, or -1."""
+    b = r // HIT_BLOCK
+    w = r - b * HIT_BLOCK
+    k = w >> 6
+    word = index[b, 2 + k]
+    bit = np.uint64(w & 63)
+    if (word >> bit) & np.uint64(1) == np.uint64(0):
+        return -1
+    before = (index[b, 1] >> np.uint64(9 * k)) & np.uint64(511)
+    below = word & ((np.uint64(1) << bit) - np.uint64(1))
+    return np.int64(index[b, 0]) + np.int64(before) + _popcount(below)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _mark(i, row, lo, slot_map, inverse, uniq, n_unique):  # type: ignore[no-untyped-def]
+    """Id ``i`` misses the cache: its row's index in ``uniq``, a new one (marked in the slot
+    map as ``-(index + 2)``) at its first miss of the step. Returns the unique count."""
+    m = slot_map[row - lo]
+    if m == -1:
+        uniq[n_unique] = row
+        slot_map[row - lo] = -(n_unique + 2)
+        inverse[i] = n_unique
+        return n_unique + 1
+    inverse[i] = -(m + 2)
+    return n_unique
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _classify(ids, a, b, lo, hi, index, inverse, pos, k):  # type: ignore[no-untyped-def]
+    """Ids ``a..b`` against the hit ``index``: ``inverse[i]`` = -1 outside ``[lo, hi)``,
+    ``-(slot + 2)`` for a cached row; the positions of the others go to ``pos[k:]``. Returns
+    the next free place in ``pos``."""
+    base = np.int64(index.ctypes.data)
+    for i in range(a, min(b, a + _MAP_AHEAD)):
+        _prefetch(base + 64 * ((ids[i] - lo) // HIT_BLOCK))  # a prefetch never faults
+    for i in range(a, b):
+        if i + _MAP_AHEAD < b:
+            _prefetch(base + 64 * ((ids[i + _MAP_AHEAD] - lo) // HIT_BLOCK))
+        row = ids[i]
+        if row < lo or row >= hi:
+            inverse[i] = -1
+            continue
+        s = _hit_slot(row - lo, index)
+        if s >= 0:
+            inverse[i] = -(s + 2)
+        else:
+            pos[k] = i
+            k += 1
+    return k
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _dedup_range(  # type: ignore[no-untyped-def]
+    ids, lo, slot_map, inverse, uniq, pos, a, e, n_unique
+):
+    """The missed ids ``pos[a:e]`` deduplicated through the slot map (:func:`_mark`), its
+    entries prefetched ahead (random reads of a large map). Returns the unique count."""
+    base = np.int64(slot_map.ctypes.data)
+    for k in range(a, min(e, a + _MAP_AHEAD)):
+        _prefetch(base + 4 * (ids[pos[k]] - lo))
+    for k in range(a, e):
+        if k + _MAP_AHEAD < e:
+            _prefetch(base + 4 * (ids[pos[k + _MAP_AHEAD]] - lo))
+        i = pos[k]
+        n_unique = _mark(i, ids[i], lo, slot_map, inverse, uniq, n_unique)
+    return n_unique
+
+
+@numba.njit(nogil=True, cache=True)
+def dedup_misses(ids, lo, hi, index, slot_map, inverse, uniq, pos):  # type: ignore[no-untyped-def]
+    """Inverse of each id behind a device cache: -1 outside ``[lo, hi)``, ``-(slot + 2)`` for
+    a cached row (its slot from the hit ``index``), else the index of its row in ``uniq``
+    (first-seen order), deduplicated through ``slot_map`` (int32 ``[hi - lo]``; see the module
+    docstring; every mark is -1 again on return). Two passes: the hit index first, then only
+    the misses' slot-map entries (``pos`` int64 ``[>= n]`` holds their positions). Returns
+    the unique count."""
+    k = _classify(ids, 0, ids.size, lo, hi, index, inverse, pos, 0)
+    n_unique = _dedup_range(ids, lo, slot_map, inverse, uniq, pos, 0, k, 0)
+    for u in range(n_unique):
+        slot_map[uniq[u] - lo] = -1
+    return n_unique
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def classify(ids, lo, hi, index, inverse, pos, counts, chunks):  # type: ignore[no-untyped-def]
+    """The hit-index pass of :func:`dedup_misses` for a big step, on ``chunks`` of numba's
+    threads: chunk ``c``'s missed ids go to ``pos[a : a + counts[c]]`` (``a``: its first id),
+    for :func:`dedup_positions`."""
+    n = ids.size
+    for c in numba.prange(chunks):
+        a = n * c // chunks
+        b = n * (c + 1) // chunks
+        counts[c] = _classify(ids, a, b, lo, hi, index, inverse, pos, a) - a
+
+
+@numba.njit(nogil=True, cache=True)
+def dedup_positions(  # type: ignore[no-untyped-def]
+    ids, lo, slot_map, inverse, uniq, pos, counts, chunks
+):
+    """After :func:`classify`: the missed ids get their row's index in ``uniq`` as in
+    :func:`dedup_misses`. Returns the unique count."""
+    n = ids.size
+    n_unique = 0
+    for c in range(chunks):
+        a = n * c // chunks
+        n_unique = _dedup_range(ids, lo, slot_map, inverse, uniq, pos, a, a + counts[c],
+                                n_unique)  # fmt: skip
+    for u in range(n_unique):
+        slot_map[uniq[u] - lo] = -1
+    return n_unique
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def _segment(row, seg_start):  # type: ignore[no-untyped-def]
     """Index of the last segment starting at or before ``row`` (binary search)."""
@@ -99,13 +257,29 @@ def gather_records(  # type: ignore[no-untyped-def]
 ):
     """Copy rows ``uniq[a:b]`` into ``records[a:b]`` (uint8 ``[n, R]``); ``s2[a:b]`` gets each
     row's per-shard scalar when ``s2`` is non-empty (``shard_starts``/``scalars`` [K])."""
+    dst = np.int64(records.ctypes.data)
+    gather_into(uniq, a, b, seg_start, bases, row_bytes, field_off, dst, records.shape[1],
+                shard_starts, scalars, s2, 0)  # fmt: skip
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_into(  # type: ignore[no-untyped-def]
+    uniq, a, b, seg_start, bases, row_bytes, field_off, dst, rec_bytes, shard_starts, scalars,
+    fwords, s2_at, depth=AHEAD,
+):  # fmt: skip
+    """Copy rows ``uniq[a:b]`` into the records at address ``dst`` (``rec_bytes`` each,
+    record ``j`` for row ``uniq[j]``), prefetching ``depth`` rows ahead; ``fwords[s2_at + j]``
+    gets each row's per-shard scalar when ``scalars`` is non-empty (``shard_starts``/``scalars``
+    [K])."""
     n_f = row_bytes.size
-    for j in range(a, min(b, a + _AHEAD)):
+    for j in range(a, min(b, a + depth)):
         s = _segment(uniq[j], seg_start)
         for f in range(n_f):
-            _prefetch(bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f])
+            addr = bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f]
+            _prefetch(addr)
+            _prefetch(addr + row_bytes[f] - 1)
     for j in range(a, b):
-        ahead = j + _AHEAD
+        ahead = j + depth
         if ahead < b:
             s = _segment(uniq[ahead], seg_start)
             for f in range(n_f):
@@ -114,32 +288,285 @@ def gather_records(  # type: ignore[no-untyped-def]
                 _prefetch(addr + row_bytes[f] - 1)
         row = uniq[j]
         s = _segment(row, seg_start)
-        dst = records[j]
+        rec = dst + j * rec_bytes
         for f in range(n_f):
             nb = row_bytes[f]
-            src = numba.carray(_ptr(bases[f, s] + (row - seg_start[s]) * nb), nb, np.uint8)
-            off = field_off[f]
-            dst[off : off + nb] = src
-        if s2.size:
-            s2[j] = scalars[_segment(row, shard_starts)]
+            _copy(rec + field_off[f], bases[f, s] + (row - seg_start[s]) * nb, nb)
+        if scalars.size:
+            fwords[s2_at + j] = scalars[_segment(row, shard_starts)]
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def stage_rows(  # type: ignore[no-untyped-def]
-    keys, inverse, uniq, chunk_rows, max_chunks, seg_start, bases, row_bytes, field_off,
-    records, shard_starts, scalars, s2,
+def gather_parallel(  # type: ignore[no-untyped-def]
+    uniq, n_unique, chunk_rows, max_chunks, seg_start, bases, row_bytes, field_off, dst,
+    rec_bytes, shard_starts, scalars, fwords, s2_at, depth=AHEAD,
 ):  # fmt: skip
-    """:func:`unique_sorted`, then :func:`gather_records` of the unique rows split into chunks
-    of at least ``chunk_rows`` rows, at most ``max_chunks``, gathered in parallel (each core
-    walks its own page tables: random rows of a memory map are bound by page walks, not
-    bandwidth). Returns the unique count."""
-    n_unique = unique_sorted(keys, inverse, uniq)
+    """:func:`gather_into` of ``uniq[:n_unique]`` split into chunks of at least
+    ``chunk_rows`` rows, at most ``max_chunks``, gathered on numba's threads."""
     chunks = max(1, min(max_chunks, n_unique // chunk_rows))
     for c in numba.prange(chunks):
         a = n_unique * c // chunks
         b = n_unique * (c + 1) // chunks
-        gather_records(
-            uniq, a, b, seg_start, bases, row_bytes, field_off, records, shard_starts,
-            scalars, s2,
-        )  # fmt: skip
-    return n_unique
+        gather_into(uniq, a, b, seg_start, bases, row_bytes, field_off, dst, rec_bytes,
+                    shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+
+
+@numba.njit(nogil=True, cache=True)
+def stage_cached(  # type: ignore[no-untyped-def]
+    ids, lo, hi, index, slot_map, uniq, pos, words, fwords, s2_at, rec_at, rec_bytes, seg_start,
+    bases, row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
+):  # fmt: skip
+    """One step behind a device cache: :func:`dedup_misses` into ``words[:ids.size]``, then,
+    with at most ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the
+    unique count ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
+    n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
+    if n > serial_rows:
+        return -(n + 1)
+    dst = np.int64(words.ctypes.data) + rec_at
+    gather_into(uniq, 0, n, seg_start, bases, row_bytes, field_off, dst, rec_bytes,
+                shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def stage_sorted(  # type: ignore[no-untyped-def]
+    ids, lo, hi, keys, uniq, words, fwords, s2_at, rec_at, rec_bytes, seg_start, bases,
+    row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
+):  # fmt: skip
+    """One step without a cache: :func:`sort_keys` into ``words[:ids.size]``; with at most
+    ``serial_rows`` keys also the sort (numba's), :func:`unique_sorted` and :func:`gather_into`
+    on this thread. Returns the unique count, or ``-(m + 1)`` with the ``m`` keys unsorted
+    (the caller sorts them, dedups and gathers)."""
+    m = sort_keys(ids, lo, hi, keys, words)
+    if m > serial_rows:
+        return -(m + 1)
+    part = keys[:m]
+    part.sort()
+    n = unique_sorted(part, words, uniq)
+    dst = np.int64(words.ctypes.data) + rec_at
+    gather_into(uniq, 0, n, seg_start, bases, row_bytes, field_off, dst, rec_bytes,
+                shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+    return n
+
+
+# -- the host side of one staged table (numpy only: benchmarks run it without torch) ---------
+def align(n: int, k: int = 16) -> int:
+    """``n`` rounded up to a multiple of ``k``."""
+    return -(-n // k) * k
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where a table's stored rows live, as the numba gathers read them (see the module).
+
+    ``keep`` holds the arrays whose addresses ``bases`` records.
+    """
+
+    seg_start: np.ndarray  # int64 [S]
+    bases: np.ndarray  # int64 [F, S]
+    row_bytes: np.ndarray  # int64 [F]
+    field_off: np.ndarray  # int64 [F]
+    shard_starts: np.ndarray  # int64 [K]
+    scalars: np.ndarray  # float32 [K] (per-shard scale_2; empty when the format has none)
+    keep: tuple[Any, ...]
+
+
+def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
+    """The addresses of ``stored``'s per-row tensors, field by field of ``layout``.
+
+    Raises:
+        KernelError: a stored tensor's rows are not contiguous (a table always stores them so).
+    """
+    bases = np.empty((len(layout.fields), len(stored.segments)), np.int64)
+    keep = []
+    for s, seg in enumerate(stored.segments):
+        for f, fld in enumerate(layout.fields):
+            arr = np.asarray(seg.tensors[fld.spec.name])
+            strided = arr.shape[0] > 1 and arr.strides[0] != fld.nbytes
+            if strided or not arr[:1].flags.c_contiguous:
+                raise KernelError(
+                    f"{stored.format}: stored tensor {fld.spec.name} of rows {seg.start}.. has "
+                    f"row stride {arr.strides[0]}, expected {fld.nbytes} contiguous bytes"
+                )
+            bases[f, s] = arr.ctypes.data
+            keep.append(arr)
+    s2_names = [s.name for s in stored.codec.specs if not s.per_row]
+    scalars = (
+        np.asarray(stored.shard_scalars[s2_names[0]], np.float32)
+        if s2_names
+        else np.empty(0, np.float32)
+    )
+    return RowSource(
+        seg_start=np.array([seg.start for seg in stored.segments], np.int64),
+        bases=bases,
+        row_bytes=np.array([f.nbytes for f in layout.fields], np.int64),
+        field_off=np.array([f.offset for f in layout.fields], np.int64),
+        shard_starts=np.asarray(stored.shard_starts, np.int64),
+        scalars=scalars,
+        keep=tuple(keep),
+    )
+
+
+def flat_ids(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as contiguous int64 ``[n]`` (a view when it already is int64 and contiguous)."""
+    if arr.dtype == np.int64 and arr.flags.c_contiguous:
+        return arr.reshape(-1)
+    return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
+
+
+def prefault_pages(table: PLETable, page: int = 4096) -> None:
+    """Map every page of the table's stored tensors into this process now, so that steps take
+    no page faults: ``PLETable.populate_maps`` (on 2 MiB pages where the page cache holds 2 MiB
+    folios, e.g. after ``PLETable.warm``), then one byte read per page (where the kernel
+    lacks ``MADV_POPULATE_READ``)."""
+    table.populate_maps()
+    for seg in table.stored().segments:
+        for arr in seg.tensors.values():
+            flat = np.asarray(arr).reshape(-1).view(np.uint8)
+            int(flat[::page].sum(dtype=np.uint64))
+
+
+class HostStager:
+    """The host work of a staged table: each step's ids into one of its staging slots.
+
+    A slot (uint8, ``slot_bytes`` long, pinned by the GPU classes) holds
+    ``[inverse int32 [n_ids] | scale_2 float32 [n_ids] (nvfp4) | records [n_unique, R]]``,
+    each part 16-byte aligned (:meth:`offsets`). Everything a step needs is allocated here
+    once; :meth:`fill` allocates nothing and builds no views.
+
+    Args:
+        stored: the table's stored tensors (memory-mapped or resident).
+        layout: the record layout of its format.
+        row_range: the rows served ``[lo, hi)``; other ids give ``inverse = -1``.
+        max_ids: the most ids one step may stage.
+        workers: numba threads for a big step's gather (default: up to 8).
+
+    Raises:
+        KernelError: ``max_ids`` is above ``2 ** POS_BITS``.
+    """
+
+    def __init__(
+        self,
+        stored: StoredTable,
+        layout: RecordLayout,
+        row_range: tuple[int, int],
+        max_ids: int,
+        workers: int | None = None,
+    ):
+        if max_ids > 1 << POS_BITS:
+            raise KernelError(f"max_ids is {max_ids}, at most {1 << POS_BITS}")
+        self.src = row_source(stored, layout)
+        self.record_bytes = layout.record_bytes
+        self.row_range = (int(row_range[0]), int(row_range[1]))
+        self.max_ids = int(max_ids)
+        self.slot_bytes = align(self.offsets(self.max_ids, self.max_ids)[-1])
+        self.workers = workers or min(8, os.cpu_count() or 1)
+        self.serial_rows = SERIAL_ROWS
+        self.parallel_ids = PARALLEL_IDS
+        self.chunk_rows = CHUNK_ROWS
+        self.depth = AHEAD
+        self.slot_map: np.ndarray | None = None  # int32 [hi - lo]: cache slot or -1
+        self._keys = np.empty(self.max_ids, np.int64)
+        self._uniq = np.empty(self.max_ids, np.int64)
+        self._pos = np.empty(self.max_ids, np.int64)  # a step's missed ids (by chunk)
+        self._counts = np.empty(64, np.int64)
+        self._index = np.empty((0, 8), np.uint64)  # build_hit_index's, with the slot map
+        self._args = (self.src.seg_start, self.src.bases, self.src.row_bytes,
+                      self.src.field_off, self.src.shard_starts, self.src.scalars)  # fmt: skip
+        self._slots: list[tuple[np.ndarray, np.ndarray, int]] = []
+
+    def add_slot(self, slot: np.ndarray) -> int:
+        """Register a staging slot (uint8 ``[>= slot_bytes]``, kept alive by the caller);
+        returns its index for :meth:`fill`."""
+        if slot.dtype != np.uint8 or slot.ndim != 1 or slot.size < self.slot_bytes:
+            raise KernelError(f"a staging slot is uint8 [{self.slot_bytes}], found {slot.dtype} "
+                              f"{list(slot.shape)}")  # fmt: skip
+        words = slot[: self.slot_bytes].view(np.int32)
+        fwords = slot[: self.slot_bytes].view(np.float32)
+        self._slots.append((words, fwords, int(slot.ctypes.data)))
+        return len(self._slots) - 1
+
+    def offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
+        """Byte offsets of scale_2 and the records in a slot, and the used length.
+
+        scale_2 gets room for ``n_ids`` rows (4 bytes each), so that the records' place is
+        known before the dedup says how many rows there are.
+        """
+        s2_at = align(4 * n_ids)
+        rec_at = align(s2_at + (4 * n_ids if self.src.scalars.size else 0))
+        return s2_at, rec_at, rec_at + n_unique * self.record_bytes
+
+    def fill(self, slot: int, flat: np.ndarray) -> int:
+        """Dedup ``flat`` (int64 ``[n]``, contiguous, ``n <= max_ids``) into slot ``slot``'s
+        inverse and gather the unique rows' records (and scale_2); returns the unique count.
+
+        A small step is one numba call on this thread; a big one reads the slot map (or sorts
+        its keys with numpy) and gathers on numba's threads.
+        """
+        lo, hi = self.row_range
+        s2_at, rec_at, _ = self.offsets(flat.size, 0)
+        words, fwords, addr = self._slots[slot]
+        uniq, rb, src, serial = self._uniq, self.record_bytes, self._args, self.serial_rows
+        if self.slot_map is not None and flat.size >= self.parallel_ids and self.workers > 1:
+            chunks = max(1, min(self.workers, flat.size >> 12, self._counts.size))
+            classify(flat, lo, hi, self._index, words, self._pos, self._counts, chunks)
+            n = dedup_positions(flat, lo, self.slot_map, words, uniq, self._pos, self._counts,
+                                chunks)  # fmt: skip
+        elif self.slot_map is not None:
+            n = stage_cached(flat, lo, hi, self._index, self.slot_map, uniq, self._pos, words,
+                             fwords, s2_at >> 2, rec_at, rb, *src, serial, self.depth)  # fmt: skip
+            if n >= 0:
+                return int(n)  # gathered too
+            n = -n - 1
+        else:
+            n = stage_sorted(flat, lo, hi, self._keys, uniq, words, fwords, s2_at >> 2, rec_at,
+                             rb, *src, serial, self.depth)  # fmt: skip
+            if n >= 0:
+                return int(n)
+            keys = self._keys[: -n - 1]
+            keys.sort()  # many keys: numpy's sort is the fastest
+            n = unique_sorted(keys, words, uniq)
+        dst = addr + rec_at
+        if n <= serial:
+            gather_into(uniq, 0, n, *src[:4], dst, rb, *src[4:], fwords, s2_at >> 2, self.depth)
+        else:
+            gather_parallel(uniq, n, self.chunk_rows, self.workers, *src[:4], dst, rb, *src[4:],
+                            fwords, s2_at >> 2, self.depth)  # fmt: skip
+        return int(n)
+
+    def cache_rows(self, ids: np.ndarray, cache_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """Serve the first rows of ``ids`` (int64 ``[n]``, priority order) that fit in
+        ``cache_bytes`` from a device cache from now on (``GpuTable.set_hot_rows``' rule: rows
+        outside ``row_range`` skipped, repeats keep their first place, ``cache_bytes //
+        record_bytes`` rows kept; 0 rows turn the cache off). Slot ``j`` holds the ``j``-th
+        kept row in ascending order (ascending rows gather fastest).
+
+        Returns:
+            the kept rows' records (uint8 ``[k, R]``) and nvfp4 scale_2 (float32 ``[k]``, empty
+            for other formats), for the device copy.
+        """
+        lo, hi = self.row_range
+        ids = ids[(ids >= lo) & (ids < hi)]
+        _, first = np.unique(ids, return_index=True)
+        rows = np.sort(ids[np.sort(first)][: max(0, int(cache_bytes)) // self.record_bytes])
+        src = self.src
+        records = np.empty((rows.size, self.record_bytes), np.uint8)
+        s2 = np.empty(rows.size if src.scalars.size else 0, np.float32)
+        if rows.size == 0:
+            self.slot_map, self._index = None, np.empty((0, 8), np.uint64)
+            return records, s2
+        gather_records(rows, 0, rows.size, src.seg_start, src.bases, src.row_bytes,
+                       src.field_off, records, src.shard_starts, src.scalars, s2)  # fmt: skip
+        slot_map = np.full(hi - lo, -1, np.int32)
+        slot_map[rows - lo] = np.arange(rows.size, dtype=np.int32)
+        blocks = -(-(hi - lo) // HIT_BLOCK)
+        raw = np.zeros(8 * blocks + 8, np.uint64)  # one block per 64-byte line: aligned
+        skip = (-raw.ctypes.data % 64) // 8
+        index = raw[skip : skip + 8 * blocks].reshape(blocks, 8)
+        build_hit_index(rows, lo, index)
+        self.slot_map, self._index = slot_map, index
+        return records, s2
+
+    def share(self, other: HostStager) -> None:
+        """Serve from ``other``'s device cache: its slot map and hit index (same row range)."""
+        self.slot_map, self._index = other.slot_map, other._index

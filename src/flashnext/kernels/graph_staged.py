@@ -1,11 +1,16 @@
 """A staged lookup that can live inside a CUDA graph: the GPU waits on a host-written flag.
 
 FreeToken's design: the graph's PLE step is ``wait until flag == 1 (cuStreamWaitValue32 on a
-pinned host word) -> H2D copy of the whole staging slot -> write flag = 0 (the slot is free
-again) -> dequantize kernel``. The host fills the slot for a step whenever it knows the step's
+pinned host word) -> dequantize kernel reading the pinned slot through UVA -> write flag = 0
+(the slot is free again)``, or with ``copy_slot=True`` ``wait -> H2D copy of the whole staging
+slot -> write flag = 0 -> kernel`` (FreeToken's original order). The host fills the slot for a step whenever it knows the step's
 ids, before or after the graph was launched, and sets the flag; the GPU runs whatever the graph
 holds before the PLE step meanwhile. Everything in :meth:`GraphStagedTable.lookup` has a fixed
 size (one graph per ``[T, heads]``), so capture and replay need no host decision.
+
+Without the copy the kernel reads only the bytes the step uses (the ids' inverse index and the
+staged rows, not the whole slot sized for every id missing the cache), and the flag is reset
+after the kernel instead of after the copy.
 
 The stream memory operations come from the driver library itself (``libcuda``, through
 ctypes), so no extra package is needed. The flag lives in pinned memory that the device reads
@@ -21,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from flashnext.errors import KernelError
+from flashnext.kernels._staging import flat_ids
 from flashnext.kernels.staged import StagedBatch, StagedTable
 from flashnext.kernels.table import torch
 from flashnext.ple.table import PLETable
@@ -58,15 +64,19 @@ def _check(fn: str, rc: int) -> None:
 class GraphStagedTable(StagedTable):
     """Staged lookups of a fixed ``[T, heads]`` that can be captured in a CUDA graph.
 
-    One pinned staging slot and one device slot; a pinned int32 flag hands the slot over
-    (1: filled by the host, 0: copied by the GPU). Call :meth:`stage` once per launch of the
-    captured (or eager) :meth:`lookup`, in either order; :meth:`stage` blocks until the GPU has
-    copied the previous step's slot.
+    One pinned staging slot (and one device slot it is copied to); a pinned int32 flag hands
+    the slot over (1: filled by the host, 0: taken by the GPU). Call :meth:`stage` once per
+    launch of the captured (or eager) :meth:`lookup`, in either order; :meth:`stage` blocks
+    until the GPU has taken the previous step's slot.
 
     Args:
         table: an opened table (any residency; ids outside its row range give zero rows).
         shape: ``(T, heads)`` of every step's ids.
         device, prefault, workers: as for :class:`StagedTable`.
+        copy_slot: copy the whole slot to the device before the kernel (True), or let the
+            kernel read the pinned slot through UVA (False, the default: no device slot, no
+            copy; measured faster on the H200 at T = 32, 512 and 8192 with and without a
+            device cache, BENCHMARKS.md).
 
     Raises:
         KernelError: not a CUDA device, or the driver library is missing.
@@ -79,6 +89,7 @@ class GraphStagedTable(StagedTable):
         device: Any = "cuda",
         prefault: bool = True,
         workers: int | None = None,
+        copy_slot: bool = False,
     ):
         if torch.device(device).type != "cuda":
             raise KernelError(f"graph-staged lookups need a CUDA device, found {device!r}")
@@ -87,6 +98,9 @@ class GraphStagedTable(StagedTable):
         self._flag = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
         self._flag_np = self._flag.numpy()
         self._lib = _cuda_driver()
+        self.copy_slot = bool(copy_slot)
+        if not self.copy_slot:
+            self._dev = []  # the kernel reads the pinned slot
 
     def stage(self, ids: Any, timeout_s: float = 30.0) -> StagedBatch:
         """Fill the slot with the rows of int ids ``[T, heads]`` and raise the flag.
@@ -110,8 +124,8 @@ class GraphStagedTable(StagedTable):
                     "lookup() (or its graph) once per stage()"
                 )
         t_fill = time.perf_counter()
-        flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-        n_unique = self._fill(self._host_np[0], flat)
+        flat = flat_ids(arr)
+        n_unique = self._fill(0, flat)
         t_flag = time.perf_counter()
         self._flag_np[0] = 1  # x86 keeps store order: the slot's bytes are visible first
         return StagedBatch(
@@ -127,24 +141,30 @@ class GraphStagedTable(StagedTable):
 
     def lookup(self, out: Any = None) -> Any:  # type: ignore[override]
         """Enqueue wait-for-flag, the slot's copy, flag reset and the kernel on the current
-        stream; returns bf16 ``out`` ``[T, heads * width]``. Fixed sizes: capturable.
+        stream (without ``copy_slot``: wait, the kernel on the pinned slot, flag reset);
+        returns bf16 ``out`` ``[T, heads * width]``. Fixed sizes: capturable.
 
         Raises:
             KernelError: ``out`` has the wrong shape or dtype, or a driver call failed.
         """
+        out = self._out(self.shape, out)
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         flag = int(self._flag.data_ptr())
         _check(
             "cuStreamWaitValue32",
             self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ),
         )
-        self._dev[0].copy_(self._host[0], non_blocking=True)
+        if self.copy_slot:
+            self._dev[0].copy_(self._host[0], non_blocking=True)
+        else:
+            self._launch(self._host[0], self.max_ids, self.max_ids, out, pinned=True)
         _check(
             "cuStreamWriteValue32",
             self._lib.cuStreamWriteValue32_v2(stream, flag, 0, _WRITE_DEFAULT),
         )
-        full = StagedBatch(0, self.shape, self.max_ids, self.max_ids)
-        return super().lookup(full, out)
+        if self.copy_slot:
+            self._launch(self._dev[0], self.max_ids, self.max_ids, out)
+        return out
 
     def release(self) -> None:
         """Raise the flag without new rows, so a launched lookup stuck waiting completes

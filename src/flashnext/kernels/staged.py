@@ -1,8 +1,9 @@
 """Staged lookups for a table that stays memory-mapped on the host (too little RAM to pin it).
 
-Per step the host deduplicates the ids (one sort) and gathers the unique rows' stored bytes as
-records straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`; the
-gather split over up to ``workers`` threads, 64+ rows each), laid out as
+Per step the host deduplicates the ids and gathers the unique rows' stored bytes as records
+straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`: one call on the
+calling thread for a step of up to ``serial_rows`` unique rows, else the gather split over up to
+``workers`` threads, 64+ rows each), laid out as
 ``[inverse int32 [n_ids] | scale_2 float32 [n_ids] (nvfp4) | records [n_unique, R]]``; one async
 H2D copy of the used prefix goes on the current stream, and the lookup kernel dequantizes with
 the inverse index as row ids (-1 = a zero row). ``buffers`` slots (2 = double-buffered) let the
@@ -12,8 +13,10 @@ the copy that last read the slot it is about to overwrite.
 A device cache of hot rows (:meth:`StagedTable.set_hot_rows`, the profile format and size rule of
 ``GpuTable.set_hot_rows``) sits in front: the host looks each id up in a slot map (int32 per
 served row, host RAM, not pinned); a hit is written into the inverse index as ``-(slot + 2)``
-and never gathered, so only the misses are deduplicated, gathered and copied, and the one kernel
-reads hits from the cache and misses from the staged slot.
+and never gathered, so only the misses are deduplicated (through the slot map itself: no sort),
+gathered and copied, and the one kernel reads hits from the cache and misses from the staged
+slot. Tables that share a cache (:meth:`StagedTable.share_cache`) must not stage at the same
+time: a step marks its misses in the shared slot map while it runs.
 
 :class:`StagedTable` runs outside CUDA graphs (the copy's size is known only after the gather);
 :mod:`flashnext.kernels.graph_staged` is the variant that lives inside one.
@@ -21,7 +24,6 @@ reads hits from the cache and misses from the staged slot.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,16 +32,10 @@ import numpy as np
 
 from flashnext.errors import KernelError
 from flashnext.kernels import _staging
-from flashnext.kernels.records import RecordLayout, record_layout
-from flashnext.kernels.table import CacheInfo, _lookup, code_luts, hot_row_ids, torch
-from flashnext.ple.table import PLETable, StoredTable
-
-#: Unique rows per gather thread at least (fewer: handing work out costs more than it saves).
-CHUNK_ROWS = 64
-
-
-def _align(n: int, k: int = 16) -> int:
-    return -(-n // k) * k
+from flashnext.kernels._staging import flat_ids, prefault_pages
+from flashnext.kernels.records import record_layout
+from flashnext.kernels.table import CacheInfo, UvaPointer, _lookup, code_luts, hot_row_ids, torch
+from flashnext.ple.table import PLETable
 
 
 @dataclass(frozen=True)
@@ -57,56 +53,11 @@ class StagedBatch:
     host_us: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class RowSource:
-    """Where a table's stored rows live, as the numba gather reads them (see ``_staging``).
+class PinnedView(UvaPointer):
+    """A pinned host tensor the kernel reads through UVA, with its element count."""
 
-    ``keep`` holds the arrays whose addresses ``bases`` records.
-    """
-
-    seg_start: np.ndarray  # int64 [S]
-    bases: np.ndarray  # int64 [F, S]
-    row_bytes: np.ndarray  # int64 [F]
-    field_off: np.ndarray  # int64 [F]
-    shard_starts: np.ndarray  # int64 [K]
-    scalars: np.ndarray  # float32 [K] (per-shard scale_2; empty when the format has none)
-    keep: tuple[Any, ...]
-
-
-def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
-    """The addresses of ``stored``'s per-row tensors, field by field of ``layout``.
-
-    Raises:
-        KernelError: a stored tensor's rows are not contiguous (a table always stores them so).
-    """
-    bases = np.empty((len(layout.fields), len(stored.segments)), np.int64)
-    keep = []
-    for s, seg in enumerate(stored.segments):
-        for f, fld in enumerate(layout.fields):
-            arr = np.asarray(seg.tensors[fld.spec.name])
-            strided = arr.shape[0] > 1 and arr.strides[0] != fld.nbytes
-            if strided or not arr[:1].flags.c_contiguous:
-                raise KernelError(
-                    f"{stored.format}: stored tensor {fld.spec.name} of rows {seg.start}.. has "
-                    f"row stride {arr.strides[0]}, expected {fld.nbytes} contiguous bytes"
-                )
-            bases[f, s] = arr.ctypes.data
-            keep.append(arr)
-    s2_names = [s.name for s in stored.codec.specs if not s.per_row]
-    scalars = (
-        np.asarray(stored.shard_scalars[s2_names[0]], np.float32)
-        if s2_names
-        else np.empty(0, np.float32)
-    )
-    return RowSource(
-        seg_start=np.array([seg.start for seg in stored.segments], np.int64),
-        bases=bases,
-        row_bytes=np.array([f.nbytes for f in layout.fields], np.int64),
-        field_off=np.array([f.offset for f in layout.fields], np.int64),
-        shard_starts=np.asarray(stored.shard_starts, np.int64),
-        scalars=scalars,
-        keep=tuple(keep),
-    )
+    def numel(self) -> int:
+        return int(self.host.numel())
 
 
 class StagedTable:
@@ -136,8 +87,10 @@ class StagedTable:
         self.layout = record_layout(table.codec, table.width)
         self.device = torch.device(device)
         self.max_ids = int(max_ids)
-        self._src = row_source(table.stored(), self.layout)
-        self._slot_bytes = self._offsets(self.max_ids, self.max_ids)[-1]
+        self._stager = _staging.HostStager(
+            table.stored(), self.layout, table.row_range, self.max_ids, workers
+        )
+        self._slot_bytes = self._stager.slot_bytes
         pin = self.device.type != "cpu"
         # device="cpu" spelled out: vLLM builds layers under `with torch.device("cuda")`, which
         # would otherwise put these host slots on the GPU ("Only dense CPU tensors can be pinned").
@@ -145,7 +98,8 @@ class StagedTable:
             torch.empty(self._slot_bytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
             for _ in range(buffers)
         ]
-        self._host_np = [h.numpy() for h in self._host]
+        for h in self._host:
+            self._stager.add_slot(h.numpy())
         self._dev = [
             torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device)
             for _ in range(buffers)
@@ -153,28 +107,22 @@ class StagedTable:
         cuda = self.device.type == "cuda"
         self._copied = [torch.cuda.Event() if cuda else None for _ in range(buffers)]
         self._next = 0
-        if self.max_ids > 1 << _staging.POS_BITS:
-            raise KernelError(f"max_ids is {self.max_ids}, at most {1 << _staging.POS_BITS}")
-        self._keys = np.empty(self.max_ids, np.int64)
-        self._uniq = np.empty(self.max_ids, np.int64)
         self._e2m1, self._e4m3 = code_luts(self.device)
         self._zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._workers = workers or min(8, os.cpu_count() or 1)
-        self._slot_map: np.ndarray | None = None  # int32 [served rows], host
         self._cache: Any = None  # uint8 [slots, record_bytes], device
         self._cache_s2: Any = None  # float32 [slots] (nvfp4 scale_2 of each cached row)
         if prefault:
             prefault_pages(table)
 
     def _offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
-        """Byte offsets of scale_2 and the records in a slot, and the used length.
+        """Byte offsets of scale_2 and the records in a slot, and the used length."""
+        return self._stager.offsets(n_ids, n_unique)
 
-        scale_2 gets room for ``n_ids`` rows (4 bytes each), so that the records' place is
-        known before the dedup says how many rows there are.
-        """
-        s2_at = _align(4 * n_ids)
-        rec_at = _align(s2_at + (4 * n_ids if self._src.scalars.size else 0))
-        return s2_at, rec_at, rec_at + n_unique * self.layout.record_bytes
+    @property
+    def slot_map(self) -> np.ndarray | None:
+        """The device cache's slot of each served row (int32 ``[hi - lo]``, -1 = not cached;
+        host RAM), or None without a cache."""
+        return self._stager.slot_map
 
     def stage(self, ids: Any) -> StagedBatch:
         """Gather the rows of int ids ``[T, heads]`` (numpy, on the host) and enqueue their copy
@@ -199,8 +147,8 @@ class StagedTable:
         if copied is not None:
             copied.synchronize()
         t_gather = time.perf_counter()
-        flat = np.ascontiguousarray(arr.reshape(-1), dtype=np.int64)
-        n_unique = self._fill(self._host_np[slot], flat)
+        flat = flat_ids(arr)
+        n_unique = self._fill(slot, flat)
         t_copy = time.perf_counter()
         used = self._offsets(flat.size, n_unique)[-1]
         self._dev[slot][:used].copy_(self._host[slot][:used], non_blocking=True)
@@ -219,25 +167,9 @@ class StagedTable:
             },
         )
 
-    def _fill(self, host: np.ndarray, flat: np.ndarray) -> int:
-        """Dedup ``flat`` and gather its rows into the slot ``host``; returns the unique count."""
-        n, src, rb = flat.size, self._src, self.layout.record_bytes
-        lo, hi = self.table.row_range
-        s2_at, rec_at, _ = self._offsets(n, 0)
-        inverse = host[: 4 * n].view(np.int32)
-        s2 = host[s2_at : s2_at + (4 * n if src.scalars.size else 0)].view(np.float32)
-        records = host[rec_at : rec_at + n * rb].reshape(n, rb)
-        if self._slot_map is None:
-            m = _staging.sort_keys(flat, lo, hi, self._keys, inverse)
-        else:
-            m = _staging.sort_keys_cached(flat, lo, hi, self._slot_map, self._keys, inverse)
-        keys = self._keys[:m]
-        keys.sort()
-        n_unique = _staging.stage_rows(
-            keys, inverse, self._uniq, CHUNK_ROWS, self._workers, src.seg_start, src.bases,
-            src.row_bytes, src.field_off, records, src.shard_starts, src.scalars, s2,
-        )  # fmt: skip
-        return int(n_unique)
+    def _fill(self, slot: int, flat: np.ndarray) -> int:
+        """Dedup ``flat`` and gather its rows into slot ``slot``; returns the unique count."""
+        return self._stager.fill(slot, flat)
 
     def lookup(self, batch: StagedBatch, out: Any = None) -> Any:
         """bf16 ``[T, heads * width]`` for a staged batch, on the current stream (the one
@@ -246,34 +178,48 @@ class StagedTable:
         Raises:
             KernelError: ``out`` has the wrong shape or dtype.
         """
-        t, heads = batch.shape
-        shape = (t, heads * self.layout.width)
+        out = self._out(batch.shape, out)
+        self._launch(self._dev[batch.slot], batch.n_ids, batch.n_unique, out)
+        return out
+
+    def _out(self, shape: tuple[int, int], out: Any) -> Any:
+        """``out`` checked (or made) for ids of ``shape``: bf16 ``[T, heads * width]``."""
+        want = (shape[0], shape[1] * self.layout.width)
         if out is None:
-            out = torch.empty(shape, dtype=torch.bfloat16, device=self.device)
-        elif tuple(out.shape) != shape or out.dtype != torch.bfloat16:
-            raise KernelError(f"out is {out.dtype} {list(out.shape)}, expected bfloat16 {shape}")
-        dev = self._dev[batch.slot]
-        s2_at, rec_at, _ = self._offsets(batch.n_ids, batch.n_unique)
-        n_rec = max(1, batch.n_unique)
+            return torch.empty(want, dtype=torch.bfloat16, device=self.device)
+        if tuple(out.shape) != want or out.dtype != torch.bfloat16:
+            raise KernelError(f"out is {out.dtype} {list(out.shape)}, expected bfloat16 {want}")
+        return out
+
+    def _launch(self, slot: Any, n_ids: int, n_unique: int, out: Any, pinned: bool = False) -> None:
+        """The lookup kernel over a filled slot: a device copy, or with ``pinned`` the pinned
+        host slot itself, read through UVA."""
+        s2_at, rec_at, _ = self._offsets(n_ids, n_unique)
+        n_rec = max(1, n_unique)
+        parts = (
+            slot[: 4 * n_ids].view(torch.int32),
+            slot[rec_at : rec_at + n_rec * self.layout.record_bytes],
+            slot[s2_at : s2_at + 4 * n_rec].view(torch.float32),
+        )
+        ids, records, s2 = (PinnedView(p) for p in parts) if pinned else parts
         _lookup.launch_lookup(
-            dev[: 4 * batch.n_ids].view(torch.int32),
+            ids,
             out,
-            dev[rec_at : rec_at + n_rec * self.layout.record_bytes],
+            records,
             fmt=self.layout.codec.name,
             width=self.layout.width,
             record_bytes=self.layout.record_bytes,
             scale_offset=self.layout.fields[-1].offset,
             row_start=0,
-            row_end=batch.n_unique,
+            row_end=n_unique,
             e2m1=self._e2m1,
             e4m3=self._e4m3,
-            s2=dev[s2_at : s2_at + 4 * n_rec].view(torch.float32),
-            s2_mode=_lookup.S2_PER_ROW if self._src.scalars.size else _lookup.S2_NONE,
+            s2=s2,
+            s2_mode=_lookup.S2_PER_ROW if self._stager.src.scalars.size else _lookup.S2_NONE,
             shard_starts=self._zero,
             coded_cache=self._cache,
             cache_s2=self._cache_s2,
         )
-        return out
 
     def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
         """Cache the first rows of ``hot_rows`` that fit in ``cache_bytes`` on the device.
@@ -291,27 +237,12 @@ class StagedTable:
         Raises:
             KernelError: ids are not 1-D integers.
         """
-        lo, hi = self.table.row_range
-        ids = hot_row_ids(hot_rows)
-        ids = ids[(ids >= lo) & (ids < hi)]
-        _, first = np.unique(ids, return_index=True)
-        keep = ids[np.sort(first)][: max(0, int(cache_bytes)) // self.layout.record_bytes]
-        if keep.size == 0:
-            self._slot_map = self._cache = self._cache_s2 = None
-            return self.cache_info
-        rows = np.sort(keep)  # slot order: ascending rows gather fastest
-        src = self._src
-        records = np.empty((rows.size, self.layout.record_bytes), np.uint8)
-        s2 = np.empty(rows.size if src.scalars.size else 0, np.float32)
-        _staging.gather_records(
-            rows, 0, rows.size, src.seg_start, src.bases, src.row_bytes, src.field_off,
-            records, src.shard_starts, src.scalars, s2,
-        )  # fmt: skip
-        slot_map = np.full(hi - lo, -1, np.int32)
-        slot_map[rows - lo] = np.arange(rows.size, dtype=np.int32)
-        self._cache = torch.from_numpy(records).to(self.device)
-        self._cache_s2 = torch.from_numpy(s2).to(self.device) if s2.size else None
-        self._slot_map = slot_map
+        records, s2 = self._stager.cache_rows(hot_row_ids(hot_rows), cache_bytes)
+        if records.shape[0] == 0:
+            self._cache = self._cache_s2 = None
+        else:
+            self._cache = torch.from_numpy(records).to(self.device)
+            self._cache_s2 = torch.from_numpy(s2).to(self.device) if s2.size else None
         return self.cache_info
 
     def share_cache(self, other: StagedTable) -> CacheInfo:
@@ -326,9 +257,8 @@ class StagedTable:
             other.table.row_range != self.table.row_range or other.layout != self.layout
         ):
             raise KernelError("share_cache: the other staged table serves other rows")
-        self._slot_map, self._cache, self._cache_s2 = (
-            other._slot_map, other._cache, other._cache_s2,
-        )  # fmt: skip
+        self._stager.share(other._stager)
+        self._cache, self._cache_s2 = other._cache, other._cache_s2
         return self.cache_info
 
     @property
@@ -343,11 +273,3 @@ class StagedTable:
     def pinned_bytes(self) -> int:
         """Host bytes this table pins (its staging slots; no table rows)."""
         return sum(int(h.numel()) for h in self._host) if self.device.type != "cpu" else 0
-
-
-def prefault_pages(table: PLETable, page: int = 4096) -> None:
-    """Read one byte of every page of the table's stored tensors (maps them into this process)."""
-    for seg in table.stored().segments:
-        for arr in seg.tensors.values():
-            flat = np.asarray(arr).reshape(-1).view(np.uint8)
-            int(flat[::page].sum(dtype=np.uint64))

@@ -1,0 +1,146 @@
+"""The staged path's host work (``HostStager``: dedup + gather into a staging slot), no torch.
+
+Every id of a step must resolve to the row the table stores (its record bytes packed from the
+table's own ``gather_raw``, its nvfp4 scale_2 from the shard), a cached row to its cache slot,
+an id outside the served rows to nothing; misses are staged once each; the slot map is the
+same after a step as before it (the dedup marks it while the step runs). Small steps run on
+one thread, big ones on numba's threads (and without a cache through numpy's sort): both
+thresholds are crossed here. The GPU side of the same slots is tests/kernels/test_lookup.py.
+"""
+
+import numpy as np
+import pytest
+
+from flashnext.errors import KernelError
+from flashnext.kernels._staging import HostStager, flat_ids
+from flashnext.kernels.records import pack_records, record_layout
+from flashnext.ple import open_table, write_sidecar
+from flashnext.synthetic import embedding_rows
+
+from ..seeding import seeded_rng
+
+ROWS, WIDTH, HEADS = 1000, 160, 16
+LO, HI = 100, 1000
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory, request):
+    x = embedding_rows(ROWS, WIDTH, seeded_rng(request.node.nodeid, request.fixturename))
+    root = tmp_path_factory.mktemp("staging_tables")
+    for fmt in ("int4", "nvfp4"):
+        write_sidecar(root / fmt, fmt, x, 128)  # 8 shards: nvfp4 has 8 scale_2 values
+    return root
+
+
+def _stager(root, fmt, max_ids):
+    table = open_table(root / fmt, "mmap", row_range=(LO, HI))
+    layout = record_layout(table.codec, table.width)
+    stager = HostStager(table.stored(), layout, table.row_range, max_ids, workers=2)
+    slot = np.full(stager.slot_bytes, 0xAB, np.uint8)  # stale bytes: every used byte rewritten
+    stager.add_slot(slot)
+    return table, layout, stager, slot
+
+
+def _check_step(table, layout, stager, slot, ids, cached):
+    """Fill one step and check every id against the table (``cached``: row -> cache slot)."""
+    before = None if stager.slot_map is None else stager.slot_map.copy()
+    n_unique = stager.fill(0, flat_ids(ids))
+    flat = ids.reshape(-1)
+    s2_at, rec_at, _ = stager.offsets(flat.size, n_unique)
+    inverse = slot[: 4 * flat.size].view(np.int32)
+    rb = layout.record_bytes
+    records = slot[rec_at : rec_at + n_unique * rb].reshape(n_unique, rb)
+    inside = (flat >= LO) & (flat < HI)
+    hit = np.array([inside[i] and int(r) in cached for i, r in enumerate(flat)], bool)
+    miss = inside & ~hit
+    assert n_unique == len(set(flat[miss].tolist()))  # each missed row staged once
+    assert (inverse[~inside] == -1).all()
+    assert [-(int(v) + 2) for v in inverse[hit]] == [cached[int(r)] for r in flat[hit]]
+    assert (inverse[miss] >= 0).all() and (inverse[miss] < n_unique).all()
+    want = pack_records(layout, table.gather_raw(flat[miss]))
+    np.testing.assert_array_equal(records[inverse[miss]], want)
+    if table.format == "nvfp4":
+        s2 = slot[s2_at : s2_at + 4 * n_unique].view(np.float32)
+        starts = np.asarray(table.stored().shard_starts)
+        scalars = np.asarray(table.stored().shard_scalars["weight_scale_2"], np.float32)
+        shard = np.searchsorted(starts, flat[miss], "right") - 1
+        np.testing.assert_array_equal(s2[inverse[miss]], scalars[shard])
+    if before is not None:
+        np.testing.assert_array_equal(stager.slot_map, before)  # the dedup's marks are gone
+    return n_unique
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+@pytest.mark.parametrize("serial_rows", [1 << 20, 3, -1], ids=["one-thread", "mixed", "threads"])
+def test_staged_rows_without_a_cache(tables, fmt, serial_rows, rng):
+    table, layout, stager, slot = _stager(tables, fmt, 300 * HEADS)
+    stager.serial_rows = serial_rows
+    for t in (300, 1, 7, 40):
+        ids = rng.integers(-1, ROWS + 40, size=(t, HEADS))
+        ids[0, :3] = [-1, LO - 1, HI]
+        _check_step(table, layout, stager, slot, ids, {})
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+@pytest.mark.parametrize("serial_rows", [1 << 20, 3, -1], ids=["one-thread", "mixed", "threads"])
+def test_staged_rows_behind_a_cache(tables, fmt, serial_rows, rng):
+    table, layout, stager, slot = _stager(tables, fmt, 300 * HEADS)
+    stager.serial_rows = serial_rows
+    stager.parallel_ids = 1 if serial_rows < 0 else 1 << 30  # slot map read on threads first
+    hot = rng.permutation(ROWS)
+    priority = np.concatenate([[-5, ROWS + 3, 50, hot[0]], hot])
+    records, s2 = stager.cache_rows(priority, 300 * layout.record_bytes + 7)
+    kept = sorted([int(r) for r in dict.fromkeys(priority.tolist()) if LO <= r < HI][:300])
+    cached = {r: j for j, r in enumerate(kept)}  # slot j: the j-th kept row, ascending
+    np.testing.assert_array_equal(records, pack_records(layout, table.gather_raw(np.array(kept))))
+    assert s2.size == (300 if fmt == "nvfp4" else 0)
+    for t in (300, 2, 33, 1):  # hits, misses, repeats, -1 and rows outside in one step
+        ids = rng.integers(-1, ROWS + 40, size=(t, HEADS))
+        ids[0, :3] = [-1, LO - 1, HI]
+        ids[-1, -4:] = [kept[0], kept[0], ids[0, 5], ids[0, 5]]
+        _check_step(table, layout, stager, slot, ids, cached)
+    all_hits = np.array(kept[: 2 * HEADS]).reshape(2, HEADS)
+    assert _check_step(table, layout, stager, slot, all_hits, cached) == 0
+    stager.cache_rows(priority, 0)  # off again
+    assert stager.slot_map is None
+    _check_step(table, layout, stager, slot, rng.integers(0, ROWS, size=(5, HEADS)), {})
+
+
+def test_bad_slots_and_sizes_are_named(tables):
+    table = open_table(tables / "int4", "mmap")
+    layout = record_layout(table.codec, table.width)
+    with pytest.raises(KernelError, match="max_ids is"):
+        HostStager(table.stored(), layout, table.row_range, (1 << 21) + 1)
+    stager = HostStager(table.stored(), layout, table.row_range, 64)
+    with pytest.raises(KernelError, match="a staging slot is uint8"):
+        stager.add_slot(np.zeros(stager.slot_bytes - 1, np.uint8))
+
+
+def test_the_hit_index_gives_each_cached_row_its_rank(rng):
+    """Every served row looked up once: cached rows get their rank among the cached rows (the
+    slot ``cache_rows`` gives them), across 64-row words and 384-row blocks."""
+    from flashnext.kernels._staging import HIT_BLOCK, build_hit_index, dedup_misses
+
+    lo, n = 1000, 100_003
+    rows = np.sort(rng.choice(n, size=n // 9, replace=False)) + lo
+    rows[:4] = [lo, lo + 63, lo + HIT_BLOCK - 1, lo + HIT_BLOCK]  # word and block edges
+    rows = np.unique(rows)
+    index = np.zeros((-(-n // HIT_BLOCK), 8), np.uint64)
+    build_hit_index(rows, lo, index)
+    slot_map = np.full(n, -1, np.int32)
+    slot_map[rows - lo] = np.arange(rows.size, dtype=np.int32)
+    before = slot_map.copy()
+    ids = np.arange(lo - 5, lo + n + 5, dtype=np.int64)
+    inverse = np.empty(ids.size, np.int32)
+    uniq = np.empty(ids.size, np.int64)
+    pos = np.empty(ids.size, np.int64)
+    n_unique = dedup_misses(ids, lo, lo + n, index, slot_map, inverse, uniq, pos)
+    inside = (ids >= lo) & (ids < lo + n)
+    cached = np.isin(ids, rows)
+    np.testing.assert_array_equal(inverse[~inside], -1)
+    np.testing.assert_array_equal(inverse[cached], -(np.searchsorted(rows, ids[cached]) + 2))
+    missed = inside & ~cached
+    assert n_unique == missed.sum()
+    np.testing.assert_array_equal(inverse[missed], np.arange(n_unique))
+    np.testing.assert_array_equal(uniq[:n_unique], ids[missed])
+    np.testing.assert_array_equal(slot_map, before)
