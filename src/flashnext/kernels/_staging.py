@@ -46,6 +46,7 @@ import numba
 import numpy as np
 
 from flashnext.errors import KernelError
+from flashnext.kernels.cache_plan import HIT_BLOCK  # 6 words of bits after 2 of counts
 from flashnext.kernels.records import RecordLayout
 
 # the address intrinsics of the CPU lookup kernels (one definition for both)
@@ -55,7 +56,6 @@ from flashnext.ple.table import PLETable, StoredTable
 AHEAD = 32  # rows prefetched ahead of the copy (random page-cache reads: latency-bound)
 _MAP_AHEAD = 16  # ids whose slot-map entry is prefetched ahead of the dedup
 POS_BITS = 21  # sort keys are (row << POS_BITS) | position: at most 2M ids per step
-HIT_BLOCK = 384  # rows per 64-byte block of the hit index (6 words of bits after 2 of counts)
 #: Unique rows per gather thread at least (fewer: handing work out costs more than it saves).
 CHUNK_ROWS = 64
 #: Steps of at most this many unique rows (keys, without a cache) are deduplicated and gathered

@@ -37,6 +37,17 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Bytes per served row of the cache's int32 slot map: on the GPU in front of a pinned table
 #: (``GpuTable``), in host RAM in front of a staged one (``StagedTable``).
 SLOT_MAP_BYTES = 4
+#: Rows per 64-byte line of the staged path's hit index (``_staging.build_hit_index``).
+HIT_BLOCK = 384
+HIT_LINE_BYTES = 64
+
+
+def staged_cache_host_bytes(rows: int) -> int:
+    """Host RAM of a device cache in front of a staged table serving ``rows`` rows: the int32
+    slot map and the hit index (0.17 bytes per row), committed, not reclaimable."""
+    return SLOT_MAP_BYTES * rows + HIT_LINE_BYTES * -(-rows // HIT_BLOCK)
+
+
 #: Placements a device cache can stand in front of (``device`` is all on the GPU already).
 CACHED_PLACEMENTS = ("pinned", "staged")
 

@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
-from flashnext.kernels.cache_plan import SLOT_MAP_BYTES, slot_map_on_device
+from flashnext.kernels.cache_plan import (
+    SLOT_MAP_BYTES,
+    slot_map_on_device,
+    staged_cache_host_bytes,
+)
 from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
 from flashnext.plan import vllm_kv
 from flashnext.plan.model import ModelShape, PlanError, host_has_avx512_bf16, kv_spec, model_shape
@@ -261,8 +265,8 @@ def _host_items(
         rows = sum(
             PLEGeometry.from_config(model.config, d).num_rows for d in range(len(shape.ple_layers))
         )
-        # StagedTable keeps its cache's int32 slot map in host RAM: every rank's rows.
-        slots = SLOT_MAP_BYTES * rows
+        # StagedTable keeps its cache's slot map and hit index in host RAM: every rank's rows.
+        slots = staged_cache_host_bytes(rows)
         items.append(Item("PLE hot-row cache slot map (staged)", slots, "committed RAM"))
     streamed = weights.total(exclude=("ple_table",))
     items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
