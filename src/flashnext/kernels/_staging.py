@@ -51,6 +51,7 @@ from flashnext.kernels.records import RecordLayout
 
 # the address intrinsics of the CPU lookup kernels (one definition for both)
 from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch
+from flashnext.ple.mapping import touch_pages
 from flashnext.ple.table import PLETable, StoredTable
 
 AHEAD = 32  # rows prefetched ahead of the copy (random page-cache reads: latency-bound)
@@ -414,16 +415,15 @@ def flat_ids(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int64).reshape(-1)
 
 
-def prefault_pages(table: PLETable, page: int = 4096) -> None:
+def prefault_pages(table: PLETable) -> None:
     """Map every page of the table's stored tensors into this process now, so that steps take
     no page faults: ``PLETable.populate_maps`` (on 2 MiB pages where the page cache holds 2 MiB
     folios, e.g. after ``PLETable.warm``), then one byte read per page (where the kernel
-    lacks ``MADV_POPULATE_READ``)."""
+    lacks ``MADV_POPULATE_READ``; in a VM, also the first touch ``touch_pages`` explains)."""
     table.populate_maps()
     for seg in table.stored().segments:
         for arr in seg.tensors.values():
-            flat = np.asarray(arr).reshape(-1).view(np.uint8)
-            int(flat[::page].sum(dtype=np.uint64))
+            touch_pages(np.asarray(arr).reshape(-1).view(np.uint8))
 
 
 class HostStager:

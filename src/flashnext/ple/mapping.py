@@ -72,8 +72,9 @@ def will_need(pages: np.ndarray) -> None:
         libc.madvise(ctypes.c_void_p(address), mmap.PAGESIZE, willneed)
 
 
-def touch_pages(view: mmap.mmap, offset: int, length: int) -> int:
-    """Read one byte of every page of ``view[offset : offset + length]`` (``offset`` page-aligned).
+def touch_pages(buf: Any, offset: int = 0, length: int | None = None) -> int:
+    """Read one byte of every page of ``buf[offset : offset + length]`` (bytes; ``buf`` a map or
+    a contiguous array; ``offset`` page-aligned; ``length`` None = to the end).
 
     In a virtual machine the hypervisor maps a guest page into its own (second-level) page
     tables only when the guest's CPU first touches it. Pages the disk filled by DMA (the
@@ -85,12 +86,14 @@ def touch_pages(view: mmap.mmap, offset: int, length: int) -> int:
     ~0.1 us on bare metal) off the lookups' path. numpy's strided sum runs without the GIL.
 
     Returns:
-        The pages touched (the range is clipped to the map's end).
+        The pages touched (the range is clipped to the buffer's end).
     """
-    length = min(length, len(view) - offset)
+    with memoryview(buf) as whole:
+        size = whole.nbytes
+    length = size - offset if length is None else min(length, size - offset)
     if length <= 0:
         return 0
-    pages = np.frombuffer(view, np.uint8, count=length, offset=offset)[:: mmap.PAGESIZE]
+    pages = np.frombuffer(buf, np.uint8, count=length, offset=offset)[:: mmap.PAGESIZE]
     int(pages.sum(dtype=np.uint64))
     touched = pages.size
     del pages  # a map cannot close while an array holds it
