@@ -175,17 +175,26 @@ def parts(stager: HostStager, draw: Any, count: int) -> dict[str, list[float]]:
     """Where this version's time goes, on ``count`` fresh steps each: the dedup alone
     (``dedup_us``: the slot-map pass, or keys + numpy's sort + unique), then the gather of the
     step's unique rows on this thread (``gather1_us``) or on numba's threads (``gatherN_us``)."""
-    from flashnext.kernels._staging import dedup_misses, flat_ids, gather_into, gather_parallel
+    from flashnext.kernels._staging import (
+        dedup_hashed,
+        dedup_misses,
+        flat_ids,
+        gather_into,
+        gather_parallel,
+    )
 
     lo, hi = stager.row_range
     words, fwords, addr = stager._slots[0]
-    src, uniq, rb = stager._args, stager._uniq, stager.record_bytes
+    rows, shards = stager.src.rows, stager.src.shards
+    uniq, rb = stager._uniq, stager.record_bytes
     out: dict[str, list[float]] = {"dedup_us": [], "gather1_us": [], "gatherN_us": []}
     for i, ids in enumerate(draw(2 * count + 1)):
         flat = flat_ids(ids)
         s2_at, rec_at, _ = stager.offsets(flat.size, 0)
         t0 = time.perf_counter()
-        if stager.slot_map is not None:
+        if stager.slot_map is not None and flat.size <= stager.hash_ids:
+            n = dedup_hashed(flat, lo, hi, stager._index, stager._hash, words, uniq, stager._pos)
+        elif stager.slot_map is not None:
             n = dedup_misses(flat, lo, hi, stager._index, stager.slot_map, words, uniq,
                              stager._pos)
         else:
@@ -195,11 +204,11 @@ def parts(stager: HostStager, draw: Any, count: int) -> dict[str, list[float]]:
             n = unique_sorted(keys, words, uniq)
         t1 = time.perf_counter()
         if i % 2:
-            gather_into(uniq, 0, n, *src[:4], addr + rec_at, rb, *src[4:], fwords, s2_at >> 2,
+            gather_into(uniq, 0, n, *rows, addr + rec_at, rb, *shards, fwords, s2_at >> 2,
                         stager.depth)  # fmt: skip
         else:
-            gather_parallel(uniq, n, stager.chunk_rows, stager.workers, *src[:4], addr + rec_at,
-                            rb, *src[4:], fwords, s2_at >> 2, stager.depth)  # fmt: skip
+            gather_parallel(uniq, n, stager.chunk_rows, stager.workers, *rows, addr + rec_at,
+                            rb, *shards, fwords, s2_at >> 2, stager.depth)  # fmt: skip
         t2 = time.perf_counter()
         if i:  # the first compiles
             out["dedup_us"].append((t1 - t0) * 1e6)
@@ -211,9 +220,10 @@ def staged_host(bench: Any, root: Any) -> None:
     """The section: both versions at T <= 8192 on uniform and text ids, no cache and a 2 GB
     cache of the profile's hot rows (``--repeats`` x 16 steps, x 4 at T = 8192, for each).
     At T <= 512 this version also with every step on one thread (``serial``), every step on
-    numba's threads (``threads``; ``threads16``: 16 rows a chunk), for ``serial_rows`` and
-    ``chunk_rows``, and prefetching 32 or all rows ahead (``depth32``, ``depth_all``); at 8192
-    with the hit index read on one thread (``one_pass``, for ``parallel_ids``), 32 rows ahead
+    numba's threads (``threads``), for ``serial_rows``, the misses deduplicated through the
+    slot map instead of a hash table (``slot_map``, for ``hash_ids``), and prefetching 16 or
+    all rows ahead (``depth16``, ``depth_all``); at 8192
+    with the hit index read on one thread (``one_pass``, for ``parallel_ids``), 16 rows ahead
     and 16 gather threads (``w16``). ``parts``: the dedup and the gather alone."""
     from flashnext.kernels._staging import flat_ids
 
@@ -231,7 +241,7 @@ def staged_host(bench: Any, root: Any) -> None:
     bench.huge_share(root)
     prev = Previous(stager)
 
-    knobs = ("serial_rows", "parallel_ids", "workers", "chunk_rows", "depth")
+    knobs = ("serial_rows", "parallel_ids", "hash_ids", "workers", "chunk_rows", "depth")
     defaults = {k: getattr(stager, k) for k in knobs}
 
     def ours(**change: int) -> Any:
@@ -263,14 +273,15 @@ def staged_host(bench: Any, root: Any) -> None:
                 slot_map = stager.slot_map
                 hit = 0.0 if slot_map is None else float(np.mean([(slot_map[s] >= 0).mean()
                                                                    for s in checks]))  # fmt: skip
-                if t <= 512:  # serial_rows, chunk_rows, depth
+                if t <= 512:  # serial_rows, hash_ids, depth
                     more = {"serial_us": ours(serial_rows=1 << 30),
                             "threads_us": ours(serial_rows=-1),
-                            "threads16_us": ours(serial_rows=-1, chunk_rows=16),
-                            "depth32_us": ours(depth=32), "depth_all_us": ours(depth=1 << 20)}
+                            "depth16_us": ours(depth=16), "depth_all_us": ours(depth=1 << 20)}
+                    if gb:
+                        more["slot_map_us"] = ours(hash_ids=0)
                 else:  # parallel_ids, all 16 cores, depth
                     more = {"one_pass_us": ours(parallel_ids=1 << 30)} if gb else {}
-                    more["depth32_us"] = ours(depth=32)
+                    more["depth16_us"] = ours(depth=16)
                     if (os.cpu_count() or 1) >= 16:
                         more["w16_us"] = ours(workers=16)
                 times = time_variants(stager, {**variants, **more}, draw, n, checks)

@@ -144,3 +144,38 @@ def test_the_hit_index_gives_each_cached_row_its_rank(rng):
     np.testing.assert_array_equal(inverse[missed], np.arange(n_unique))
     np.testing.assert_array_equal(uniq[:n_unique], ids[missed])
     np.testing.assert_array_equal(slot_map, before)
+
+
+@pytest.mark.parametrize("kind", ["equal", "irregular", "one"])
+def test_the_segment_directory_finds_every_rows_segment(kind, rng):
+    """``_find`` through ``segment_directory`` gives each row the segment a binary search
+    gives, for shards of one size (the released layout), of random sizes (other writers,
+    partial sidecars) and a single one; the directory stays small (4 to 8 blocks a segment)."""
+    import numba
+
+    from flashnext.kernels._staging import _find, segment_directory
+
+    first = int(rng.integers(0, 5000))
+    if kind == "equal":
+        sizes = np.full(128, int(rng.integers(1000, 3000)))
+    elif kind == "irregular":
+        sizes = rng.integers(1, 5000, size=int(rng.integers(2, 300)))
+        sizes[rng.integers(0, sizes.size, 3)] = 1  # one-row segments among big ones
+    else:
+        sizes = np.array([int(rng.integers(1, 100_000))])
+    seg_start = first + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    end = first + int(sizes.sum())
+    seg_dir, shift = segment_directory(seg_start, end)
+    assert seg_dir.size <= 8 * seg_start.size + 2
+
+    @numba.njit
+    def find_all(rows, seg_start, seg_dir, shift):  # type: ignore[no-untyped-def]
+        out = np.empty(rows.size, np.int64)
+        for i in range(rows.size):
+            out[i] = _find(rows[i], seg_start, seg_dir, shift)
+        return out
+
+    rows = np.concatenate([np.arange(first, min(end, first + 3000)), seg_start,
+                           seg_start[1:] - 1, [end - 1], rng.integers(first, end, 20_000)])  # fmt: skip
+    want = np.searchsorted(seg_start, rows, "right") - 1
+    np.testing.assert_array_equal(find_all(rows.astype(np.int64), seg_start, seg_dir, shift), want)

@@ -6,13 +6,16 @@ layout). Two ways to dedup, both exact:
 
 - **behind a device cache** (:func:`stage_cached`): a hit index (:func:`build_hit_index`: a
   bit per served row and running counts per 384 rows, 53 MB for 320M rows, so its lines stay
-  in the CPU's last-level cache) gives each cached id its slot, ``inverse = -(slot + 2)``. The
-  misses are deduplicated through the cache's slot map (int32 per served row, -1 = not
-  cached): a row's first miss writes ``-(index + 2)`` into its entry for the rest of the step,
-  later ids read their index back, and the entries are reset to -1 before the call returns. No
-  sort, one pass, and only misses touch the big map; steps of sharing tables must not run at
-  the same time (the plugin and the benchmarks stage one step at a time). A big step looks its
-  ids up in the hit index on numba's threads first (:func:`classify`), then dedups the misses
+  in the CPU's last-level cache) gives each cached id its slot, ``inverse = -(slot + 2)``. A
+  step of at most ``HASH_IDS`` ids deduplicates its misses in a small open-addressing table
+  (:func:`dedup_hashed`: it stays in L1, where the slot map's entries are DRAM and TLB misses;
+  3 us less per decode step at 320M rows). A bigger step deduplicates them through the cache's
+  slot map (int32 per served row, -1 = not cached): a row's first miss writes ``-(index + 2)``
+  into its entry for the rest of the step, later ids read their index back, and the entries
+  are reset to -1 before the call returns. No sort, one pass, and only misses touch the big
+  map; big steps of sharing tables must not run at the same time (the plugin and the
+  benchmarks stage one step at a time). A step of ``PARALLEL_IDS`` or more looks its ids up in
+  the hit index on numba's threads first (:func:`classify`), then dedups the misses
   (:func:`dedup_positions`).
 - **without one** (:func:`stage_sorted`): each in-range id with its position packs into one
   int64 key (``(row << POS_BITS) | i``), the keys are sorted (numba's sort for small steps,
@@ -29,8 +32,10 @@ straight into its record (prefetching a few rows ahead), and its per-shard scala
 slot's ``scale_2``.
 
 Where rows live is given as addresses (the table's arrays must stay alive during a call):
-``seg_start`` int64 [S] global first row of each stored segment (sorted, contiguous),
-``bases`` int64 [F, S] address of field ``f``'s row ``seg_start[s]``, ``row_bytes`` and
+``seg_start`` int64 [S] global first row of each stored segment (sorted, contiguous), with
+``seg_dir``/``seg_shift`` a directory that finds a row's segment without a binary search
+(:func:`segment_directory`), ``bases`` int64 [F, S] address of field ``f``'s row
+``seg_start[s]``, ``row_bytes`` and
 ``field_off`` int64 [F] the field's bytes per row and offset in the record. The slot is passed
 whole as ``words`` (int32) and ``fwords`` (float32, the same bytes): ``inverse`` is
 ``words[:n]``, ``scale_2`` starts at float ``s2_at``, records at byte ``rec_at``.
@@ -64,6 +69,10 @@ CHUNK_ROWS = 64
 SERIAL_ROWS = 256
 #: Steps of at least this many ids look them up in the hit index on numba's threads first.
 PARALLEL_IDS = 32768
+#: Steps of at most this many ids dedup their cache misses in a hash table (32 KB), not the
+#: slot map.
+HASH_IDS = 4096
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative hashing
 
 
 @numba.njit(nogil=True, cache=True)
@@ -210,6 +219,38 @@ def dedup_misses(ids, lo, hi, index, slot_map, inverse, uniq, pos):  # type: ign
     return n_unique
 
 
+@numba.njit(nogil=True, cache=True)
+def dedup_hashed(ids, lo, hi, index, table, inverse, uniq, pos):  # type: ignore[no-untyped-def]
+    """:func:`dedup_misses` for a small step: the same inverse and ``uniq`` (first-seen
+    order), the misses deduplicated in ``table`` (int32 ``[>= 2 * ids.size]``, any content:
+    cleared here) by linear probing instead of the slot map. Returns the unique count."""
+    k = _classify(ids, 0, ids.size, lo, hi, index, inverse, pos, 0)
+    bits = 4
+    while (1 << bits) < 2 * k:
+        bits += 1
+    mask = (1 << bits) - 1
+    table[: mask + 1] = -1
+    shift = np.uint64(64 - bits)
+    n_unique = 0
+    for q in range(k):
+        i = pos[q]
+        row = ids[i]
+        h = np.int64((np.uint64(row) * _FIBONACCI) >> shift)
+        while True:
+            u = table[h]
+            if u < 0:  # the row's first miss
+                table[h] = n_unique
+                uniq[n_unique] = row
+                inverse[i] = n_unique
+                n_unique += 1
+                break
+            if uniq[u] == row:
+                inverse[i] = u
+                break
+            h = (h + 1) & mask
+    return n_unique
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
 def classify(ids, lo, hi, index, inverse, pos, counts, chunks):  # type: ignore[no-untyped-def]
     """The hit-index pass of :func:`dedup_misses` for a big step, on ``chunks`` of numba's
@@ -242,7 +283,12 @@ def dedup_positions(  # type: ignore[no-untyped-def]
 @numba.njit(nogil=True, cache=True, inline="always")
 def _segment(row, seg_start):  # type: ignore[no-untyped-def]
     """Index of the last segment starting at or before ``row`` (binary search)."""
-    lo, hi = 0, seg_start.size
+    return _search(row, seg_start, 0, seg_start.size)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _search(row, seg_start, lo, hi):  # type: ignore[no-untyped-def]
+    """The last of segments ``lo..hi-1`` starting at or before ``row`` (binary search)."""
     while hi - lo > 1:
         mid = (lo + hi) >> 1
         if seg_start[mid] <= row:
@@ -252,21 +298,49 @@ def _segment(row, seg_start):  # type: ignore[no-untyped-def]
     return lo
 
 
+def segment_directory(seg_start: np.ndarray, end: int) -> tuple[np.ndarray, int]:
+    """A directory of the segments starting at ``seg_start`` (int64 [S], ascending) and
+    ending at row ``end``: ``dir[b]`` is the segment of row ``seg_start[0] + (b << shift)``,
+    with 4 to 8 blocks per segment on average (int64 ``[D + 1]``, the last for ``end``).
+
+    A row of block ``b`` lies in one of segments ``dir[b]..dir[b + 1]`` (:func:`_find`):
+    with segments of one size that is one or two, so a row's segment costs a shift and at
+    most one comparison instead of a 7-step binary search over 128 shards, whose mispredicted
+    branches cost a third of a decode step's gather.
+    """
+    if seg_start.size == 0:  # nothing stored: no row is ever looked up
+        return np.zeros(2, np.int64), 0
+    first = int(seg_start[0])
+    span = max(1, int(end) - first)
+    shift = max(0, (span // (4 * seg_start.size)).bit_length() - 1)
+    starts = first + (np.arange(-(-span // (1 << shift)) + 1, dtype=np.int64) << shift)
+    seg_dir = np.searchsorted(seg_start, np.minimum(starts, end - 1), "right") - 1
+    return seg_dir.astype(np.int64), shift
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _find(row, seg_start, seg_dir, shift):  # type: ignore[no-untyped-def]
+    """Index of the segment holding ``row`` through :func:`segment_directory`'s directory."""
+    b = (row - seg_start[0]) >> shift
+    return _search(row, seg_start, seg_dir[b], seg_dir[b + 1] + 1)
+
+
 @numba.njit(nogil=True, cache=True)
 def gather_records(  # type: ignore[no-untyped-def]
-    uniq, a, b, seg_start, bases, row_bytes, field_off, records, shard_starts, scalars, s2
-):
+    uniq, a, b, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, records,
+    shard_starts, scalars, s2,
+):  # fmt: skip
     """Copy rows ``uniq[a:b]`` into ``records[a:b]`` (uint8 ``[n, R]``); ``s2[a:b]`` gets each
     row's per-shard scalar when ``s2`` is non-empty (``shard_starts``/``scalars`` [K])."""
     dst = np.int64(records.ctypes.data)
-    gather_into(uniq, a, b, seg_start, bases, row_bytes, field_off, dst, records.shape[1],
-                shard_starts, scalars, s2, 0)  # fmt: skip
+    gather_into(uniq, a, b, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, dst,
+                records.shape[1], shard_starts, scalars, s2, 0)  # fmt: skip
 
 
 @numba.njit(nogil=True, cache=True)
 def gather_into(  # type: ignore[no-untyped-def]
-    uniq, a, b, seg_start, bases, row_bytes, field_off, dst, rec_bytes, shard_starts, scalars,
-    fwords, s2_at, depth=AHEAD,
+    uniq, a, b, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, dst, rec_bytes,
+    shard_starts, scalars, fwords, s2_at, depth=AHEAD,
 ):  # fmt: skip
     """Copy rows ``uniq[a:b]`` into the records at address ``dst`` (``rec_bytes`` each,
     record ``j`` for row ``uniq[j]``), prefetching ``depth`` rows ahead; ``fwords[s2_at + j]``
@@ -274,7 +348,7 @@ def gather_into(  # type: ignore[no-untyped-def]
     [K])."""
     n_f = row_bytes.size
     for j in range(a, min(b, a + depth)):
-        s = _segment(uniq[j], seg_start)
+        s = _find(uniq[j], seg_start, seg_dir, seg_shift)
         for f in range(n_f):
             addr = bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f]
             _prefetch(addr)
@@ -282,13 +356,13 @@ def gather_into(  # type: ignore[no-untyped-def]
     for j in range(a, b):
         ahead = j + depth
         if ahead < b:
-            s = _segment(uniq[ahead], seg_start)
+            s = _find(uniq[ahead], seg_start, seg_dir, seg_shift)
             for f in range(n_f):
                 addr = bases[f, s] + (uniq[ahead] - seg_start[s]) * row_bytes[f]
                 _prefetch(addr)
                 _prefetch(addr + row_bytes[f] - 1)
         row = uniq[j]
-        s = _segment(row, seg_start)
+        s = _find(row, seg_start, seg_dir, seg_shift)
         rec = dst + j * rec_bytes
         for f in range(n_f):
             nb = row_bytes[f]
@@ -299,8 +373,8 @@ def gather_into(  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def gather_parallel(  # type: ignore[no-untyped-def]
-    uniq, n_unique, chunk_rows, max_chunks, seg_start, bases, row_bytes, field_off, dst,
-    rec_bytes, shard_starts, scalars, fwords, s2_at, depth=AHEAD,
+    uniq, n_unique, chunk_rows, max_chunks, seg_start, seg_dir, seg_shift, bases, row_bytes,
+    field_off, dst, rec_bytes, shard_starts, scalars, fwords, s2_at, depth=AHEAD,
 ):  # fmt: skip
     """:func:`gather_into` of ``uniq[:n_unique]`` split into chunks of at least
     ``chunk_rows`` rows, at most ``max_chunks``, gathered on numba's threads."""
@@ -308,31 +382,36 @@ def gather_parallel(  # type: ignore[no-untyped-def]
     for c in numba.prange(chunks):
         a = n_unique * c // chunks
         b = n_unique * (c + 1) // chunks
-        gather_into(uniq, a, b, seg_start, bases, row_bytes, field_off, dst, rec_bytes,
-                    shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+        gather_into(uniq, a, b, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off,
+                    dst, rec_bytes, shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
 
 
 @numba.njit(nogil=True, cache=True)
 def stage_cached(  # type: ignore[no-untyped-def]
-    ids, lo, hi, index, slot_map, uniq, pos, words, fwords, s2_at, rec_at, rec_bytes, seg_start,
-    bases, row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
+    ids, lo, hi, index, slot_map, table, uniq, pos, words, fwords, s2_at, rec_at, rec_bytes,
+    seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, shard_starts, scalars,
+    serial_rows, depth=AHEAD,
 ):  # fmt: skip
-    """One step behind a device cache: :func:`dedup_misses` into ``words[:ids.size]``, then,
-    with at most ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the
-    unique count ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
-    n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
+    """One step behind a device cache: :func:`dedup_hashed` (at most ``table.size // 2``
+    ids) or :func:`dedup_misses` into ``words[:ids.size]``, then, with at most
+    ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the unique count
+    ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
+    if 2 * ids.size <= table.size:
+        n = dedup_hashed(ids, lo, hi, index, table, words, uniq, pos)
+    else:
+        n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
     if n > serial_rows:
         return -(n + 1)
     dst = np.int64(words.ctypes.data) + rec_at
-    gather_into(uniq, 0, n, seg_start, bases, row_bytes, field_off, dst, rec_bytes,
-                shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+    gather_into(uniq, 0, n, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, dst,
+                rec_bytes, shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
     return n
 
 
 @numba.njit(nogil=True, cache=True)
 def stage_sorted(  # type: ignore[no-untyped-def]
-    ids, lo, hi, keys, uniq, words, fwords, s2_at, rec_at, rec_bytes, seg_start, bases,
-    row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
+    ids, lo, hi, keys, uniq, words, fwords, s2_at, rec_at, rec_bytes, seg_start, seg_dir,
+    seg_shift, bases, row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
 ):  # fmt: skip
     """One step without a cache: :func:`sort_keys` into ``words[:ids.size]``; with at most
     ``serial_rows`` keys also the sort (numba's), :func:`unique_sorted` and :func:`gather_into`
@@ -345,8 +424,8 @@ def stage_sorted(  # type: ignore[no-untyped-def]
     part.sort()
     n = unique_sorted(part, words, uniq)
     dst = np.int64(words.ctypes.data) + rec_at
-    gather_into(uniq, 0, n, seg_start, bases, row_bytes, field_off, dst, rec_bytes,
-                shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+    gather_into(uniq, 0, n, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, dst,
+                rec_bytes, shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
     return n
 
 
@@ -360,16 +439,30 @@ def align(n: int, k: int = 16) -> int:
 class RowSource:
     """Where a table's stored rows live, as the numba gathers read them (see the module).
 
-    ``keep`` holds the arrays whose addresses ``bases`` records.
+    ``keep`` holds the arrays whose addresses ``bases`` records; :attr:`rows` and
+    :attr:`shards` are the gathers' arguments in their order.
     """
 
     seg_start: np.ndarray  # int64 [S]
+    seg_dir: np.ndarray  # int64 [D + 1] (segment_directory)
+    seg_shift: int
     bases: np.ndarray  # int64 [F, S]
     row_bytes: np.ndarray  # int64 [F]
     field_off: np.ndarray  # int64 [F]
     shard_starts: np.ndarray  # int64 [K]
     scalars: np.ndarray  # float32 [K] (per-shard scale_2; empty when the format has none)
     keep: tuple[Any, ...]
+
+    @property
+    def rows(self) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+        """Where rows live: ``seg_start, seg_dir, seg_shift, bases, row_bytes, field_off``."""
+        return (self.seg_start, self.seg_dir, self.seg_shift, self.bases, self.row_bytes,
+                self.field_off)  # fmt: skip
+
+    @property
+    def shards(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-shard scalars: ``shard_starts, scalars``."""
+        return self.shard_starts, self.scalars
 
 
 def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
@@ -397,8 +490,13 @@ def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
         if s2_names
         else np.empty(0, np.float32)
     )
+    seg_start = np.array([seg.start for seg in stored.segments], np.int64)
+    end = stored.segments[-1].start + stored.segments[-1].rows if stored.segments else 0
+    seg_dir, seg_shift = segment_directory(seg_start, end)
     return RowSource(
-        seg_start=np.array([seg.start for seg in stored.segments], np.int64),
+        seg_start=seg_start,
+        seg_dir=seg_dir,
+        seg_shift=seg_shift,
         bases=bases,
         row_bytes=np.array([f.nbytes for f in layout.fields], np.int64),
         field_off=np.array([f.offset for f in layout.fields], np.int64),
@@ -463,6 +561,7 @@ class HostStager:
         self.workers = workers or min(8, os.cpu_count() or 1)
         self.serial_rows = SERIAL_ROWS
         self.parallel_ids = PARALLEL_IDS
+        self.hash_ids = HASH_IDS
         self.chunk_rows = CHUNK_ROWS
         self.depth = AHEAD
         self.slot_map: np.ndarray | None = None  # int32 [hi - lo]: cache slot or -1
@@ -471,8 +570,9 @@ class HostStager:
         self._pos = np.empty(self.max_ids, np.int64)  # a step's missed ids (by chunk)
         self._counts = np.empty(64, np.int64)
         self._index = np.empty((0, 8), np.uint64)  # build_hit_index's, with the slot map
-        self._args = (self.src.seg_start, self.src.bases, self.src.row_bytes,
-                      self.src.field_off, self.src.shard_starts, self.src.scalars)  # fmt: skip
+        self._hash = np.empty(2 * min(self.max_ids, HASH_IDS), np.int32)  # dedup_hashed's
+        self._no_hash = self._hash[:0]  # steps above hash_ids: the slot map
+        self._rows, self._shards = self.src.rows, self.src.shards  # built once, not per step
         self._slots: list[tuple[np.ndarray, np.ndarray, int]] = []
 
     def add_slot(self, slot: np.ndarray) -> int:
@@ -506,21 +606,24 @@ class HostStager:
         lo, hi = self.row_range
         s2_at, rec_at, _ = self.offsets(flat.size, 0)
         words, fwords, addr = self._slots[slot]
-        uniq, rb, src, serial = self._uniq, self.record_bytes, self._args, self.serial_rows
+        uniq, rb, serial = self._uniq, self.record_bytes, self.serial_rows
+        rows, shards = self._rows, self._shards
         if self.slot_map is not None and flat.size >= self.parallel_ids and self.workers > 1:
             chunks = max(1, min(self.workers, flat.size >> 12, self._counts.size))
             classify(flat, lo, hi, self._index, words, self._pos, self._counts, chunks)
             n = dedup_positions(flat, lo, self.slot_map, words, uniq, self._pos, self._counts,
                                 chunks)  # fmt: skip
         elif self.slot_map is not None:
-            n = stage_cached(flat, lo, hi, self._index, self.slot_map, uniq, self._pos, words,
-                             fwords, s2_at >> 2, rec_at, rb, *src, serial, self.depth)  # fmt: skip
+            table = self._hash if flat.size <= self.hash_ids else self._no_hash
+            n = stage_cached(flat, lo, hi, self._index, self.slot_map, table, uniq,
+                             self._pos, words, fwords, s2_at >> 2, rec_at, rb, *rows, *shards,
+                             serial, self.depth)  # fmt: skip
             if n >= 0:
                 return int(n)  # gathered too
             n = -n - 1
         else:
             n = stage_sorted(flat, lo, hi, self._keys, uniq, words, fwords, s2_at >> 2, rec_at,
-                             rb, *src, serial, self.depth)  # fmt: skip
+                             rb, *rows, *shards, serial, self.depth)  # fmt: skip
             if n >= 0:
                 return int(n)
             keys = self._keys[: -n - 1]
@@ -528,9 +631,9 @@ class HostStager:
             n = unique_sorted(keys, words, uniq)
         dst = addr + rec_at
         if n <= serial:
-            gather_into(uniq, 0, n, *src[:4], dst, rb, *src[4:], fwords, s2_at >> 2, self.depth)
+            gather_into(uniq, 0, n, *rows, dst, rb, *shards, fwords, s2_at >> 2, self.depth)
         else:
-            gather_parallel(uniq, n, self.chunk_rows, self.workers, *src[:4], dst, rb, *src[4:],
+            gather_parallel(uniq, n, self.chunk_rows, self.workers, *rows, dst, rb, *shards,
                             fwords, s2_at >> 2, self.depth)  # fmt: skip
         return int(n)
 
@@ -555,8 +658,7 @@ class HostStager:
         if rows.size == 0:
             self.slot_map, self._index = None, np.empty((0, 8), np.uint64)
             return records, s2
-        gather_records(rows, 0, rows.size, src.seg_start, src.bases, src.row_bytes,
-                       src.field_off, records, src.shard_starts, src.scalars, s2)  # fmt: skip
+        gather_records(rows, 0, rows.size, *src.rows, records, *src.shards, s2)
         slot_map = np.full(hi - lo, -1, np.int32)
         slot_map[rows - lo] = np.arange(rows.size, dtype=np.int32)
         blocks = -(-(hi - lo) // HIT_BLOCK)
