@@ -14,7 +14,8 @@ giving ``vocab_size`` and ``eos_token_id``; made by ``bench/text_tokens.py`` fro
 from device memory; (d) the staged path from a memory-mapped int4 sidecar of ``--staged-rows``
 rows; (e) int4 over UVA behind a device cache of the hottest rows of the text's first half
 (1, 2, 4 GB), timed on the second half; (f) ``staged-cache``: the staged and graph-staged paths
-(the graph one also with ``copy_slot=False``: its kernel reads the pinned slot over UVA, "uva")
+(the graph one also with ``copy_slot=False``: its kernel reads the pinned slot over UVA, "uva";
+and with the driver's stream wait for the flag instead of a polling kernel, "uva stream")
 behind a device cache of those hot rows (none, 1, 2 GB), text ids, with the host bytes each
 pins; ``staged-host``: the staged path's host work alone, no torch (bench/_staged_host.py).
 The staged sidecar is warmed as ``flashnext ple warm`` leaves it (2 MiB page-cache folios where
@@ -484,20 +485,25 @@ def staged_cache(bench: Bench, root: Path) -> None:
                      "pinned_bytes": staged.pinned_bytes}  # fmt: skip
             _time_staged(bench, staged, f"staged cache {gb}GB", t, sets[t], extra)
             if t <= 8192 and bench.device != "cpu":
-                for copy_slot, how in ((True, ""), (False, " uva")):
+                for copy_slot, wait, how in GRAPH_VARIANTS:
                     _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB{how}",
-                                        t, sets[t], extra, copy_slot)  # fmt: skip
+                                        t, sets[t], extra, copy_slot, wait)  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
+#: GraphStagedTable variants timed behind a cache: (copy_slot, wait, case name suffix).
+GRAPH_VARIANTS = ((True, "spin", ""), (False, "spin", " uva"), (False, "stream", " uva stream"))
+
+
 def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int, sets: list,
-                        extra: dict, copy_slot: bool) -> None:  # fmt: skip
+                        extra: dict, copy_slot: bool, wait: str) -> None:  # fmt: skip
     """One GraphStagedTable for steps of ``t`` tokens, sharing ``staged``'s device cache
-    (``copy_slot=False``: the kernel reads the pinned slot through UVA, no copy)."""
+    (``copy_slot=False``: the kernel reads the pinned slot through UVA, no copy; ``wait``:
+    a polling kernel or the driver's stream wait)."""
     from flashnext.kernels import GraphStagedTable
 
-    graph = GraphStagedTable(table, (t, HEADS), prefault=False, copy_slot=copy_slot)
+    graph = GraphStagedTable(table, (t, HEADS), prefault=False, copy_slot=copy_slot, wait=wait)
     graph.share_cache(staged)
     _time_graph_staged(bench, graph, case, t, sets, {**extra, "pinned_bytes": graph.pinned_bytes})
 

@@ -176,6 +176,9 @@ def test_bad_arguments_are_named(sidecars):
         )
     with pytest.raises(KernelError, match="a hot-row cache serves pinned tables"):
         gpu.set_hot_rows(np.arange(3), 1 << 20)
+    if CUDA:
+        with pytest.raises(KernelError, match="wait is 'poll', expected one of spin, stream"):
+            GraphStagedTable(table, (2, HEADS), device=DEVICE, wait="poll")
 
 
 def _wait_or_release(graph_staged, timeout_s=20.0):
@@ -206,13 +209,18 @@ def _eager_then_captured(staged, table, t, rng):
     return out, graph
 
 
+# how the slot reaches the kernel x how the GPU waits for the host's flag
+GRAPH_MODES = [(True, "spin"), (False, "spin"), (True, "stream"), (False, "stream")]
+GRAPH_IDS = ["copied-spin", "uva-spin", "copied-stream", "uva-stream"]
+
+
 @needs_cuda
-@pytest.mark.parametrize("copy_slot", [True, False], ids=["copied", "uva"])
+@pytest.mark.parametrize(("copy_slot", "wait"), GRAPH_MODES, ids=GRAPH_IDS)
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, copy_slot, rng):
+def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, copy_slot, wait, rng):
     table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
     t = 24
-    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot)
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot, wait=wait)
     out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):
         ids = random_ids(rng, t)
@@ -261,12 +269,12 @@ def test_staged_cache_serves_the_same_rows_and_gathers_only_misses(sidecars, fmt
 
 
 @needs_cuda
-@pytest.mark.parametrize("copy_slot", [True, False], ids=["copied", "uva"])
+@pytest.mark.parametrize(("copy_slot", "wait"), GRAPH_MODES, ids=GRAPH_IDS)
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, copy_slot, rng):
+def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, copy_slot, wait, rng):
     table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
     t = 24
-    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot)
+    staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot, wait=wait)
     staged.set_hot_rows(rng.permutation(ROWS), 400 * staged.layout.record_bytes)
     out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):

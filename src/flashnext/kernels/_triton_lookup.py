@@ -208,3 +208,18 @@ def launch_lookup(
         BLOCK=block,
         num_warps=NUM_WARPS,
     )
+
+
+@triton.jit
+def _wait_kernel(flag_ptr):
+    """Return once the int32 at ``flag_ptr`` (pinned host memory, read through UVA) is 1.
+    Volatile loads: every poll reads host memory again, none is served from a cache."""
+    flag = tl.load(flag_ptr, volatile=True)
+    while flag != 1:
+        flag = tl.load(flag_ptr, volatile=True)
+
+
+def launch_wait(flag: Any) -> None:
+    """Enqueue a one-warp kernel on the current stream that spins until the pinned int32
+    ``flag`` (a :class:`~flashnext.kernels.table.UvaPointer`) reads 1; graph-safe."""
+    _wait_kernel[(1,)](flag, num_warps=1)

@@ -1,12 +1,19 @@
 """A staged lookup that can live inside a CUDA graph: the GPU waits on a host-written flag.
 
-FreeToken's design: the graph's PLE step is ``wait until flag == 1 (cuStreamWaitValue32 on a
-pinned host word) -> dequantize kernel reading the pinned slot through UVA -> write flag = 0
-(the slot is free again)``, or with ``copy_slot=True`` ``wait -> H2D copy of the whole staging
-slot -> write flag = 0 -> kernel`` (FreeToken's original order). The host fills the slot for a step whenever it knows the step's
-ids, before or after the graph was launched, and sets the flag; the GPU runs whatever the graph
-holds before the PLE step meanwhile. Everything in :meth:`GraphStagedTable.lookup` has a fixed
-size (one graph per ``[T, heads]``), so capture and replay need no host decision.
+FreeToken's design: the graph's PLE step is ``wait until flag == 1 (a pinned host word) ->
+dequantize kernel reading the pinned slot through UVA -> write flag = 0 (the slot is free
+again)``, or with ``copy_slot=True`` ``wait -> H2D copy of the whole staging slot -> write
+flag = 0 -> kernel`` (FreeToken's original order). The host fills the slot for a step whenever
+it knows the step's ids, before or after the graph was launched, and sets the flag; the GPU
+runs whatever the graph holds before the PLE step meanwhile. Everything in
+:meth:`GraphStagedTable.lookup` has a fixed size (one graph per ``[T, heads]``), so capture and
+replay need no host decision.
+
+The wait is a one-warp kernel polling the flag (``wait="spin"``, the default) or the driver's
+``cuStreamWaitValue32`` (``wait="stream"``). Measured on the H200 (T = 32, the host filling
+after the launch, as a decode step does): the stream wait notices the flag ~3 us later and its
+graph launches ~1.4 us slower, 37 us a step against 31; with the slot filled before the launch
+the stream wait is ~2 us faster, and it holds no SM while it waits.
 
 Without the copy the kernel reads only the bytes the step uses (the ids' inverse index and the
 staged rows, not the whole slot sized for every id missing the cache), and the flag is reset
@@ -28,9 +35,11 @@ import numpy as np
 from flashnext.errors import KernelError
 from flashnext.kernels._staging import flat_ids
 from flashnext.kernels.staged import StagedBatch, StagedTable
-from flashnext.kernels.table import torch
+from flashnext.kernels.table import UvaPointer, _lookup, torch
 from flashnext.ple.table import PLETable
 
+#: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
+WAITS = ("spin", "stream")
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _driver: Any = None
@@ -77,9 +86,11 @@ class GraphStagedTable(StagedTable):
             kernel read the pinned slot through UVA (False, the default: no device slot, no
             copy; measured faster on the H200 at T = 32, 512 and 8192 with and without a
             device cache, BENCHMARKS.md).
+        wait: how the GPU waits for the flag: ``"spin"`` (a one-warp kernel polls it; the
+            default) or ``"stream"`` (``cuStreamWaitValue32``); see the module docstring.
 
     Raises:
-        KernelError: not a CUDA device, or the driver library is missing.
+        KernelError: not a CUDA device, ``wait`` is neither, or the driver library is missing.
     """
 
     def __init__(
@@ -90,13 +101,18 @@ class GraphStagedTable(StagedTable):
         prefault: bool = True,
         workers: int | None = None,
         copy_slot: bool = False,
+        wait: str = "spin",
     ):
         if torch.device(device).type != "cuda":
             raise KernelError(f"graph-staged lookups need a CUDA device, found {device!r}")
+        if wait not in WAITS:
+            raise KernelError(f"wait is {wait!r}, expected one of {', '.join(WAITS)}")
         self.shape = (int(shape[0]), int(shape[1]))
         super().__init__(table, self.shape[0] * self.shape[1], 1, device, prefault, workers)
         self._flag = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
         self._flag_np = self._flag.numpy()
+        self._flag_uva = UvaPointer(self._flag)
+        self.wait = wait
         self._lib = _cuda_driver()
         self.copy_slot = bool(copy_slot)
         if not self.copy_slot:
@@ -150,10 +166,13 @@ class GraphStagedTable(StagedTable):
         out = self._out(self.shape, out)
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         flag = int(self._flag.data_ptr())
-        _check(
-            "cuStreamWaitValue32",
-            self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ),
-        )
+        if self.wait == "spin":
+            _lookup.launch_wait(self._flag_uva)
+        else:
+            _check(
+                "cuStreamWaitValue32",
+                self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ),
+            )
         if self.copy_slot:
             self._dev[0].copy_(self._host[0], non_blocking=True)
         else:
