@@ -79,10 +79,10 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def pipelined_us(staged: Any, sets: list[Any], out: Any) -> float:
+def pipelined_us(staged: Any, sets: list[Any], out: Any, passes: int = 2) -> float:
     """Microseconds per step with staging overlapped: step i+1 is staged while step i's lookup
-    runs, two passes over ``sets``."""
-    steps = 2 * len(sets)
+    runs, ``passes`` passes over ``sets``."""
+    steps = passes * len(sets)
     t0 = time.perf_counter()
     batch = staged.stage(sets[0])
     for i in range(1, steps + 1):
@@ -442,7 +442,9 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
         for t in [t for t in bench.sizes if t <= 8192]:
             sets = [s.cpu().numpy() for s in bench.id_sets(kind, t, rows)][:8]
             staged = GraphStagedTable(table, (t, HEADS), prefault=False)
-            latency, batches, pipelined, _ = _replay_graph_staged(bench, staged, t, sets)
+            timed = [sets[0]] + [sets[i % len(sets)] for i in range(max(bench.args.repeats, 20))]
+            latency, batches, pipelined, _ = _replay_graph_staged(bench, staged, t, timed,
+                                                                  4 * sets)  # fmt: skip
             host = [b.host_us["dedup_gather_us"] for b in batches]
             batch = batches[-1]
             bench.record("graph-staged", "int4", kind, t, latency, 100,
@@ -459,15 +461,17 @@ def staged_cache(bench: Bench, root: Path) -> None:
     """(f) StagedTable and GraphStagedTable behind a device cache of the profile's hot rows
     (``set_hot_rows``: none, 1 GB, 2 GB), text ids. Latency = stage + lookup + synchronize;
     the graph is launched first and waits on the flag while the host stages (as graph_staged).
-    Records the hit rate, the unique (missed) rows staged and the host bytes each path pins."""
+    Records the hit rate, the unique (missed) rows staged and the host bytes each path pins.
+
+    Every timed step stages ids of its own (:class:`FreshSteps`): a step's missed rows are
+    then as cold in the CPU's caches as a served model's (each decode step reads new n-grams),
+    not rows an earlier step or path of the run has just gathered."""
     from flashnext.kernels import StagedTable
 
     rows = bench.args.staged_rows
     table = open_table(bench.staged_sidecar(root), "mmap")
     staged = StagedTable(table, max_ids=max(bench.sizes) * HEADS, device=bench.device)
     bench.huge_share(root)
-    n_sets = 2 if bench.device == "cpu" else 8
-    sets = {t: bench.text.host_sets(t, n_sets, bench.rng, rows) for t in bench.sizes}
     # the timed ids are taken modulo the table's rows; so are the hot rows (a no-op at the
     # full 320,001,536 rows; below it, the profile would otherwise miss the ids it predicts)
     hot_rows = bench.text.hot_rows % rows
@@ -479,25 +483,43 @@ def staged_cache(bench: Bench, root: Path) -> None:
         print(f"staged cache {gb} GB: {info.rows:,} rows, {info.bytes / 1e9:.2f} GB on the device, "
               f"built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for t in bench.sizes:
-            hit = float(np.mean([(staged.slot_map[s] >= 0).mean() for s in sets[t]])
+            steps = FreshSteps(bench, t, rows)
+            hit = float(np.mean([(staged.slot_map[s] >= 0).mean() for s in steps.draw(4)])
                         if info.rows else 0.0)  # fmt: skip
             extra = {"hit_rate": hit, "cached_rows": info.rows, "cache_bytes": info.bytes,
                      "pinned_bytes": staged.pinned_bytes}  # fmt: skip
-            _time_staged(bench, staged, f"staged cache {gb}GB", t, sets[t], extra)
+            _time_staged(bench, staged, f"staged cache {gb}GB", t, steps, extra)
             if t <= 8192 and bench.device != "cpu":
                 for copy_slot, wait, how in GRAPH_VARIANTS:
                     _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB{how}",
-                                        t, sets[t], extra, copy_slot, wait)  # fmt: skip
+                                        t, steps, extra, copy_slot, wait)  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class FreshSteps:
+    """Text id sets ``[t, 16]`` for timed steps, each drawn once (random tokens of the timed
+    documents for decode sizes, windows for prefill); ``reps``: the timed steps per case
+    (more for small steps, whose times are short and noisy)."""
+
+    def __init__(self, bench: Bench, t: int, rows: int):
+        self.bench, self.t, self.rows = bench, t, rows
+        on_cpu = bench.device == "cpu"
+        self.reps = (
+            bench.args.repeats if on_cpu else max(bench.args.repeats, 100 if t <= 512 else 20)
+        )
+
+    def draw(self, n: int) -> list[np.ndarray]:
+        return self.bench.text.host_sets(self.t, n, self.bench.rng, self.rows)
 
 
 #: GraphStagedTable variants timed behind a cache: (copy_slot, wait, case name suffix).
 GRAPH_VARIANTS = ((True, "spin", ""), (False, "spin", " uva"), (False, "stream", " uva stream"))
 
 
-def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int, sets: list,
-                        extra: dict, copy_slot: bool, wait: str) -> None:  # fmt: skip
+def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int,
+                        steps: FreshSteps, extra: dict, copy_slot: bool,
+                        wait: str) -> None:  # fmt: skip
     """One GraphStagedTable for steps of ``t`` tokens, sharing ``staged``'s device cache
     (``copy_slot=False``: the kernel reads the pinned slot through UVA, no copy; ``wait``:
     a polling kernel or the driver's stream wait)."""
@@ -505,36 +527,39 @@ def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int
 
     graph = GraphStagedTable(table, (t, HEADS), prefault=False, copy_slot=copy_slot, wait=wait)
     graph.share_cache(staged)
-    _time_graph_staged(bench, graph, case, t, sets, {**extra, "pinned_bytes": graph.pinned_bytes})
+    _time_graph_staged(bench, graph, case, t, steps, {**extra, "pinned_bytes": graph.pinned_bytes})
 
 
-def _time_staged(bench: Bench, staged: Any, case: str, t: int, sets: list, extra: dict) -> None:
+def _time_staged(bench: Bench, staged: Any, case: str, t: int, steps: FreshSteps,
+                 extra: dict) -> None:  # fmt: skip
     out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=bench.device)
+    sets = steps.draw(steps.reps + 1)
     staged.lookup(staged.stage(sets[0]), out)  # warm: compile
     synchronize()
     latency, unique, parts = [], [], []
-    repeats = bench.args.repeats if bench.device == "cpu" else max(bench.args.repeats, 20)
-    for rep in range(repeats):
+    for ids in sets[1:]:
         t0 = time.perf_counter()
-        batch = staged.stage(sets[rep % len(sets)])
+        batch = staged.stage(ids)
         staged.lookup(batch, out)
         synchronize()
         latency.append((time.perf_counter() - t0) * 1e6)
         unique.append(batch.n_unique)
         parts.append(batch.host_us)
-    pipelined = pipelined_us(staged, sets, out)
+    pipelined = pipelined_us(staged, steps.draw(steps.reps), out, passes=1)
     host = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
     bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
                  "unique_rows": int(statistics.median(unique)), **host})  # fmt: skip
     print(f"{'':>16} host " + ", ".join(f"{k} {v:.0f}" for k, v in host.items()), flush=True)
 
 
-def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
+def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, steps: FreshSteps,
                        extra: dict) -> None:  # fmt: skip
-    latency, batches, pipelined, graph = _replay_graph_staged(bench, staged, t, sets)
+    latency, batches, pipelined, graph = _replay_graph_staged(
+        bench, staged, t, steps.draw(steps.reps + 1), steps.draw(steps.reps)
+    )
     unique = [b.n_unique for b in batches]
     fill = statistics.median(b.host_us["dedup_gather_us"] for b in batches)
-    gpu = _graph_without_host(staged, graph, sets, max(bench.args.repeats, 20))
+    gpu = _graph_without_host(staged, graph, steps.draw(steps.reps))
     bench.record(case, "int4", "text", t, latency, 100, {**extra, "pipelined_us": pipelined,
                  "unique_rows": int(statistics.median(unique)), "host_fill_us": fill,
                  "replay_gpu_sync_us": gpu})  # fmt: skip
@@ -542,12 +567,13 @@ def _time_graph_staged(bench: Bench, staged: Any, case: str, t: int, sets: list,
           f"filled {gpu:.1f} us", flush=True)  # fmt: skip
 
 
-def _graph_without_host(staged: Any, graph: Any, sets: list, repeats: int) -> float:
+def _graph_without_host(staged: Any, graph: Any, sets: list) -> float:
     """Median us of replay + synchronize of ``staged``'s captured ``graph`` when the host
-    filled the slot before the launch: what a step costs beyond the host's fill."""
+    filled the slot before the launch (one step per set): what a step costs beyond the
+    host's fill."""
     times = []
-    for rep in range(repeats):
-        staged.stage(sets[rep % len(sets)])
+    for ids in sets:
+        staged.stage(ids)
         t0 = time.perf_counter()
         graph.replay()
         torch.cuda.synchronize()
@@ -555,11 +581,12 @@ def _graph_without_host(staged: Any, graph: Any, sets: list, repeats: int) -> fl
     return statistics.median(times)
 
 
-def _replay_graph_staged(bench: Bench, staged: Any, t: int,
-                         sets: list) -> tuple[list, list, float, Any]:  # fmt: skip
+def _replay_graph_staged(bench: Bench, staged: Any, t: int, sets: list,
+                         pipe_sets: list) -> tuple[list, list, float, Any]:  # fmt: skip
     """Capture ``staged``'s lookup for steps of ``t`` tokens in a CUDA graph and time it: per
     step the graph is launched first and waits on the flag while the host stages the step's
-    ids. Returns (latency us per step, the timed steps' StagedBatch, pipelined us per step,
+    ids (``sets[0]`` warms up, then one timed step per set), then ``pipe_sets`` back to back.
+    Returns (latency us per step, the timed steps' StagedBatch, pipelined us per step,
     the graph)."""
     out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device="cuda")
     staged.stage(sets[0])
@@ -569,19 +596,18 @@ def _replay_graph_staged(bench: Bench, staged: Any, t: int,
     with torch.cuda.graph(graph):
         staged.lookup(out)
     latency, batches = [], []
-    for rep in range(max(bench.args.repeats, 20)):
+    for ids in sets[1:]:
         t0 = time.perf_counter()
         graph.replay()
-        batches.append(staged.stage(sets[rep % len(sets)]))
+        batches.append(staged.stage(ids))
         torch.cuda.synchronize()
         latency.append((time.perf_counter() - t0) * 1e6)
-    steps = 4 * len(sets)
     t0 = time.perf_counter()
-    for i in range(steps):
+    for ids in pipe_sets:
         graph.replay()
-        staged.stage(sets[i % len(sets)])
+        staged.stage(ids)
     torch.cuda.synchronize()
-    return latency, batches, (time.perf_counter() - t0) * 1e6 / steps, graph
+    return latency, batches, (time.perf_counter() - t0) * 1e6 / len(pipe_sets), graph
 
 
 def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: str) -> Any:
