@@ -9,7 +9,8 @@ layout). Two ways to dedup, both exact:
   in the CPU's last-level cache) gives each cached id its slot, ``inverse = -(slot + 2)``. A
   step of at most ``HASH_IDS`` ids deduplicates its misses in a small open-addressing table
   (:func:`dedup_hashed`: it stays in L1, where the slot map's entries are DRAM and TLB misses;
-  3 us less per decode step at 320M rows). A bigger step deduplicates them through the cache's
+  a T = 32 step's dedup 8.9 -> 5.7 us at 320M rows on a 2-vCPU VM, within noise on the H200's
+  host). A bigger step deduplicates them through the cache's
   slot map (int32 per served row, -1 = not cached): a row's first miss writes ``-(index + 2)``
   into its entry for the rest of the step, later ids read their index back, and the entries
   are reset to -1 before the call returns. No sort, one pass, and only misses touch the big
