@@ -33,12 +33,14 @@ from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import DestinationLock
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
+from flashnext.ple.pageout import page_cache_pageout
 from flashnext.ple.preflight import (
     COMMAND_LINE,
     GIB,
     Preflight,
     host_memory,
     page_cache_bytes,
+    pageout_warning,
     preflight_table,
 )
 from flashnext.ple.profile import (
@@ -408,7 +410,8 @@ def warm(directory: Path, as_json: bool) -> None:
     """Read the shard files of DIRECTORY into the page cache (no anonymous copy).
 
     Large sequential reads after posix_fadvise(WILLNEED): the first lookups of a server that
-    maps the table afterwards find their rows cached instead of reading them from disk.
+    maps the table afterwards find their rows cached instead of reading them from disk. Warns
+    when this host pages out page cache on its own (DAMON), and after how long.
     """
     with open_table(directory, "mmap") as table:
         files = sorted({p for p, _, _ in table.file_ranges()})
@@ -417,6 +420,7 @@ def warm(directory: Path, as_json: bool) -> None:
         warming = _warm(table, disable=as_json, populate=False)  # for another process
         seconds = time.perf_counter() - t0
     warming.wait()
+    pageout = page_cache_pageout("/")
     rate = warming.bytes_read / seconds if seconds > 0 else 0.0
     file_bytes = sum(p.stat().st_size for p in files)
     after = sum(page_cache_bytes(p) for p in files)
@@ -429,6 +433,7 @@ def warm(directory: Path, as_json: bool) -> None:
         "file_bytes": file_bytes,
         "cached_before_bytes": before,  # by mincore, whole shard files
         "cached_after_bytes": after,
+        "pageout": [p.to_dict() for p in pageout],
     }
     if as_json:
         print_record(PLE_WARM, record)
@@ -438,6 +443,8 @@ def warm(directory: Path, as_json: bool) -> None:
         f"({human_bytes(rate)}/s); page cache held {human_bytes(before)} of its "
         f"{human_bytes(file_bytes)} before, {human_bytes(after)} after"
     )
+    for agent in pageout:
+        note(pageout_warning(agent, str(directory)), style="yellow")
 
 
 def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]:

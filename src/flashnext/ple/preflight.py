@@ -30,6 +30,7 @@ from typing import Any
 from flashnext.errors import FlashnextError
 from flashnext.placement import RESIDENCIES, Residency
 from flashnext.ple.mapping import cached_pages
+from flashnext.ple.pageout import PageOut, page_cache_pageout
 
 GIB = 1024**3
 #: What we leave free beyond the table: the worker's own allocations and the kernel's.
@@ -93,7 +94,8 @@ class HostMemory:
 
     ``cgroup`` is the binding level (the least room) of the memory cgroups that limit this
     process, ``None`` when none does; ``commit_limit`` / ``committed`` are ``CommitLimit`` /
-    ``Committed_AS`` from meminfo; ``overcommit_mode`` is ``vm.overcommit_memory``.
+    ``Committed_AS`` from meminfo; ``overcommit_mode`` is ``vm.overcommit_memory``;
+    ``pageout`` the agents that page out page cache on their own (:mod:`flashnext.ple.pageout`).
     """
 
     mem_available: int
@@ -102,6 +104,7 @@ class HostMemory:
     commit_limit: int | None = None
     committed: int | None = None
     sources: tuple[str, ...] = field(default=(), compare=False)
+    pageout: tuple[PageOut, ...] = field(default=(), compare=False)
 
     @property
     def cgroup_available(self) -> int | None:
@@ -152,6 +155,7 @@ class HostMemory:
             "commit_available": self.commit_available,
             "available": self.available,
             "page_cache_room": self.page_cache_room,
+            "pageout": [p.to_dict() for p in self.pageout],
         }
 
 
@@ -268,6 +272,7 @@ def host_memory(root: str | Path = "/", fixes: Fixes = LIBRARY) -> HostMemory:
         commit_limit=meminfo.get("CommitLimit"),
         committed=meminfo.get("Committed_AS"),
         sources=tuple(lv.path for lv in levels),
+        pageout=page_cache_pageout(base),
     )
 
 
@@ -396,8 +401,24 @@ def preflight_table(
                 f"on lookup. Use a smaller format, {fixes.hot_tier}, {fixes.row_range}, or raise "
                 "the memory limit."
             )
+        warnings += [pageout_warning(p, what) for p in memory.pageout]
     return Preflight(
         what, residency, table_bytes, hot_bytes, headroom, memory, tuple(refusals), tuple(warnings)
+    )
+
+
+def pageout_warning(agent: PageOut, what: str) -> str:
+    """One line: what ``agent`` does to the page cache of the memory-mapped table ``what``."""
+    age = f"{agent.min_age_s:.0f} s"
+    if agent.unmapped_only:
+        return (
+            f"{agent.describe()}: warm {what} (flashnext ple warm) less than {age} before its "
+            "server maps it, or the first lookups read it from disk again; pages a server maps "
+            "are spared (the staged placement maps every page at start)."
+        )
+    return (
+        f"{agent.describe()}: rows of {what} that no lookup reads for {age} are read from disk "
+        "again when next looked up; exclude the table from the scheme or raise its minimum age."
     )
 
 
