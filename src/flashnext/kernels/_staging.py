@@ -327,6 +327,16 @@ def _find(row, seg_start, seg_dir, shift):  # type: ignore[no-untyped-def]
     return _search(row, seg_start, seg_dir[b], seg_dir[b + 1] + 1)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _prefetch_row(row, seg_start, seg_dir, seg_shift, bases, row_bytes):  # type: ignore[no-untyped-def]
+    """Hint the CPU to load every stored byte of ``row`` (its first and last line per field)."""
+    s = _find(row, seg_start, seg_dir, seg_shift)
+    for f in range(row_bytes.size):
+        addr = bases[f, s] + (row - seg_start[s]) * row_bytes[f]
+        _prefetch(addr)
+        _prefetch(addr + row_bytes[f] - 1)
+
+
 @numba.njit(nogil=True, cache=True)
 def gather_records(  # type: ignore[no-untyped-def]
     uniq, a, b, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, records,
@@ -350,19 +360,10 @@ def gather_into(  # type: ignore[no-untyped-def]
     [K])."""
     n_f = row_bytes.size
     for j in range(a, min(b, a + depth)):
-        s = _find(uniq[j], seg_start, seg_dir, seg_shift)
-        for f in range(n_f):
-            addr = bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f]
-            _prefetch(addr)
-            _prefetch(addr + row_bytes[f] - 1)
+        _prefetch_row(uniq[j], seg_start, seg_dir, seg_shift, bases, row_bytes)
     for j in range(a, b):
-        ahead = j + depth
-        if ahead < b:
-            s = _find(uniq[ahead], seg_start, seg_dir, seg_shift)
-            for f in range(n_f):
-                addr = bases[f, s] + (uniq[ahead] - seg_start[s]) * row_bytes[f]
-                _prefetch(addr)
-                _prefetch(addr + row_bytes[f] - 1)
+        if j + depth < b:
+            _prefetch_row(uniq[j + depth], seg_start, seg_dir, seg_shift, bases, row_bytes)
         row = uniq[j]
         s = _find(row, seg_start, seg_dir, seg_shift)
         rec = dst + j * rec_bytes
