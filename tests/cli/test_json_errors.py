@@ -87,7 +87,10 @@ def test_interrupt_prints_a_record_and_exits_130(tmp_path):
     """A real SIGINT while `plan` waits to open its --model (a FIFO nobody writes)."""
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
-    proc = popen("plan", "--model", fifo, "--gpu-memory", "8GiB", "--json")
+    # SIGINT at its default in the child: a suite started in the background by a
+    # non-interactive shell runs with SIGINT ignored, which the child would inherit
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = popen("plan", "--model", fifo, "--gpu-memory", "8GiB", "--json", preexec=default_sigint)
     wchan = Path(f"/proc/{proc.pid}/wchan")
     deadline = time.monotonic() + 120
     while wchan.read_text() != "wait_for_partner" and time.monotonic() < deadline:
