@@ -1,7 +1,7 @@
 """Benchmark: GPU PLE lookups (fused gather + dequant) against vLLM 0.33's BF16 UVA copy, same run.
 
     python bench/gpu_lookup.py --tokens TOKENS.npy [--baseline-rows N] [--rows N]
-        [--staged-rows N] [--shard-rows N] [--repeats K] [--sections ...] [--sizes 32,512,...]
+        [--staged-rows N] [--shard-rows N] [--repeats K] [--rounds N] [--sections ...] [--sizes 32,512,...]
         [--device cuda|cpu] [--json PATH]
 
 One run on one CUDA GPU: (0) H2D and device-to-device copy ceilings; then for T in
@@ -489,7 +489,7 @@ def staged_cache(bench: Bench, root: Path) -> None:
             extra = {"hit_rate": hit, "cached_rows": info.rows, "cache_bytes": info.bytes,
                      "pinned_bytes": staged.pinned_bytes}  # fmt: skip
             _time_staged(bench, staged, f"staged cache {gb}GB", t, steps, extra)
-            if t <= 8192 and bench.device != "cpu":
+            for _ in range(bench.args.rounds if t <= 8192 and bench.device != "cpu" else 0):
                 for copy_slot, wait, how in GRAPH_VARIANTS:
                     _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB{how}",
                                         t, steps, extra, copy_slot, wait)  # fmt: skip
@@ -514,7 +514,8 @@ class FreshSteps:
 
 
 #: GraphStagedTable variants timed behind a cache: (copy_slot, wait, case name suffix).
-GRAPH_VARIANTS = ((True, "spin", ""), (False, "spin", " uva"), (False, "stream", " uva stream"))
+GRAPH_VARIANTS = ((True, "spin", ""), (False, "spin", " uva"), (False, "stream", " uva stream"),
+                  (False, "fused", " uva fused"))  # fmt: skip
 
 
 def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int,
@@ -649,6 +650,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--staged-rows", type=positive_int, default=40_000_000)
     add_shard_rows_option(ap)
     ap.add_argument("--repeats", type=positive_int, default=7)
+    ap.add_argument("--rounds", type=positive_int, default=1,
+                    help="staged-cache: time the graph-staged variants this many times in turn "
+                    "(each round on fresh ids; a noisy machine drifts between cases)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument(
         "--sections",

@@ -6,6 +6,7 @@ them, or with neither a GPU nor the interpreter, every test here skips and says 
 """
 
 import os
+import threading
 import time
 
 import ml_dtypes
@@ -31,6 +32,7 @@ if not (CUDA or INTERPRET):
 
 from flashnext.kernels import GpuTable, GraphStagedTable, StagedTable  # noqa: E402
 from flashnext.kernels import _triton_lookup as _lookup  # noqa: E402
+from flashnext.kernels.table import UvaPointer  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 ROWS, WIDTH, HEADS = 1000, 160, 16
@@ -210,8 +212,9 @@ def _eager_then_captured(staged, table, t, rng):
 
 
 # how the slot reaches the kernel x how the GPU waits for the host's flag
-GRAPH_MODES = [(True, "spin"), (False, "spin"), (True, "stream"), (False, "stream")]
-GRAPH_IDS = ["copied-spin", "uva-spin", "copied-stream", "uva-stream"]
+GRAPH_MODES = [(True, "spin"), (False, "spin"), (True, "stream"), (False, "stream"),
+               (False, "fused")]  # fmt: skip
+GRAPH_IDS = ["copied-spin", "uva-spin", "copied-stream", "uva-stream", "uva-fused"]
 
 
 @needs_cuda
@@ -304,3 +307,46 @@ def test_a_sliced_rank_directory_serves_the_rank_like_the_full_sidecar(sidecars,
     np.testing.assert_array_equal(bits(sliced.lookup(ids_d)), bits(full.lookup(ids_d)))
     np.testing.assert_array_equal(bits(sliced.lookup(ids_d)), expected(open_table(sidecars / fmt),
                                                                         ids, rows))  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"] if CUDA else ["nvfp4"])
+def test_the_kernel_reads_the_slot_only_after_the_flag_and_hands_it_back(sidecars, fmt, rng):
+    """The graph-staged handover inside the lookup kernel (``launch_lookup(flag=, done=)``):
+    the slot holds another step's bytes (valid, wrong) until a host thread writes this step's
+    and then raises the flag, 0.2 s after the launch. A kernel that read the slot's inverse
+    index or rows before it saw the flag returns the other step's rows. The last program
+    writes the flag back to 0 and its counter back to 0 for the next launch."""
+    lo, hi = 100, 1000
+    t = 24
+    table = open_table(sidecars / fmt, "mmap", row_range=(lo, hi))
+    staged = StagedTable(table, max_ids=t * HEADS, buffers=2, device=DEVICE)
+    staged.set_hot_rows(rng.permutation(ROWS), 300 * staged.layout.record_bytes)
+    flag = torch.zeros(1, dtype=torch.int32, pin_memory=CUDA)
+    done = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    # on the GPU the kernel reads the pinned slot through UVA; the interpreter reads a CPU one
+    slots = staged._host if CUDA else staged._dev
+    for _ in range(2):  # a second launch: the counter was reset by the first
+        other, ids = random_ids(rng, t), random_ids(rng, t)
+        staged.stage(other)
+        batch = staged.stage(ids)  # into slot 1: the one the kernel reads
+        assert 0 < batch.n_unique < t * HEADS  # hits and misses in the same step
+        if CUDA:
+            torch.cuda.synchronize()
+        mine = slots[1].clone()
+        slots[1].copy_(slots[0])  # the other step's bytes until the host "fills" the slot
+
+        def fill(mine=mine):
+            time.sleep(0.2)
+            slots[1].copy_(mine)
+            flag.numpy()[0] = 1  # x86 keeps store order: the slot's bytes are visible first
+
+        host = threading.Thread(target=fill)
+        host.start()
+        out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
+        handover = (UvaPointer(flag) if CUDA else flag, done)
+        staged._launch(slots[1], batch.n_ids, batch.n_unique, out, CUDA, handover)
+        host.join()
+        if CUDA:
+            torch.cuda.synchronize()
+        np.testing.assert_array_equal(bits(out), expected(table, ids, (lo, hi)))
+        assert int(flag[0]) == 0 and int(done.cpu()[0]) == 0

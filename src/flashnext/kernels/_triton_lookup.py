@@ -51,6 +51,34 @@ def _bf16_bits(val):
 
 
 @triton.jit
+def _wait_flag(flag_ptr, POLL: tl.constexpr):
+    """Spin until the int32 at ``flag_ptr`` (pinned host memory, read through UVA) is not 0;
+    returns its value minus 1 (0: the host only ever writes 1). One lane of the program polls
+    (volatile loads: every poll reads host memory again, none is served from a cache), the
+    reduction hands the value to the others behind a barrier; the caller adds the result to
+    its first slot address, so no slot read can be issued before the flag was seen."""
+    lane = tl.arange(0, POLL)
+    first = lane == 0
+    seen = tl.max(tl.load(flag_ptr + lane * 0, mask=first, other=0, volatile=True), axis=0)
+    while seen == 0:
+        seen = tl.max(tl.load(flag_ptr + lane * 0, mask=first, other=0, volatile=True), axis=0)
+    return seen - 1
+
+
+@triton.jit
+def _hand_back(flag_ptr, done_ptr):
+    """The last program to finish writes the flag back to 0 (the host may refill the slot):
+    every program counts itself in ``done_ptr`` (int32, device memory; after this program's
+    slot reads have returned: its stores used them), and the one that counts last resets the
+    counter for the next launch and the flag."""
+    tl.debug_barrier()
+    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.store(done_ptr, 0)
+        tl.store(flag_ptr, 0)
+
+
+@triton.jit
 def _lookup_kernel(
     ids_ptr,
     out_ptr,
@@ -67,6 +95,8 @@ def _lookup_kernel(
     row_end,
     perm_ptr,
     cache_s2_ptr,
+    flag_ptr,
+    done_ptr,
     FMT: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -77,16 +107,21 @@ def _lookup_kernel(
     SHARD_STEPS: tl.constexpr,
     HAS_PERM: tl.constexpr,
     CODED: tl.constexpr,
+    WAIT: tl.constexpr,
+    POLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gather + dequant of BLOCK ids per program into bf16 rows (see ``launch_lookup``).
 
-    Length: one fused kernel (a Triton helper per format would not shorten it); 25 of its
+    Length: one fused kernel (a Triton helper per format would not shorten it); 28 of its
     lines are the parameter list.
     """
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < n_ids
-    gid = tl.load(ids_ptr + r, mask=rmask, other=-1).to(tl.int64)
+    ready = 0
+    if WAIT:  # the ids (and the rows they name) are the host's only once the flag reads 1
+        ready = _wait_flag(flag_ptr, POLL)
+    gid = tl.load(ids_ptr + r + ready, mask=rmask, other=-1).to(tl.int64)
     valid = (gid >= row_start) & (gid < row_end)
     local = tl.where(valid, gid - row_start, 0)
     base = rec_ptr + local * REC
@@ -137,6 +172,8 @@ def _lookup_kernel(
         orow = r
     optr = (out_ptr + orow[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
     tl.store(optr, _bf16_bits(val), mask=rmask[:, None] & cmask[None, :])
+    if WAIT:
+        _hand_back(flag_ptr, done_ptr)
 
 
 def launch_lookup(
@@ -160,11 +197,16 @@ def launch_lookup(
     perm: Any = None,
     coded_cache: Any = None,
     cache_s2: Any = None,
+    flag: Any = None,
+    done: Any = None,
 ) -> None:
     """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n]
     (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``; with ``coded_cache``
     uint8 [slots, record_bytes] (and ``cache_s2`` float32 [slots] for nvfp4): ids ``<= -2`` read
-    slot ``-id - 2`` of it; the staged path's device cache, exclusive with ``slot_map``).
+    slot ``-id - 2`` of it; the staged path's device cache, exclusive with ``slot_map``). With
+    ``flag`` (int32 [1], pinned, as a UVA pointer) and ``done`` (int32 [1] on the device, 0):
+    each program first waits until the flag is not 0 (the host filled ``ids``, ``records`` and
+    ``s2``), and the last one to finish writes it back to 0 (the graph-staged handover).
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
@@ -195,6 +237,8 @@ def launch_lookup(
         row_end,
         perm if perm is not None else ids,
         cache_s2 if cache_s2 is not None else s2,
+        flag if flag is not None else ids,
+        done if done is not None else ids,
         FMT=FMT_CODES[fmt],
         WIDTH=width,
         BLOCK_W=triton.next_power_of_2(width),
@@ -205,6 +249,8 @@ def launch_lookup(
         SHARD_STEPS=max(1, n_shards.bit_length()),
         HAS_PERM=perm is not None,
         CODED=coded_cache is not None,
+        WAIT=flag is not None,
+        POLL=32 * NUM_WARPS,
         BLOCK=block,
         num_warps=NUM_WARPS,
     )

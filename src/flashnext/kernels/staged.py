@@ -191,9 +191,18 @@ class StagedTable:
             raise KernelError(f"out is {out.dtype} {list(out.shape)}, expected bfloat16 {want}")
         return out
 
-    def _launch(self, slot: Any, n_ids: int, n_unique: int, out: Any, pinned: bool = False) -> None:
+    def _launch(
+        self,
+        slot: Any,
+        n_ids: int,
+        n_unique: int,
+        out: Any,
+        pinned: bool = False,
+        handover: tuple[Any, Any] | None = None,
+    ) -> None:
         """The lookup kernel over a filled slot: a device copy, or with ``pinned`` the pinned
-        host slot itself, read through UVA."""
+        host slot itself, read through UVA; with ``handover`` (flag, counter) the kernel waits
+        for the flag first and writes it back to 0 when done (``launch_lookup``'s)."""
         s2_at, rec_at, _ = self._offsets(n_ids, n_unique)
         n_rec = max(1, n_unique)
         parts = (
@@ -219,6 +228,8 @@ class StagedTable:
             shard_starts=self._zero,
             coded_cache=self._cache,
             cache_s2=self._cache_s2,
+            flag=handover[0] if handover else None,
+            done=handover[1] if handover else None,
         )
 
     def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
