@@ -515,7 +515,8 @@ class FreshSteps:
 
 #: GraphStagedTable variants timed behind a cache: (copy_slot, wait, case name suffix).
 GRAPH_VARIANTS = ((True, "spin", ""), (False, "spin", " uva"), (False, "stream", " uva stream"),
-                  (False, "fused", " uva fused"))  # fmt: skip
+                  (False, "fused", " uva fused"), (False, "relay", " uva relay"),
+                  (False, "stream-fused", " uva stream-fused"))  # fmt: skip
 
 
 def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int,

@@ -51,30 +51,47 @@ def _bf16_bits(val):
 
 
 @triton.jit
-def _wait_flag(flag_ptr, POLL: tl.constexpr):
-    """Spin until the int32 at ``flag_ptr`` (pinned host memory, read through UVA) is not 0;
-    returns its value minus 1 (0: the host only ever writes 1). One lane of the program polls
-    (volatile loads: every poll reads host memory again, none is served from a cache), the
-    reduction hands the value to the others behind a barrier; the caller adds the result to
-    its first slot address, so no slot read can be issued before the flag was seen."""
+def _poll(ptr, POLL: tl.constexpr):
+    """Spin until the int32 at ``ptr`` is not 0; returns it. One lane of the program polls
+    (volatile loads: every poll reads memory again, none is served from L1), the reduction
+    hands the value to the others behind a barrier."""
     lane = tl.arange(0, POLL)
     first = lane == 0
-    seen = tl.max(tl.load(flag_ptr + lane * 0, mask=first, other=0, volatile=True), axis=0)
+    seen = tl.max(tl.load(ptr + lane * 0, mask=first, other=0, volatile=True), axis=0)
     while seen == 0:
-        seen = tl.max(tl.load(flag_ptr + lane * 0, mask=first, other=0, volatile=True), axis=0)
+        seen = tl.max(tl.load(ptr + lane * 0, mask=first, other=0, volatile=True), axis=0)
+    return seen
+
+
+@triton.jit
+def _wait_flag(flag_ptr, go_ptr, WAIT: tl.constexpr, POLL: tl.constexpr):
+    """Wait until the int32 at ``flag_ptr`` (pinned host memory, read through UVA) is not 0;
+    returns its value minus 1 (0: the host only ever writes 1), which the caller adds to its
+    first slot address, so no slot read can be issued before the flag was seen. WAIT 1: every
+    program polls the host flag; 2: program 0 polls it and relays it through ``go_ptr`` (int32,
+    device memory, 0), which the others poll in L2, so that one program crosses the bus."""
+    if WAIT == 1:
+        seen = _poll(flag_ptr, POLL)
+    else:
+        if tl.program_id(0) == 0:
+            seen = _poll(flag_ptr, POLL)
+            tl.store(go_ptr, seen)
+        else:
+            seen = _poll(go_ptr, POLL)
     return seen - 1
 
 
 @triton.jit
 def _hand_back(flag_ptr, done_ptr):
     """The last program to finish writes the flag back to 0 (the host may refill the slot):
-    every program counts itself in ``done_ptr`` (int32, device memory; after this program's
+    every program counts itself in ``done_ptr[0]`` (int32, device memory; after this program's
     slot reads have returned: its stores used them), and the one that counts last resets the
-    counter for the next launch and the flag."""
+    counter and the relay word ``done_ptr[1]`` for the next launch, then the flag."""
     tl.debug_barrier()
     done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         tl.store(done_ptr, 0)
+        tl.store(done_ptr + 1, 0)
         tl.store(flag_ptr, 0)
 
 
@@ -119,8 +136,8 @@ def _lookup_kernel(
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < n_ids
     ready = 0
-    if WAIT:  # the ids (and the rows they name) are the host's only once the flag reads 1
-        ready = _wait_flag(flag_ptr, POLL)
+    if WAIT > 0:  # the ids (and the rows they name) are the host's only once the flag reads 1
+        ready = _wait_flag(flag_ptr, done_ptr + 1, WAIT, POLL)
     gid = tl.load(ids_ptr + r + ready, mask=rmask, other=-1).to(tl.int64)
     valid = (gid >= row_start) & (gid < row_end)
     local = tl.where(valid, gid - row_start, 0)
@@ -172,7 +189,7 @@ def _lookup_kernel(
         orow = r
     optr = (out_ptr + orow[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
     tl.store(optr, _bf16_bits(val), mask=rmask[:, None] & cmask[None, :])
-    if WAIT:
+    if WAIT > 0:
         _hand_back(flag_ptr, done_ptr)
 
 
@@ -199,14 +216,16 @@ def launch_lookup(
     cache_s2: Any = None,
     flag: Any = None,
     done: Any = None,
+    relay: bool = False,
 ) -> None:
     """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n]
     (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``; with ``coded_cache``
     uint8 [slots, record_bytes] (and ``cache_s2`` float32 [slots] for nvfp4): ids ``<= -2`` read
     slot ``-id - 2`` of it; the staged path's device cache, exclusive with ``slot_map``). With
-    ``flag`` (int32 [1], pinned, as a UVA pointer) and ``done`` (int32 [1] on the device, 0):
+    ``flag`` (int32 [1], pinned, as a UVA pointer) and ``done`` (int32 [2] on the device, 0):
     each program first waits until the flag is not 0 (the host filled ``ids``, ``records`` and
-    ``s2``), and the last one to finish writes it back to 0 (the graph-staged handover).
+    ``s2``; with ``relay`` program 0 polls it and the others a word in ``done``), and the last
+    one to finish writes it back to 0 (the graph-staged handover).
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
@@ -249,7 +268,7 @@ def launch_lookup(
         SHARD_STEPS=max(1, n_shards.bit_length()),
         HAS_PERM=perm is not None,
         CODED=coded_cache is not None,
-        WAIT=flag is not None,
+        WAIT=0 if flag is None else (2 if relay else 1),
         POLL=32 * NUM_WARPS,
         BLOCK=block,
         num_warps=NUM_WARPS,

@@ -39,7 +39,7 @@ from flashnext.kernels.table import UvaPointer, _lookup, torch
 from flashnext.ple.table import PLETable
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
-WAITS = ("spin", "stream", "fused")
+WAITS = ("spin", "stream", "fused", "relay", "stream-fused")
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _driver: Any = None
@@ -117,9 +117,9 @@ class GraphStagedTable(StagedTable):
         self.copy_slot = bool(copy_slot)
         if not self.copy_slot:
             self._dev = []  # the kernel reads the pinned slot
-        if wait == "fused" and self.copy_slot:
-            raise KernelError("wait='fused' reads the pinned slot: it needs copy_slot=False")
-        self._done = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if wait in ("fused", "relay", "stream-fused") and self.copy_slot:
+            raise KernelError(f"wait={wait!r} reads the pinned slot: it needs copy_slot=False")
+        self._done = torch.zeros(2, dtype=torch.int32, device=self.device)
 
     def stage(self, ids: Any, timeout_s: float = 30.0) -> StagedBatch:
         """Fill the slot with the rows of int ids ``[T, heads]`` and raise the flag.
@@ -167,11 +167,16 @@ class GraphStagedTable(StagedTable):
             KernelError: ``out`` has the wrong shape or dtype, or a driver call failed.
         """
         out = self._out(self.shape, out)
-        if self.wait == "fused":
-            handover = (self._flag_uva, self._done)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.wait in ("fused", "relay", "stream-fused"):
+            if self.wait == "stream-fused":
+                _check(
+                    "cuStreamWaitValue32",
+                    self._lib.cuStreamWaitValue32_v2(stream, int(self._flag.data_ptr()), 1, _WAIT_EQ),
+                )
+            handover = (self._flag_uva, self._done, self.wait == "relay")
             self._launch(self._host[0], self.max_ids, self.max_ids, out, True, handover)
             return out
-        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         flag = int(self._flag.data_ptr())
         if self.wait == "spin":
             _lookup.launch_wait(self._flag_uva)
