@@ -53,7 +53,7 @@ def _bf16_bits(val):
 @triton.jit
 def _poll(ptr, POLL: tl.constexpr):
     """Spin until the int32 at ``ptr`` is not 0; returns it. One lane of the program polls
-    (volatile loads: every poll reads memory again, none is served from L1), the reduction
+    (volatile loads: every poll reads memory again, none is served from L1); the reduction
     hands the value to the others behind a barrier."""
     lane = tl.arange(0, POLL)
     first = lane == 0
@@ -64,34 +64,38 @@ def _poll(ptr, POLL: tl.constexpr):
 
 
 @triton.jit
-def _wait_flag(flag_ptr, go_ptr, WAIT: tl.constexpr, POLL: tl.constexpr):
+def _wait_flag(flag_ptr, count_ptr, POLL: tl.constexpr):
     """Wait until the int32 at ``flag_ptr`` (pinned host memory, read through UVA) is not 0;
     returns its value minus 1 (0: the host only ever writes 1), which the caller adds to its
-    first slot address, so no slot read can be issued before the flag was seen. WAIT 1: every
-    program polls the host flag; 2: program 0 polls it and relays it through ``go_ptr`` (int32,
-    device memory, 0), which the others poll in L2, so that one program crosses the bus."""
-    if WAIT == 1:
+    first slot address, so that no slot read can be issued before the flag was seen.
+
+    One program polls the host: the first to take a ticket from ``count_ptr[0]`` (int32,
+    device memory; a ticket, not program 0, so the poller is one that already runs), which
+    relays the flag through ``count_ptr[1]``; the others poll that word in the GPU's L2.
+    Every program polling the host flag itself was measured 10x slower on the H200 (its reads
+    of one host word are served one after another: ~1 us each, ~500 us for 512 programs).
+    """
+    ticket = tl.atomic_add(count_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket == 0:
         seen = _poll(flag_ptr, POLL)
+        tl.atomic_xchg(count_ptr + 1, seen, sem="release", scope="gpu")
     else:
-        if tl.program_id(0) == 0:
-            seen = _poll(flag_ptr, POLL)
-            tl.store(go_ptr, seen)
-        else:
-            seen = _poll(go_ptr, POLL)
+        seen = _poll(count_ptr + 1, POLL)
     return seen - 1
 
 
 @triton.jit
-def _hand_back(flag_ptr, done_ptr):
+def _hand_back(flag_ptr, count_ptr, ROUNDS: tl.constexpr):
     """The last program to finish writes the flag back to 0 (the host may refill the slot):
-    every program counts itself in ``done_ptr[0]`` (int32, device memory; after this program's
-    slot reads have returned: its stores used them), and the one that counts last resets the
-    counter and the relay word ``done_ptr[1]`` for the next launch, then the flag."""
+    every program counts itself in ``count_ptr[0]`` once its slot reads have returned (its
+    stores used them), and the one that counts last (``ROUNDS`` counts per program: 2 after
+    :func:`_wait_flag`'s tickets) resets both counter words for the next launch, then the
+    flag."""
     tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.store(done_ptr, 0)
-        tl.store(done_ptr + 1, 0)
+    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == ROUNDS * tl.num_programs(0) - 1:
+        tl.store(count_ptr, 0)
+        tl.store(count_ptr + 1, 0)
         tl.store(flag_ptr, 0)
 
 
@@ -113,7 +117,7 @@ def _lookup_kernel(
     perm_ptr,
     cache_s2_ptr,
     flag_ptr,
-    done_ptr,
+    count_ptr,
     FMT: tl.constexpr,
     WIDTH: tl.constexpr,
     BLOCK_W: tl.constexpr,
@@ -125,19 +129,20 @@ def _lookup_kernel(
     HAS_PERM: tl.constexpr,
     CODED: tl.constexpr,
     WAIT: tl.constexpr,
+    HAND_BACK: tl.constexpr,
     POLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gather + dequant of BLOCK ids per program into bf16 rows (see ``launch_lookup``).
 
-    Length: one fused kernel (a Triton helper per format would not shorten it); 28 of its
+    Length: one fused kernel (a Triton helper per format would not shorten it); 29 of its
     lines are the parameter list.
     """
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rmask = r < n_ids
     ready = 0
-    if WAIT > 0:  # the ids (and the rows they name) are the host's only once the flag reads 1
-        ready = _wait_flag(flag_ptr, done_ptr + 1, WAIT, POLL)
+    if WAIT:  # the ids (and the rows they name) are the host's once the flag reads 1
+        ready = _wait_flag(flag_ptr, count_ptr, POLL)
     gid = tl.load(ids_ptr + r + ready, mask=rmask, other=-1).to(tl.int64)
     valid = (gid >= row_start) & (gid < row_end)
     local = tl.where(valid, gid - row_start, 0)
@@ -189,8 +194,8 @@ def _lookup_kernel(
         orow = r
     optr = (out_ptr + orow[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
     tl.store(optr, _bf16_bits(val), mask=rmask[:, None] & cmask[None, :])
-    if WAIT > 0:
-        _hand_back(flag_ptr, done_ptr)
+    if HAND_BACK:
+        _hand_back(flag_ptr, count_ptr, 1 + WAIT)
 
 
 def launch_lookup(
@@ -215,17 +220,17 @@ def launch_lookup(
     coded_cache: Any = None,
     cache_s2: Any = None,
     flag: Any = None,
-    done: Any = None,
-    relay: bool = False,
+    counts: Any = None,
+    flag_waited: bool = False,
 ) -> None:
     """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n]
     (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``; with ``coded_cache``
     uint8 [slots, record_bytes] (and ``cache_s2`` float32 [slots] for nvfp4): ids ``<= -2`` read
     slot ``-id - 2`` of it; the staged path's device cache, exclusive with ``slot_map``). With
-    ``flag`` (int32 [1], pinned, as a UVA pointer) and ``done`` (int32 [2] on the device, 0):
-    each program first waits until the flag is not 0 (the host filled ``ids``, ``records`` and
-    ``s2``; with ``relay`` program 0 polls it and the others a word in ``done``), and the last
-    one to finish writes it back to 0 (the graph-staged handover).
+    ``flag`` (int32 [1], pinned, as a UVA pointer) and ``counts`` (int32 [2] on the device,
+    zeros; the kernel leaves them so): the graph-staged handover. The kernel first waits until
+    the flag is not 0 (the host filled ``ids``, ``records`` and ``s2``; ``flag_waited``: the
+    stream already waited for it), and its last program to finish writes the flag back to 0.
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
@@ -257,7 +262,7 @@ def launch_lookup(
         perm if perm is not None else ids,
         cache_s2 if cache_s2 is not None else s2,
         flag if flag is not None else ids,
-        done if done is not None else ids,
+        counts if counts is not None else ids,
         FMT=FMT_CODES[fmt],
         WIDTH=width,
         BLOCK_W=triton.next_power_of_2(width),
@@ -268,23 +273,9 @@ def launch_lookup(
         SHARD_STEPS=max(1, n_shards.bit_length()),
         HAS_PERM=perm is not None,
         CODED=coded_cache is not None,
-        WAIT=0 if flag is None else (2 if relay else 1),
+        WAIT=int(flag is not None and not flag_waited),
+        HAND_BACK=int(flag is not None),
         POLL=32 * NUM_WARPS,
         BLOCK=block,
         num_warps=NUM_WARPS,
     )
-
-
-@triton.jit
-def _wait_kernel(flag_ptr):
-    """Return once the int32 at ``flag_ptr`` (pinned host memory, read through UVA) is 1.
-    Volatile loads: every poll reads host memory again, none is served from a cache."""
-    flag = tl.load(flag_ptr, volatile=True)
-    while flag != 1:
-        flag = tl.load(flag_ptr, volatile=True)
-
-
-def launch_wait(flag: Any) -> None:
-    """Enqueue a one-warp kernel on the current stream that spins until the pinned int32
-    ``flag`` (a :class:`~flashnext.kernels.table.UvaPointer`) reads 1; graph-safe."""
-    _wait_kernel[(1,)](flag, num_warps=1)

@@ -1,23 +1,28 @@
 """A staged lookup that can live inside a CUDA graph: the GPU waits on a host-written flag.
 
-FreeToken's design: the graph's PLE step is ``wait until flag == 1 (a pinned host word) ->
-dequantize kernel reading the pinned slot through UVA -> write flag = 0 (the slot is free
-again)``, or with ``copy_slot=True`` ``wait -> H2D copy of the whole staging slot -> write
-flag = 0 -> kernel`` (FreeToken's original order). The host fills the slot for a step whenever
-it knows the step's ids, before or after the graph was launched, and sets the flag; the GPU
-runs whatever the graph holds before the PLE step meanwhile. Everything in
-:meth:`GraphStagedTable.lookup` has a fixed size (one graph per ``[T, heads]``), so capture and
-replay need no host decision.
+FreeToken's design: the graph's PLE step waits until a pinned host word, the flag, is 1 (the
+host filled the staging slot), reads the slot, and writes the flag back to 0 (the slot is free
+again). The host fills the slot for a step whenever it knows the step's ids, before or after
+the graph was launched, and sets the flag. Everything in :meth:`GraphStagedTable.lookup` has a
+fixed size (one graph per ``[T, heads]``), so capture and replay need no host decision.
 
-The wait is a one-warp kernel polling the flag (``wait="spin"``, the default) or the driver's
-``cuStreamWaitValue32`` (``wait="stream"``). Measured on the H200 (T = 32, the host filling
-after the launch, as a decode step does; BENCHMARKS.md): 54 us a step polling against 68 with
-the stream wait behind a 2 GB cache, 66 against 72 without one. The stream wait holds no SM
-while it waits.
+By default (``wait="spin"``) the step is one node, the lookup kernel itself: the first of its
+programs to start polls the flag through UVA and relays it to the others through a word in
+device memory (they poll that in L2); no program reads the slot (the inverse index, then the
+staged rows it names) before it has seen the flag, since its first slot address depends on
+the flag's value; the last program to finish writes the flag back to 0. There is no wait
+kernel before it and no driver write after it. With ``wait="stream"`` the driver's
+``cuStreamWaitValue32`` waits before the same kernel, which then only writes the flag back.
+The stream wait holds no SM while it waits; the spinning kernel holds its programs' places on
+the SMs for as long as the host fills (512 programs of 8 warps at T = 32 x 16 heads), so other
+branches of a graph running meanwhile get fewer. Measured on the H200 (T = 32, the host
+filling after the launch, as a decode step does; BENCHMARKS.md "Fourth pass"): replay + GPU +
+synchronize with the slot already filled 16-17 us in the kernel against 18-19 with the
+earlier one-warp wait kernel before it and the driver's write after it.
 
-Without the copy the kernel reads only the bytes the step uses (the ids' inverse index and the
-staged rows, not the whole slot sized for every id missing the cache), and the flag is reset
-after the kernel instead of after the copy.
+With ``copy_slot=True`` (FreeToken's original order): stream wait, H2D copy of the whole slot,
+flag reset, kernel. Without the copy the kernel reads only the bytes the step uses (the ids'
+inverse index and the staged rows, not the whole slot sized for every id missing the cache).
 
 The stream memory operations come from the driver library itself (``libcuda``, through
 ctypes), so no extra package is needed. The flag lives in pinned memory that the device reads
@@ -35,11 +40,11 @@ import numpy as np
 from flashnext.errors import KernelError
 from flashnext.kernels._staging import flat_ids
 from flashnext.kernels.staged import StagedBatch, StagedTable
-from flashnext.kernels.table import UvaPointer, _lookup, torch
+from flashnext.kernels.table import UvaPointer, torch
 from flashnext.ple.table import PLETable
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
-WAITS = ("spin", "stream", "fused", "relay", "stream-fused")
+WAITS = ("spin", "stream")
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _driver: Any = None
@@ -86,11 +91,13 @@ class GraphStagedTable(StagedTable):
             kernel read the pinned slot through UVA (False, the default: no device slot, no
             copy; measured faster on the H200 at T = 32, 512 and 8192 with and without a
             device cache, BENCHMARKS.md).
-        wait: how the GPU waits for the flag: ``"spin"`` (a one-warp kernel polls it; the
-            default) or ``"stream"`` (``cuStreamWaitValue32``); see the module docstring.
+        wait: how the GPU waits for the flag: ``"spin"`` (the lookup kernel polls it; the
+            default without ``copy_slot``) or ``"stream"`` (``cuStreamWaitValue32``; the
+            default and the only wait with ``copy_slot``); see the module docstring.
 
     Raises:
-        KernelError: not a CUDA device, ``wait`` is neither, or the driver library is missing.
+        KernelError: not a CUDA device, ``wait`` is neither (or ``"spin"`` with
+            ``copy_slot``), or the driver library is missing.
     """
 
     def __init__(
@@ -101,12 +108,18 @@ class GraphStagedTable(StagedTable):
         prefault: bool = True,
         workers: int | None = None,
         copy_slot: bool = False,
-        wait: str = "spin",
+        wait: str | None = None,
     ):
         if torch.device(device).type != "cuda":
             raise KernelError(f"graph-staged lookups need a CUDA device, found {device!r}")
+        wait = wait or ("stream" if copy_slot else "spin")
         if wait not in WAITS:
             raise KernelError(f"wait is {wait!r}, expected one of {', '.join(WAITS)}")
+        if wait == "spin" and copy_slot:
+            raise KernelError(
+                "wait='spin' is the lookup kernel polling the flag before it reads the pinned "
+                "slot; a copied slot (copy_slot=True) waits with wait='stream'"
+            )
         self.shape = (int(shape[0]), int(shape[1]))
         super().__init__(table, self.shape[0] * self.shape[1], 1, device, prefault, workers)
         self._flag = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
@@ -117,9 +130,8 @@ class GraphStagedTable(StagedTable):
         self.copy_slot = bool(copy_slot)
         if not self.copy_slot:
             self._dev = []  # the kernel reads the pinned slot
-        if wait in ("fused", "relay", "stream-fused") and self.copy_slot:
-            raise KernelError(f"wait={wait!r} reads the pinned slot: it needs copy_slot=False")
-        self._done = torch.zeros(2, dtype=torch.int32, device=self.device)
+        # the kernel's ticket/finish counter and the word it relays the flag through
+        self._counts = torch.zeros(2, dtype=torch.int32, device=self.device)
 
     def stage(self, ids: Any, timeout_s: float = 30.0) -> StagedBatch:
         """Fill the slot with the rows of int ids ``[T, heads]`` and raise the flag.
@@ -159,42 +171,33 @@ class GraphStagedTable(StagedTable):
         )
 
     def lookup(self, out: Any = None) -> Any:  # type: ignore[override]
-        """Enqueue wait-for-flag, the slot's copy, flag reset and the kernel on the current
-        stream (without ``copy_slot``: wait, the kernel on the pinned slot, flag reset);
-        returns bf16 ``out`` ``[T, heads * width]``. Fixed sizes: capturable.
+        """Enqueue the step on the current stream: without ``copy_slot`` the lookup kernel on
+        the pinned slot, which waits for the flag (``wait="spin"``; with ``"stream"`` the
+        stream waits first) and writes it back to 0 when done; with ``copy_slot`` stream wait,
+        the slot's copy, flag reset, the kernel. Returns bf16 ``out`` ``[T, heads * width]``.
+        Fixed sizes: capturable.
 
         Raises:
             KernelError: ``out`` has the wrong shape or dtype, or a driver call failed.
         """
         out = self._out(self.shape, out)
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        if self.wait in ("fused", "relay", "stream-fused"):
-            if self.wait == "stream-fused":
-                _check(
-                    "cuStreamWaitValue32",
-                    self._lib.cuStreamWaitValue32_v2(stream, int(self._flag.data_ptr()), 1, _WAIT_EQ),
-                )
-            handover = (self._flag_uva, self._done, self.wait == "relay")
-            self._launch(self._host[0], self.max_ids, self.max_ids, out, True, handover)
-            return out
         flag = int(self._flag.data_ptr())
-        if self.wait == "spin":
-            _lookup.launch_wait(self._flag_uva)
-        else:
+        if self.wait == "stream":
             _check(
                 "cuStreamWaitValue32",
                 self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ),
             )
-        if self.copy_slot:
-            self._dev[0].copy_(self._host[0], non_blocking=True)
-        else:
-            self._launch(self._host[0], self.max_ids, self.max_ids, out, pinned=True)
+        if not self.copy_slot:
+            handover = (self._flag_uva, self._counts, self.wait == "stream")
+            self._launch(self._host[0], self.max_ids, self.max_ids, out, True, handover)
+            return out
+        self._dev[0].copy_(self._host[0], non_blocking=True)
         _check(
             "cuStreamWriteValue32",
             self._lib.cuStreamWriteValue32_v2(stream, flag, 0, _WRITE_DEFAULT),
         )
-        if self.copy_slot:
-            self._launch(self._dev[0], self.max_ids, self.max_ids, out)
+        self._launch(self._dev[0], self.max_ids, self.max_ids, out)
         return out
 
     def release(self) -> None:

@@ -201,8 +201,8 @@ class StagedTable:
         handover: tuple[Any, Any, bool] | None = None,
     ) -> None:
         """The lookup kernel over a filled slot: a device copy, or with ``pinned`` the pinned
-        host slot itself, read through UVA; with ``handover`` (flag, counters, relay) the kernel waits
-        for the flag first and writes it back to 0 when done (``launch_lookup``'s)."""
+        host slot itself, read through UVA; with ``handover`` (flag, counts, flag_waited) the
+        kernel waits for the flag and writes it back to 0 when done (``launch_lookup``'s)."""
         s2_at, rec_at, _ = self._offsets(n_ids, n_unique)
         n_rec = max(1, n_unique)
         parts = (
@@ -229,8 +229,8 @@ class StagedTable:
             coded_cache=self._cache,
             cache_s2=self._cache_s2,
             flag=handover[0] if handover else None,
-            done=handover[1] if handover else None,
-            relay=bool(handover and handover[2]),
+            counts=handover[1] if handover else None,
+            flag_waited=bool(handover and handover[2]),
         )
 
     def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
