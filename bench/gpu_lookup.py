@@ -522,7 +522,7 @@ class FreshSteps:
 
 #: GraphStagedTable variants timed behind a cache: (copy_slot, wait, case name suffix).
 GRAPH_VARIANTS = ((True, "stream", ""), (False, "spin", " uva"), (False, "stream", " uva stream"),
-                  (False, "oldspin", " uva oldspin"), (False, "oldstream", " uva oldstream"))
+                  (False, "oldspin", " uva oldspin"), (False, "spin", " uva spread128"))
 TEMP_SPREAD = {" uva spread128": 128}  # TEMPORARY (measurement only)
 
 

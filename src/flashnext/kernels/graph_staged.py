@@ -44,7 +44,7 @@ from flashnext.kernels.table import UvaPointer, _lookup, torch
 from flashnext.ple.table import PLETable
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
-WAITS = ("spin", "stream", "oldspin", "oldstream")
+WAITS = ("spin", "stream", "oldspin")
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _driver: Any = None
@@ -183,12 +183,8 @@ class GraphStagedTable(StagedTable):
         out = self._out(self.shape, out)
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         flag = int(self._flag.data_ptr())
-        if self.wait in ("oldspin", "oldstream"):  # TEMPORARY: the earlier waits
-            if self.wait == "oldspin":
-                _lookup.launch_wait(self._flag_uva)
-            else:
-                _check("cuStreamWaitValue32",
-                       self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ))
+        if self.wait == "oldspin":  # TEMPORARY: the earlier wait kernel + kernel + driver write
+            _lookup.launch_wait(self._flag_uva)
             self._launch(self._host[0], self.max_ids, self.max_ids, out, pinned=True)
             _check("cuStreamWriteValue32",
                    self._lib.cuStreamWriteValue32_v2(stream, flag, 0, _WRITE_DEFAULT))
