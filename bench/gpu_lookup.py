@@ -492,14 +492,8 @@ def staged_cache(bench: Bench, root: Path) -> None:
             _time_staged(bench, staged, f"staged cache {gb}GB", t, steps, extra)
             for _ in range(bench.args.rounds if t <= 8192 and bench.device != "cpu" else 0):
                 for copy_slot, wait, how in GRAPH_VARIANTS:
-                    from flashnext.kernels import _triton_lookup as lk
-                    old = lk.SPREAD
-                    lk.SPREAD = TEMP_SPREAD.get(how, old)
-                    try:
-                        _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB{how}",
-                                            t, steps, extra, copy_slot, wait)  # fmt: skip
-                    finally:
-                        lk.SPREAD = old
+                    _graph_staged_cache(bench, table, staged, f"graph-staged cache {gb}GB{how}",
+                                        t, steps, extra, copy_slot, wait)  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -521,9 +515,7 @@ class FreshSteps:
 
 
 #: GraphStagedTable variants timed behind a cache: (copy_slot, wait, case name suffix).
-GRAPH_VARIANTS = ((True, "stream", ""), (False, "spin", " uva"), (False, "stream", " uva stream"),
-                  (False, "oldspin", " uva oldspin"), (False, "spin", " uva spread128"))
-TEMP_SPREAD = {" uva spread128": 128}  # TEMPORARY (measurement only)
+GRAPH_VARIANTS = ((True, "stream", ""), (False, "spin", " uva"), (False, "stream", " uva stream"))
 
 
 def _graph_staged_cache(bench: Bench, table: Any, staged: Any, case: str, t: int,

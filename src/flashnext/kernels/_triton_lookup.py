@@ -282,16 +282,3 @@ def launch_lookup(
         BLOCK=block,
         num_warps=NUM_WARPS,
     )
-
-
-@triton.jit
-def _wait_kernel(flag_ptr):
-    """TEMPORARY (measurement only): the earlier one-warp wait kernel."""
-    flag = tl.load(flag_ptr, volatile=True)
-    while flag != 1:
-        flag = tl.load(flag_ptr, volatile=True)
-
-
-def launch_wait(flag: Any) -> None:
-    """TEMPORARY (measurement only): the earlier one-warp wait kernel."""
-    _wait_kernel[(1,)](flag, num_warps=1)

@@ -40,11 +40,11 @@ import numpy as np
 from flashnext.errors import KernelError
 from flashnext.kernels._staging import flat_ids
 from flashnext.kernels.staged import StagedBatch, StagedTable
-from flashnext.kernels.table import UvaPointer, _lookup, torch
+from flashnext.kernels.table import UvaPointer, torch
 from flashnext.ple.table import PLETable
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
-WAITS = ("spin", "stream", "oldspin")
+WAITS = ("spin", "stream")
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _driver: Any = None
@@ -183,12 +183,6 @@ class GraphStagedTable(StagedTable):
         out = self._out(self.shape, out)
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         flag = int(self._flag.data_ptr())
-        if self.wait == "oldspin":  # TEMPORARY: the earlier wait kernel + kernel + driver write
-            _lookup.launch_wait(self._flag_uva)
-            self._launch(self._host[0], self.max_ids, self.max_ids, out, pinned=True)
-            _check("cuStreamWriteValue32",
-                   self._lib.cuStreamWriteValue32_v2(stream, flag, 0, _WRITE_DEFAULT))
-            return out
         if self.wait == "stream":
             _check(
                 "cuStreamWaitValue32",
