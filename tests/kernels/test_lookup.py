@@ -32,6 +32,7 @@ if not (CUDA or INTERPRET):
 
 from flashnext.kernels import GpuTable, GraphStagedTable, StagedTable  # noqa: E402
 from flashnext.kernels import _triton_lookup as _lookup  # noqa: E402
+from flashnext.kernels.graph_staged import SPIN_MAX_IDS  # noqa: E402
 from flashnext.kernels.table import UvaPointer  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
@@ -183,6 +184,11 @@ def test_bad_arguments_are_named(sidecars):
             GraphStagedTable(table, (2, HEADS), device=DEVICE, wait="poll")
         with pytest.raises(KernelError, match=r"\(copy_slot=True\) waits with wait=.stream."):
             GraphStagedTable(table, (2, HEADS), device=DEVICE, copy_slot=True, wait="spin")
+        # decode-sized steps spin in the lookup kernel, bigger ones and copied slots stream-wait
+        big = SPIN_MAX_IDS // HEADS + 1
+        assert GraphStagedTable(table, (24, HEADS), device=DEVICE).wait == "spin"
+        assert GraphStagedTable(table, (big, HEADS), device=DEVICE).wait == "stream"
+        assert GraphStagedTable(table, (24, HEADS), device=DEVICE, copy_slot=True).wait == "stream"
 
 
 def _wait_or_release(graph_staged, timeout_s=20.0):
@@ -214,7 +220,7 @@ def _eager_then_captured(staged, table, t, rng):
 
 
 # how the slot reaches the kernel x how the GPU waits for the host's flag
-GRAPH_MODES = [(True, None), (False, None), (False, "stream")]
+GRAPH_MODES = [(True, None), (False, None), (False, "stream")]  # None: the default (by size)
 GRAPH_IDS = ["copied-stream", "uva-spin", "uva-stream"]
 
 
@@ -344,7 +350,7 @@ def test_the_kernel_reads_the_slot_only_after_the_flag_and_hands_it_back(sidecar
         host = threading.Thread(target=fill)
         host.start()
         out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
-        handover = (UvaPointer(flag) if CUDA else flag, counts, False)
+        handover = (UvaPointer(flag) if CUDA else flag, counts)
         staged._launch(slots[1], batch.n_ids, batch.n_unique, out, CUDA, handover)
         host.join()
         if CUDA:

@@ -85,15 +85,14 @@ def _wait_flag(flag_ptr, count_ptr, POLL: tl.constexpr):
 
 
 @triton.jit
-def _hand_back(flag_ptr, count_ptr, ROUNDS: tl.constexpr):
+def _hand_back(flag_ptr, count_ptr):
     """The last program to finish writes the flag back to 0 (the host may refill the slot):
     every program counts itself in ``count_ptr[0]`` once its slot reads have returned (its
-    stores used them), and the one that counts last (``ROUNDS`` counts per program: 2 after
-    :func:`_wait_flag`'s tickets) resets both counter words for the next launch, then the
-    flag."""
+    stores used them), after its ticket of :func:`_wait_flag`, and the one that counts last
+    resets both counter words for the next launch, then the flag."""
     tl.debug_barrier()
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == ROUNDS * tl.num_programs(0) - 1:
+    if done == 2 * tl.num_programs(0) - 1:
         tl.store(count_ptr, 0)
         tl.store(count_ptr + 1, 0)
         tl.store(flag_ptr, 0)
@@ -129,13 +128,12 @@ def _lookup_kernel(
     HAS_PERM: tl.constexpr,
     CODED: tl.constexpr,
     WAIT: tl.constexpr,
-    HAND_BACK: tl.constexpr,
     POLL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gather + dequant of BLOCK ids per program into bf16 rows (see ``launch_lookup``).
 
-    Length: one fused kernel (a Triton helper per format would not shorten it); 29 of its
+    Length: one fused kernel (a Triton helper per format would not shorten it); 28 of its
     lines are the parameter list.
     """
     ready = 0
@@ -197,8 +195,8 @@ def _lookup_kernel(
         orow = r
     optr = (out_ptr + orow[:, None] * WIDTH + c[None, :]).to(tl.pointer_type(tl.uint16))
     tl.store(optr, _bf16_bits(val), mask=rmask[:, None] & cmask[None, :])
-    if HAND_BACK:
-        _hand_back(flag_ptr, count_ptr, 1 + WAIT)
+    if WAIT:
+        _hand_back(flag_ptr, count_ptr)
 
 
 def launch_lookup(
@@ -224,7 +222,6 @@ def launch_lookup(
     cache_s2: Any = None,
     flag: Any = None,
     counts: Any = None,
-    flag_waited: bool = False,
 ) -> None:
     """Launch the kernel on the current stream: ``out`` [n, width] bf16 from ``ids`` [n]
     (with ``perm`` int64 [n]: row ``perm[i]`` of ``out`` from ``ids[i]``; with ``coded_cache``
@@ -232,8 +229,8 @@ def launch_lookup(
     slot ``-id - 2`` of it; the staged path's device cache, exclusive with ``slot_map``). With
     ``flag`` (int32 [1], pinned, as a UVA pointer) and ``counts`` (int32 [2] on the device,
     zeros; the kernel leaves them so): the graph-staged handover. The kernel first waits until
-    the flag is not 0 (the host filled ``ids``, ``records`` and ``s2``; ``flag_waited``: the
-    stream already waited for it), and its last program to finish writes the flag back to 0.
+    the flag is not 0 (the host filled ``ids``, ``records`` and ``s2``), and its last program
+    to finish writes the flag back to 0.
 
     All arguments are tensors (or UVA pointer wrappers) already on or mapped to the device;
     the launcher reads only shapes, so it is safe inside CUDA graph capture.
@@ -276,8 +273,7 @@ def launch_lookup(
         SHARD_STEPS=max(1, n_shards.bit_length()),
         HAS_PERM=perm is not None,
         CODED=coded_cache is not None,
-        WAIT=int(flag is not None and not flag_waited),
-        HAND_BACK=int(flag is not None),
+        WAIT=flag is not None,
         POLL=32 * NUM_WARPS,
         BLOCK=block,
         num_warps=NUM_WARPS,

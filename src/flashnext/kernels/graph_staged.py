@@ -6,23 +6,29 @@ again). The host fills the slot for a step whenever it knows the step's ids, bef
 the graph was launched, and sets the flag. Everything in :meth:`GraphStagedTable.lookup` has a
 fixed size (one graph per ``[T, heads]``), so capture and replay need no host decision.
 
-By default (``wait="spin"``) the step is one node, the lookup kernel itself: the first of its
-programs to start polls the flag through UVA and relays it to the others through a word in
-device memory (they poll that in L2); no program reads the slot (the inverse index, then the
-staged rows it names) before it has seen the flag, since its first slot address depends on
-the flag's value; the last program to finish writes the flag back to 0. There is no wait
-kernel before it and no driver write after it. With ``wait="stream"`` the driver's
-``cuStreamWaitValue32`` waits before the same kernel, which then only writes the flag back.
-The stream wait holds no SM while it waits; the spinning kernel holds its programs' places on
-the SMs for as long as the host fills (512 programs of 8 warps at T = 32 x 16 heads), so other
-branches of a graph running meanwhile get fewer. Measured on the H200 (T = 32, the host
-filling after the launch, as a decode step does; BENCHMARKS.md "Fourth pass"): replay + GPU +
-synchronize with the slot already filled 16-17 us in the kernel against 18-19 with the
-earlier one-warp wait kernel before it and the driver's write after it.
+With ``wait="spin"`` (the default for steps of up to ``SPIN_MAX_IDS`` ids: decode) the step is
+one node, the lookup kernel itself: the first of its programs to start polls the flag through
+UVA and relays it to the others through a word in device memory (they poll that in L2); no
+program reads the slot (the inverse index, then the staged rows it names) before it has seen
+the flag, since its first slot address depends on the flag's value; the last program to
+finish writes the flag back to 0. No wait kernel before it, no driver write after it. The
+spinning kernel holds its programs' places on the SMs while the host fills (512 programs of 8
+warps at T = 32 x 16 heads), so other branches of a graph running meanwhile get fewer.
 
-With ``copy_slot=True`` (FreeToken's original order): stream wait, H2D copy of the whole slot,
-flag reset, kernel. Without the copy the kernel reads only the bytes the step uses (the ids'
-inverse index and the staged rows, not the whole slot sized for every id missing the cache).
+With ``wait="stream"`` (the default for bigger steps, and with ``copy_slot=True``) the driver's
+``cuStreamWaitValue32`` waits for the flag, holding no SM, then the kernel reads the pinned
+slot (or, with ``copy_slot=True``, FreeToken's original order: an H2D copy of the whole slot,
+then the kernel on the copy), and ``cuStreamWriteValue32`` writes the flag back (after the
+kernel, or after the copy). Without the copy the kernel reads only the bytes the step uses (the
+ids' inverse index and the staged rows, not the whole slot sized for every id missing the
+cache).
+
+Measured on the H200 (the host filling after the launch, as a decode step does; 2 GB cache,
+BENCHMARKS.md "Fourth pass"): T = 32, 42.7 us a step median with the spinning lookup kernel
+against 44.8 with the earlier one-warp wait kernel and the driver's write (replay + GPU +
+synchronize with the slot already filled 16.3 against 17.1 us) and 45.3 with the stream wait;
+T = 512 all within noise; T = 8192 the spinning kernel's GPU part ~10% slower (hence the
+stream wait for big steps).
 
 The stream memory operations come from the driver library itself (``libcuda``, through
 ctypes), so no extra package is needed. The flag lives in pinned memory that the device reads
@@ -45,6 +51,10 @@ from flashnext.ple.table import PLETable
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
 WAITS = ("spin", "stream")
+#: Steps of at most this many ids wait with ``"spin"`` by default, bigger ones with ``"stream"``
+#: (H200: the spinning kernel ~1 us faster at T = 32 x 16 heads, even at T = 512, ~10% slower
+#: on the GPU at T = 8192; BENCHMARKS.md "Fourth pass").
+SPIN_MAX_IDS = 8192
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT
 _driver: Any = None
@@ -92,8 +102,9 @@ class GraphStagedTable(StagedTable):
             copy; measured faster on the H200 at T = 32, 512 and 8192 with and without a
             device cache, BENCHMARKS.md).
         wait: how the GPU waits for the flag: ``"spin"`` (the lookup kernel polls it; the
-            default without ``copy_slot``) or ``"stream"`` (``cuStreamWaitValue32``; the
-            default and the only wait with ``copy_slot``); see the module docstring.
+            default without ``copy_slot`` for up to ``SPIN_MAX_IDS`` ids a step) or
+            ``"stream"`` (``cuStreamWaitValue32``; the default otherwise, and the only wait
+            with ``copy_slot``); see the module docstring.
 
     Raises:
         KernelError: not a CUDA device, ``wait`` is neither (or ``"spin"`` with
@@ -112,7 +123,8 @@ class GraphStagedTable(StagedTable):
     ):
         if torch.device(device).type != "cuda":
             raise KernelError(f"graph-staged lookups need a CUDA device, found {device!r}")
-        wait = wait or ("stream" if copy_slot else "spin")
+        n_ids = int(shape[0]) * int(shape[1])
+        wait = wait or ("spin" if not copy_slot and n_ids <= SPIN_MAX_IDS else "stream")
         if wait not in WAITS:
             raise KernelError(f"wait is {wait!r}, expected one of {', '.join(WAITS)}")
         if wait == "spin" and copy_slot:
@@ -171,33 +183,33 @@ class GraphStagedTable(StagedTable):
         )
 
     def lookup(self, out: Any = None) -> Any:  # type: ignore[override]
-        """Enqueue the step on the current stream: without ``copy_slot`` the lookup kernel on
-        the pinned slot, which waits for the flag (``wait="spin"``; with ``"stream"`` the
-        stream waits first) and writes it back to 0 when done; with ``copy_slot`` stream wait,
-        the slot's copy, flag reset, the kernel. Returns bf16 ``out`` ``[T, heads * width]``.
-        Fixed sizes: capturable.
+        """Enqueue the step on the current stream: with ``wait="spin"`` the lookup kernel on the
+        pinned slot, which waits for the flag and writes it back to 0 when done; with
+        ``"stream"`` the driver's wait for the flag, the slot's copy (``copy_slot``), the
+        kernel on the pinned slot or the copy, and the flag's reset (after the copy, or after
+        the kernel). Returns bf16 ``out`` ``[T, heads * width]``. Fixed sizes: capturable.
 
         Raises:
             KernelError: ``out`` has the wrong shape or dtype, or a driver call failed.
         """
         out = self._out(self.shape, out)
-        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
-        flag = int(self._flag.data_ptr())
-        if self.wait == "stream":
-            _check(
-                "cuStreamWaitValue32",
-                self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ),
-            )
-        if not self.copy_slot:
-            handover = (self._flag_uva, self._counts, self.wait == "stream")
+        if self.wait == "spin":
+            handover = (self._flag_uva, self._counts)
             self._launch(self._host[0], self.max_ids, self.max_ids, out, True, handover)
             return out
-        self._dev[0].copy_(self._host[0], non_blocking=True)
+        stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
+        flag = int(self._flag.data_ptr())
+        _check("cuStreamWaitValue32", self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ))
+        if self.copy_slot:
+            self._dev[0].copy_(self._host[0], non_blocking=True)
+        else:
+            self._launch(self._host[0], self.max_ids, self.max_ids, out, pinned=True)
         _check(
             "cuStreamWriteValue32",
             self._lib.cuStreamWriteValue32_v2(stream, flag, 0, _WRITE_DEFAULT),
         )
-        self._launch(self._dev[0], self.max_ids, self.max_ids, out)
+        if self.copy_slot:
+            self._launch(self._dev[0], self.max_ids, self.max_ids, out)
         return out
 
     def release(self) -> None:

@@ -198,11 +198,11 @@ class StagedTable:
         n_unique: int,
         out: Any,
         pinned: bool = False,
-        handover: tuple[Any, Any, bool] | None = None,
+        handover: tuple[Any, Any] | None = None,
     ) -> None:
         """The lookup kernel over a filled slot: a device copy, or with ``pinned`` the pinned
-        host slot itself, read through UVA; with ``handover`` (flag, counts, flag_waited) the
-        kernel waits for the flag and writes it back to 0 when done (``launch_lookup``'s)."""
+        host slot itself, read through UVA; with ``handover`` (flag, counts) the kernel waits
+        for the flag and writes it back to 0 when done (``launch_lookup``'s)."""
         s2_at, rec_at, _ = self._offsets(n_ids, n_unique)
         n_rec = max(1, n_unique)
         parts = (
@@ -230,7 +230,6 @@ class StagedTable:
             cache_s2=self._cache_s2,
             flag=handover[0] if handover else None,
             counts=handover[1] if handover else None,
-            flag_waited=bool(handover and handover[2]),
         )
 
     def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
