@@ -26,7 +26,7 @@ cache).
 Measured on the H200 (the host filling after the launch, as a decode step does; 2 GB cache,
 BENCHMARKS.md "Fourth pass"): T = 32, 42.7 us a step median with the spinning lookup kernel
 against 44.8 with the earlier one-warp wait kernel and the driver's write (replay + GPU +
-synchronize with the slot already filled 16.3 against 17.1 us) and 45.3 with the stream wait;
+synchronize with the slot already filled 16.3 against 17.1 us) and 46.5 with the stream wait;
 T = 512 all within noise; T = 8192 the spinning kernel's GPU part ~10% slower (hence the
 stream wait for big steps).
 
