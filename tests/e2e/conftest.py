@@ -50,17 +50,32 @@ WAVES = {
 LAST_USER = {"off": "override", "int4": "tp"}
 
 
+#: (baseline URL, max tokens) -> the ``--out`` of the first A/B against that live baseline. Later
+#: A/Bs compare with the answers it recorded there (``validate ab --baseline DIR``), as a user
+#: with one GPU compares deployments one after another: the baseline is asked once.
+RECORDED: dict[tuple[str, int], Path] = {}
+
+
 def validate_ab(
     baseline: VllmServer, candidate: VllmServer, out: Path, max_tokens: int = MAX_TOKENS
 ) -> tuple[int, dict]:
-    """``flashnext validate ab`` of two servers on the e2e prompts: (exit code, ab.json record)."""
+    """``flashnext validate ab`` of two servers on the e2e prompts: (exit code, ab.json record).
+    Against the baseline's recorded answers when an earlier A/B of this session asked it
+    (:data:`RECORDED`)."""
+    recorded = RECORDED.get((baseline.url, max_tokens))
+    asked = ["--baseline", recorded] if recorded else [
+        "--baseline", baseline.url, "--prompts", PROMPTS, "--max-tokens", max_tokens
+    ]  # fmt: skip
     done = run(
-        "validate", "ab", "--baseline", baseline.url, "--candidate", candidate.url,
-        "--prompts", PROMPTS, "--max-tokens", max_tokens, "--out", out, "--no-png", "--json",
-        timeout=900,
+        "validate", "ab", *asked, "--candidate", candidate.url, "--out", out, "--no-png",
+        "--json", timeout=900,
     )  # fmt: skip
     assert done.stdout.strip(), f"validate ab printed no record:\n{done.stderr[-3000:]}"
-    return done.returncode, json.loads(done.stdout)
+    record = json.loads(done.stdout)
+    if recorded is None and record["verdict"]["status"] != "error":
+        RECORDED[baseline.url, max_tokens] = out
+    assert record["config"]["max_tokens"] == max_tokens
+    return done.returncode, record
 
 
 @pytest.fixture(scope="session")

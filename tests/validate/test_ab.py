@@ -228,17 +228,26 @@ def test_attention_block_size_pair_is_reported_as_measured(ab_servers, prompts_f
 
 
 def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_file, tmp_path):
+    """Against the live baseline, then against the answers it recorded in that run: the
+    recorded baseline gives the live comparison's numbers exactly and asks the baseline
+    nothing."""
     base = ab_servers["base"]
     noisy = [ab_servers[f"noise-{rel}"] for rel in NOISE]
+    recorded = tmp_path / str(NOISE[0])
     try:
-        runs = [
-            run_cli(base.url, s.url, prompts_file, tmp_path / str(rel))
-            for s, rel in zip(noisy, NOISE)
-        ]
+        small_live = run_cli(base.url, noisy[0].url, prompts_file, recorded)[1]
+        small = run_replay(recorded, noisy[0].url, tmp_path / "replay-small")
+        rc_large, large = run_replay(recorded, noisy[1].url, tmp_path / str(NOISE[1]))
     finally:
         for s in noisy:
             s.stop()  # no later test uses them
-    (_, small), (rc_large, large) = runs
+    assert small["baseline"]["recorded"] == str(recorded / "baseline-answers.jsonl")
+    assert small["cost"]["requests"]["baseline"] == 0 and small["config"]["max_tokens"] == 24
+    assert small["summary"] == small_live["summary"] and small["verdict"] == small_live["verdict"]
+    for live, replay in zip(small_live["prompts"], small["prompts"]):
+        for key in ("prompt_tokens", "baseline", "candidate", "first_difference", "tf"):
+            assert replay[key] == live[key], (live["id"], key)
+    assert small["deployments"]["baseline"]["error"].startswith("recorded answers")
     kl_small, kl_large = small["summary"]["kl"]["mean"], large["summary"]["kl"]["mean"]
     for rel, rec in ((NOISE[0], small), (NOISE[1], large)):
         s = rec["summary"]
@@ -255,6 +264,15 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_f
         assert r["baseline"]["token_ids"][f] != r["candidate"]["token_ids"][f]
     md = (tmp_path / str(NOISE[1]) / "ab.md").read_text()
     assert "FAIL" in md and "## Worst prompts" in md
+
+
+def run_replay(recorded: Path, cand: str, out: Path) -> tuple[int, dict]:
+    """``validate ab`` of ``cand`` against the answers recorded in ``recorded`` (an earlier
+    run's --out), with the settings the recording holds."""
+    p = run("validate", "ab", "--baseline", recorded, "--candidate", cand, "--out", out, "--json")
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    assert not (out / "baseline-answers.jsonl").exists()  # nothing new was recorded
+    return p.returncode, json.loads(p.stdout)
 
 
 def test_candidate_killed_mid_run_is_a_recorded_failure(ab_servers, prompts_file, tmp_path):
