@@ -78,6 +78,30 @@ def validate_ab(
     return done.returncode, record
 
 
+AbJob = tuple[VllmServer, VllmServer, Path, int]
+
+
+def validate_abs(jobs: dict[str, AbJob]) -> dict[str, tuple[int, dict]]:
+    """:func:`validate_ab` of each job (baseline, candidate, out, max tokens), by name: side by
+    side once every remaining baseline is a recording, so that each server answers one A/B at
+    a time (the same batches, hence numerics, as alone); a live baseline one job at a time."""
+    assert len({c.url for _, c, _, _ in jobs.values()}) == len(jobs), "one A/B per candidate"
+    results: dict[str, tuple[int, dict]] = {}
+    pending = list(jobs)
+
+    def recorded(name: str) -> bool:
+        base, _, _, tokens = jobs[name]
+        return (base.url, tokens) in RECORDED
+
+    while not all(recorded(n) for n in pending):
+        name = next(n for n in pending if not recorded(n))
+        results[name] = validate_ab(*jobs[name])
+        pending.remove(name)
+    with ThreadPoolExecutor(max(1, len(pending))) as side_by_side:
+        results.update(zip(pending, side_by_side.map(lambda n: validate_ab(*jobs[n]), pending)))
+    return results
+
+
 @pytest.fixture(scope="session")
 def e2e_runtime(pytestconfig: pytest.Config) -> E2eRuntime:
     """The e2e runtime, installed on first use with progress on stderr."""

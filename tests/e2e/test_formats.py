@@ -13,13 +13,28 @@ import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
 
-from .conftest import summary, validate_ab, wave
+from .conftest import MAX_TOKENS, summary, validate_ab, validate_abs, wave
 from .test_ab_identity import PLUGIN_LINE
 
 
 @pytest.fixture(scope="module")
 def servers(pool: ServerPool) -> Iterator[ServerPool]:
     yield from wave(pool, "formats", "loader")
+
+
+@pytest.fixture(scope="module")
+def format_abs(
+    request: pytest.FixtureRequest, servers: ServerPool, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[int, dict]]:
+    """The selected formats' A/Bs against plugin off, side by side (:func:`validate_abs`)."""
+    formats = {
+        item.callspec.params["fmt"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+    }
+    off, root = servers.healthy("off"), tmp_path_factory.mktemp("formats-ab")
+    jobs = {f: (off, servers.healthy(f), root / f, MAX_TOKENS) for f in sorted(formats)}
+    return validate_abs(jobs)
 
 
 def _control_kl(servers: ServerPool, ab_records: dict[str, dict], tmp_path: Path) -> float:
@@ -36,12 +51,12 @@ def test_quantized_sidecar_ab_is_recorded_and_closer_than_a_wrong_table(
     servers: ServerPool,
     sidecars: dict[str, Path],
     ab_records: dict[str, dict],
+    format_abs: dict[str, tuple[int, dict]],
     fmt: str,
     tmp_path: Path,
 ) -> None:
-    off, on = servers.healthy("off"), servers.healthy(fmt)
-    assert PLUGIN_LINE + str(sidecars[fmt]) + f" ({fmt}" in log_text(on)
-    code, record = validate_ab(off, on, tmp_path / "ab")
+    assert PLUGIN_LINE + str(sidecars[fmt]) + f" ({fmt}" in log_text(servers.healthy(fmt))
+    code, record = format_abs[fmt]
     ab_records[fmt] = record
     row = summary(record)
     print(f"\nE2E-AB {fmt} {json.dumps(row)}")

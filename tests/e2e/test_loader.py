@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
 
-from .conftest import IDENTITY_TOKENS, summary, validate_ab, wave
+from .conftest import IDENTITY_TOKENS, MAX_TOKENS, summary, validate_abs, wave
 
 #: vLLM 0.32.0's own refusal of the empty shard index (AutoWeightsLoader), as it words it.
 STOCK_ERROR = (
@@ -36,22 +35,38 @@ def test_stock_vllm_refuses_the_empty_shard_index(servers: ServerPool) -> None:
     assert STOCK_ERROR in log, log[-3000:]
 
 
+@pytest.fixture(scope="module")
+def loader_abs(
+    request: pytest.FixtureRequest, servers: ServerPool, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[int, dict]]:
+    """The selected tests' A/Bs against plugin off, side by side (:func:`validate_abs`)."""
+    tokens = {"fix_empty_shard": IDENTITY_TOKENS, "fix_fp8": MAX_TOKENS}
+    tests = {
+        "test_loader_fix_serves_the_empty_shard_table_identically": "fix_empty_shard",
+        "test_loader_fix_loads_an_fp8_table_with_a_global_weight_scale": "fix_fp8",
+    }
+    wanted = {tests[i.name] for i in request.session.items if i.name in tests}
+    off, root = servers.healthy("off"), tmp_path_factory.mktemp("loader-ab")
+    jobs = {n: (off, servers.healthy(n), root / n, tokens[n]) for n in sorted(wanted)}
+    return validate_abs(jobs)
+
+
 def test_loader_fix_serves_the_empty_shard_table_identically(
-    servers: ServerPool, tmp_path: Path
+    servers: ServerPool, loader_abs: dict[str, tuple[int, dict]]
 ) -> None:
-    off, fixed = servers.healthy("off"), servers.healthy("fix_empty_shard")
+    fixed = servers.healthy("fix_empty_shard")
     assert LOADER_LINE.search(log_text(fixed)), log_text(fixed)[-3000:]
-    code, record = validate_ab(off, fixed, tmp_path / "ab", IDENTITY_TOKENS)
+    code, record = loader_abs["fix_empty_shard"]
     assert code == 0 and record["verdict"]["status"] == "identical", json.dumps(record["verdict"])
     assert record["summary"]["kl"]["max"] == 0.0 and record["summary"]["tf_positions"] > 0
 
 
 def test_loader_fix_loads_an_fp8_table_with_a_global_weight_scale(
-    servers: ServerPool, ab_records: dict[str, dict], tmp_path: Path
+    servers: ServerPool, ab_records: dict[str, dict], loader_abs: dict[str, tuple[int, dict]]
 ) -> None:
-    off, fp8 = servers.healthy("off"), servers.healthy("fix_fp8")
+    fp8 = servers.healthy("fix_fp8")
     assert LOADER_LINE.search(log_text(fp8)), log_text(fp8)[-3000:]
-    code, record = validate_ab(off, fp8, tmp_path / "ab")
+    code, record = loader_abs["fix_fp8"]
     ab_records["fix_fp8"] = record
     print(f"\nE2E-AB fp8-global-scale-checkpoint {json.dumps(summary(record))}")
     assert code in (0, 1) and record["summary"]["errors"] == 0, json.dumps(record["verdict"])
