@@ -1,19 +1,22 @@
 """The loader fix, served: the tiny model's own table as the empty shard index
 ``ngram_embedding.shard_.weight`` (stock vLLM refuses it with its own error; with
-``FLASHNEXT_PLE_LOADER_FIX=1`` the answers are identical to the numbered-shard checkpoint), and an
-FP8 table with one global ``weight_scale`` (loads and answers with the fix)."""
+``FLASHNEXT_PLE_LOADER_FIX=1`` the answers are identical to the numbered-shard checkpoint's,
+plugin off's recorded answers), and an FP8 table with one global ``weight_scale`` (loads and
+answers with the fix)."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
 
-from .conftest import IDENTITY_TOKENS, MAX_TOKENS, summary, validate_abs, wave
+from .conftest import summary, validate_abs, wave
+from .test_ab_identity import assert_identical
 
 #: vLLM 0.32.0's own refusal of the empty shard index (AutoWeightsLoader), as it words it.
 STOCK_ERROR = (
@@ -37,18 +40,19 @@ def test_stock_vllm_refuses_the_empty_shard_index(servers: ServerPool) -> None:
 
 @pytest.fixture(scope="module")
 def loader_abs(
-    request: pytest.FixtureRequest, servers: ServerPool, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    servers: ServerPool,
+    off_answers: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, tuple[int, dict]]:
-    """The selected tests' A/Bs against plugin off, side by side (:func:`validate_abs`)."""
-    tokens = {"fix_empty_shard": IDENTITY_TOKENS, "fix_fp8": MAX_TOKENS}
+    """The selected tests' A/Bs against plugin off's answers, side by side."""
     tests = {
         "test_loader_fix_serves_the_empty_shard_table_identically": "fix_empty_shard",
         "test_loader_fix_loads_an_fp8_table_with_a_global_weight_scale": "fix_fp8",
     }
-    wanted = {tests[i.name] for i in request.session.items if i.name in tests}
-    off, root = servers.healthy("off"), tmp_path_factory.mktemp("loader-ab")
-    jobs = {n: (off, servers.healthy(n), root / n, tokens[n]) for n in sorted(wanted)}
-    return validate_abs(jobs)
+    wanted = sorted({tests[i.name] for i in request.session.items if i.name in tests})
+    candidates = {n: servers.healthy(n) for n in wanted}
+    return validate_abs(off_answers, candidates, tmp_path_factory.mktemp("loader-ab"))
 
 
 def test_loader_fix_serves_the_empty_shard_table_identically(
@@ -56,9 +60,7 @@ def test_loader_fix_serves_the_empty_shard_table_identically(
 ) -> None:
     fixed = servers.healthy("fix_empty_shard")
     assert LOADER_LINE.search(log_text(fixed)), log_text(fixed)[-3000:]
-    code, record = loader_abs["fix_empty_shard"]
-    assert code == 0 and record["verdict"]["status"] == "identical", json.dumps(record["verdict"])
-    assert record["summary"]["kl"]["max"] == 0.0 and record["summary"]["tf_positions"] > 0
+    assert_identical(*loader_abs["fix_empty_shard"])
 
 
 def test_loader_fix_loads_an_fp8_table_with_a_global_weight_scale(

@@ -236,7 +236,7 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_f
     recorded = tmp_path / str(NOISE[0])
     try:
         small_live = run_cli(base.url, noisy[0].url, prompts_file, recorded)[1]
-        small = run_replay(recorded, noisy[0].url, tmp_path / "replay-small")
+        _, small = run_replay(recorded, noisy[0].url, tmp_path / "replay-small")
         rc_large, large = run_replay(recorded, noisy[1].url, tmp_path / str(NOISE[1]))
     finally:
         for s in noisy:
