@@ -100,8 +100,14 @@ def readme_serve(e2e_runtime: object, tmp_path_factory: pytest.TempPathFactory) 
                     ) from None
         yield {"proc": proc, "tmp": tmp, "ab": ab, "printed": printed}
     finally:
+        # Ctrl-C first: serve stops both servers (they run in sessions of their own, which a
+        # SIGKILL of serve's group would leave behind, holding the ports)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         err.close()
 
 

@@ -105,6 +105,7 @@ USES = {
         *(f"noise-{r}" for r in NOISE),
     ),
     "test_candidate_killed_mid_run_is_a_recorded_failure": ("base", "same"),
+    "test_baseline_recorded_alone_then_a_candidate_against_it": ("base", "same"),
 }
 
 
@@ -264,6 +265,29 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_f
         assert r["baseline"]["token_ids"][f] != r["candidate"]["token_ids"][f]
     md = (tmp_path / str(NOISE[1]) / "ab.md").read_text()
     assert "FAIL" in md and "## Worst prompts" in md
+
+
+def test_baseline_recorded_alone_then_a_candidate_against_it(ab_servers, prompts_file, tmp_path):
+    """One GPU: record the baseline with no candidate (only it is asked), then compare another
+    server of the same model with the recording: identical, as live."""
+    base, same = ab_servers["base"], ab_servers["same"]
+    rec = tmp_path / "before"
+    p = run("validate", "ab", "--baseline", base.url, "--prompts", prompts_file,
+            "--max-tokens", MAX_TOKENS, "--out", rec)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith(f"recorded 3 of 3 prompts of {base.model} ({base.url})"), p.stdout
+    assert sorted(x.name for x in rec.iterdir()) == ["baseline-answers.jsonl"]
+    lines = [json.loads(x) for x in (rec / "baseline-answers.jsonl").read_text().splitlines()]
+    check_record(lines[0], kind="flashnext.validate.ab_answers", schema_version=1)
+    assert [x["id"] for x in lines[1:]] == ["code", "fr", "long"]
+    assert all(len(x["teacher_forced"]) == int(MAX_TOKENS) for x in lines[1:])
+    rc, record = run_replay(rec, same.url, tmp_path / "after")
+    assert rc == 0 and record["verdict"]["status"] == "identical", record["verdict"]
+    assert record["cost"]["requests"]["baseline"] == 0
+    assert 230 <= {r["id"]: r for r in record["prompts"]}["long"]["prompt_tokens"] <= 256
+    # a recording cannot be replayed without a candidate
+    p = run("validate", "ab", "--baseline", rec, "--out", tmp_path / "x")
+    assert p.returncode == 2 and "--candidate" in p.stderr
 
 
 def run_replay(recorded: Path, cand: str, out: Path) -> tuple[int, dict]:

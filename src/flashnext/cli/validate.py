@@ -417,7 +417,13 @@ def _ab_baseline(ctx: click.Context, param: click.Parameter, value: str) -> str 
     help="Baseline server root, or an earlier run's --out directory (its recorded "
     "baseline-answers.jsonl) to compare against a server that is gone.",
 )
-@click.option("--candidate", required=True, callback=_ab_url, help="Candidate server root.")
+@click.option(
+    "--candidate",
+    default=None,
+    callback=lambda ctx, param, v: None if v is None else _ab_url(ctx, param, v),
+    help="Candidate server root. Without one, only the baseline is asked and its answers "
+    "recorded in --out, for a later --baseline DIR.",
+)
 @click.option(
     "--prompts",
     "prompts_file",
@@ -483,39 +489,28 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
 
     \b
     flashnext validate ab --baseline http://127.0.0.1:8000 --candidate http://127.0.0.1:8001
+    flashnext validate ab --baseline http://127.0.0.1:8000 --out before/   # record only
+    flashnext validate ab --baseline before/ --candidate http://127.0.0.1:8000
     """
     from flashnext.records import make_record
-    from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds
+    from flashnext.validate.ab import KIND, SCHEMA_VERSION
     from flashnext.validate.ab_answers import ANSWERS_FILE, answers_header, render_answers
-    from flashnext.validate.ab_prompts import load_prompts
     from flashnext.validate.ab_report import AB_FILES, render_markdown, write_ab
     from flashnext.validate.interrupts import deferred
     from flashnext.validate.output import check_writable, printable
 
     recorded = _recorded_baseline(ctx, o)
+    if recorded and o["candidate"] is None:
+        raise click.UsageError("--candidate: a recorded baseline needs a live candidate")
     answers_in = recorded.source if recorded else None
     check_output(o["out_dir"], [o["prompts_file"], answers_in], hint="--out")
-    source = f"recorded: {recorded.source}" if recorded else str(o["prompts_file"] or "default")
-    cfg = AbConfig(
-        baseline_url=str(recorded.source) if recorded else o["baseline"],
-        candidate_url=o["candidate"],
-        prompts=recorded.prompts if recorded else load_prompts(o["prompts_file"]),
-        prompts_source=source,
-        baseline_model=o["baseline_model"],
-        candidate_model=o["candidate_model"],
-        api_key=o["api_key"],
-        max_tokens=o["max_tokens"],
-        top_logprobs=o["top_logprobs"],
-        seed=o["seed"],
-        concurrency=o["concurrency"],
-        timeout_s=o["timeout_s"],
-        thresholds=Thresholds(o["min_top1"], o["max_mean_kl"], o["min_token_agreement"]),
-        recorded_baseline=recorded,
-    )
+    cfg = _ab_config(o, recorded)
     # Before the run: a report that cannot be written loses every prompt's evidence.
     names = [*AB_FILES[: 2 if o["no_png"] else 3], *([] if recorded else [ANSWERS_FILE])]
-    check_writable(o["out_dir"], names)
+    check_writable(o["out_dir"], names if o["candidate"] else [ANSWERS_FILE])
     payload = _run_ab_with_progress(cfg)
+    if o["candidate"] is None:
+        _record_only(ctx, payload, o["out_dir"], o["as_json"])
     answers = payload.pop("baseline_answers")
     record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
     text = None if answers is None else render_answers(answers_header(record), answers)
@@ -536,6 +531,65 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
         )
         ctx.exit(128 + signal.Signals[stop["signal"]].value)
     ctx.exit(0 if record["verdict"]["passed"] and not written.failed else 1)
+
+
+def _ab_config(o: dict[str, Any], recorded: RecordedSide | None) -> AbConfig:
+    """The run's settings from the flags (``o``) and the recorded baseline, if any."""
+    from flashnext.validate.ab import AbConfig, Thresholds
+    from flashnext.validate.ab_prompts import load_prompts
+
+    source = f"recorded: {recorded.source}" if recorded else str(o["prompts_file"] or "default")
+    return AbConfig(
+        baseline_url=str(recorded.source) if recorded else o["baseline"],
+        candidate_url=o["candidate"],
+        prompts=recorded.prompts if recorded else load_prompts(o["prompts_file"]),
+        prompts_source=source,
+        baseline_model=o["baseline_model"],
+        candidate_model=o["candidate_model"],
+        api_key=o["api_key"],
+        max_tokens=o["max_tokens"],
+        top_logprobs=o["top_logprobs"],
+        seed=o["seed"],
+        concurrency=o["concurrency"],
+        timeout_s=o["timeout_s"],
+        thresholds=Thresholds(o["min_top1"], o["max_mean_kl"], o["min_token_agreement"]),
+        recorded_baseline=recorded,
+    )
+
+
+def _record_only(ctx: click.Context, payload: dict[str, Any], out_dir: Path, as_json: bool) -> None:
+    """Write the baseline's answers (:func:`~flashnext.validate.ab.record_baseline`'s
+    ``payload``), say what was recorded (``--json``: the answers' header record with the
+    counts) and exit: 0 when every prompt was recorded, 1 otherwise, 128 + N on a signal."""
+    from flashnext.validate.ab_answers import ANSWERS_FILE, answers_header, render_answers
+    from flashnext.validate.interrupts import deferred
+    from flashnext.validate.output import write_files
+
+    answers, errors, stop = payload["baseline_answers"], payload["errors"], payload["interrupted"]
+    header = answers_header(payload)
+    text = render_answers(header, answers)
+    with deferred():
+        written = write_files(out_dir, {ANSWERS_FILE: lambda: text}) if answers else None
+        summary = {**header, "recorded": len(answers), "errors": errors,
+                   "setup_error": payload["setup_error"], "interrupted": stop}  # fmt: skip
+        if as_json:
+            sys.stdout.write(dumps(summary, indent=None))
+            sys.stdout.flush()
+        else:
+            server = payload["baseline"]
+            click.echo(f"recorded {len(answers)} of {len(payload['config']['prompt_ids'])} "
+                       f"prompts of {server['model']} ({server['url']})")  # fmt: skip
+        for e in errors:
+            click.echo(f"error: prompt {e['id']}: {e['error']['kind']}: {e['error']['message']}",
+                       err=True)  # fmt: skip
+        if payload["setup_error"]:
+            e = payload["setup_error"]
+            click.echo(f"error: baseline: {e['kind']}: {e['message']}", err=True)
+        if written is not None:
+            _tell_written(written)
+    if stop:
+        ctx.exit(128 + signal.Signals[stop["signal"]].value)
+    ctx.exit(0 if answers and not errors and written and not written.failed else 1)
 
 
 def _recorded_baseline(ctx: click.Context, o: dict[str, Any]) -> RecordedSide | None:

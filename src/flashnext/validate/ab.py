@@ -71,7 +71,7 @@ class AbConfig:
     """What a run compares and how; the CLI builds it from flags."""
 
     baseline_url: str
-    candidate_url: str
+    candidate_url: str | None  # None: record the baseline only
     prompts: list[Prompt]
     prompts_source: str = "default"
     baseline_model: str | None = None
@@ -103,8 +103,11 @@ async def run_ab(
 
     ``baseline_answers`` of the payload: a live baseline's answers to the prompts that
     finished (lines of :mod:`flashnext.validate.ab_answers`; None for a recorded baseline). The
-    caller writes them and takes the key out of the record.
+    caller writes them and takes the key out of the record. Without a candidate
+    (``candidate_url`` None) the baseline is only recorded: see :func:`record_baseline`.
     """
+    if cfg.candidate_url is None:
+        return await record_baseline(cfg, progress)
     t0 = time.monotonic()
     base = cfg.recorded_baseline or Side(
         "baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s)
@@ -148,6 +151,61 @@ async def run_ab(
     }
 
 
+async def record_baseline(cfg: AbConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Ask the baseline alone and record its answers (one GPU: the candidate comes later, with
+    ``--baseline DIR``): ``baseline``, ``config``, ``setup_error``, ``interrupted``, ``errors``
+    (per failed prompt: id and error) and ``baseline_answers`` (as :func:`run_ab`). Never
+    raises for a server failure; a signal stops it as it stops :func:`run_ab`."""
+    base = Side("baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s))
+    finished: dict[int, dict[str, Any]] = {}
+    interrupts = Interrupts()
+
+    async def prompts() -> dict[str, str] | None:
+        try:
+            await base.load_info(cfg.baseline_model)
+        except RequestFailed as exc:
+            return _error(exc)
+        for i, p in enumerate(cfg.prompts):  # one at a time: the batches of a lone request
+            try:
+                finished[i] = await _answer(cfg, p, base)
+            except RequestFailed as exc:
+                finished[i] = {"id": p.id, "error": _error(exc)}
+            if progress:
+                progress(len(finished), len(cfg.prompts), p.id)
+        return None
+
+    setup_error = None
+    try:
+        with interrupts.installed():
+            interrupts.task = asyncio.ensure_future(prompts())
+            try:
+                setup_error = await interrupts.task
+            except asyncio.CancelledError:
+                if interrupts.signal is None:
+                    raise
+    finally:
+        await base.aclose()
+    rows = [finished[i] for i in sorted(finished)]
+    return {
+        "baseline": base.info(),
+        "config": _config_dict(cfg),
+        "setup_error": setup_error,
+        "interrupted": _interruption(interrupts, len(rows), len(cfg.prompts)),
+        "errors": [r for r in rows if "error" in r],
+        "baseline_answers": [r for r in rows if "error" not in r],
+    }
+
+
+async def _answer(cfg: AbConfig, p: Prompt, base: Side) -> dict[str, Any]:
+    """The baseline's answers to one prompt, as :func:`compare_prompt` records them."""
+    if p.fill_fraction is not None:
+        p = await _fill(cfg, p, base, base)
+    ids = await base.tokenize(p.messages, p.text)
+    gen = await base.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed)
+    tf = await base.score(ids + gen.token_ids, cfg.top_logprobs) if gen.token_ids else []
+    return answer_line(p, ids, gen, None if tf is None else tf[len(ids) :])
+
+
 async def _setup_and_prompts(
     cfg: AbConfig, base: Side, cand: Side, progress: Progress | None,
     finished: dict[int, dict[str, Any]],
@@ -176,16 +234,17 @@ async def deployments(
     """Both servers' deployment records, a line naming each and their differences (see the
     module docstring). Never raises: a capture that fails is recorded with its reason; after an
     interrupt nothing is captured (the report comes first)."""
+    cand_url = cfg.candidate_url or ""  # a comparison always has one (record_baseline: none)
     if stop is not None:
         why = f"the run was interrupted by {stop['signal']}"
         base = cand = probe.skipped(why)
     elif cfg.recorded_baseline is not None:
         base = probe.skipped(f"recorded answers ({cfg.recorded_baseline.source}): no live server")
-        cand = await asyncio.to_thread(probe.take, cfg.candidate_url)
+        cand = await asyncio.to_thread(probe.take, cand_url)
     else:
         base, cand = await asyncio.gather(
             asyncio.to_thread(probe.take, cfg.baseline_url),
-            asyncio.to_thread(probe.take, cfg.candidate_url),
+            asyncio.to_thread(probe.take, cand_url),
         )
     return {
         "baseline": base.record,

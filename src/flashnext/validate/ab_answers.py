@@ -59,8 +59,8 @@ def answer_line(
 
 
 def answers_header(ab_record: dict[str, Any]) -> dict[str, Any]:
-    """The header record of the answers of ``ab_record`` (a ``flashnext.validate.ab`` record's
-    baseline and config)."""
+    """The header record of the answers of ``ab_record`` (a ``flashnext.validate.ab`` record or
+    payload: its ``baseline`` and ``config``)."""
     base, cfg = ab_record["baseline"], ab_record["config"]
     server = ("url", "model", "version", "max_model_len", "teacher_forcing")
     return make_record(
