@@ -3,12 +3,13 @@
 Builds (into DIR, cached) the e2e runtime, the tiny Qwen4Exp and a sidecar of its own table
 (``flashnext ple quantize ... --format F --layer 0``, bf16 by default), then serves the model twice
 on 127.0.0.1: stock vLLM (plugin off) on --port, and with ``FLASHNEXT_PLE_SIDECAR`` on --port + 1.
-Prints both URLs on stdout once healthy and serves until Ctrl-C, then stops both.
+Prints both URLs on stdout once healthy and serves until Ctrl-C (or SIGTERM), then stops both.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     off.port, off.url = args.port, f"http://127.0.0.1:{args.port}"
     on.port, on.url = args.port + 1, f"http://127.0.0.1:{args.port + 1}"
+    # SIGTERM as Ctrl-C: the servers run in sessions of their own and would outlive this one
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         start_all([off, on])
         print(f"plugin off: {off.url}\nplugin on:  {on.url} ({sidecar})", flush=True)

@@ -62,6 +62,7 @@ PLE_QUANTIZE_STATE = "flashnext.ple.quantize_state"
 PLE_SLICE = "flashnext.ple.slice"
 PLE_WARM = "flashnext.ple.warm"
 VALIDATE_AB = "flashnext.validate.ab"
+VALIDATE_AB_ANSWERS = "flashnext.validate.ab_answers"
 VALIDATE_COMPARE = "flashnext.validate.compare"
 VALIDATE_REPORT = "flashnext.validate.report"
 #: Every kind above; a kind outside this set was retyped somewhere (tests/test_records.py).

@@ -9,10 +9,17 @@ sidecars (``flashnext ple quantize``, the real CLI) and one :class:`ServerPool`.
 Servers boot in waves, side by side, each test module launching the next module's wave before
 it starts its own A/B runs, so the servers that must fail at start have failed by the time
 their test looks; each server stops when the last module using it ends (RAM: ~1.6 GB each).
+
+Plugin off (stock vLLM, the ``tiny`` model) answers the e2e prompts once: the README's A/B
+(test_ab_identity) records its answers, and every other A/B against plugin off compares with
+that recording (``validate ab --baseline DIR``, :func:`off_answers`), as a user with one GPU
+compares deployments one after another. Candidates then answer side by side
+(:func:`validate_abs`), each server one A/B at a time.
 """
 
 from __future__ import annotations
 
+import filecmp
 import json
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,35 +39,80 @@ PROMPTS = HERE / "prompts.jsonl"
 #: Tokens per greedy continuation (each costs ~0.25 s on an idle 2-core box, both servers)
 #: where the numbers are BENCHMARKS.md's (formats and the wrong-table control).
 MAX_TOKENS = 12
-#: Tokens where the check is "identical" (bf16 sidecars, loader fix, TP=2, the override).
+#: Tokens of the TP=2 check (int4 at TP=1 against TP=2, both live).
 IDENTITY_TOKENS = 8
-FORMATS = ("bf16", "int4", "nvfp4", "fp8")
+#: Sidecars of the tiny model's own table served by the pool (the README's pair quantizes its bf16).
+FORMATS = ("int4", "nvfp4", "fp8")
 #: Which servers each test module uses.
 WAVES = {
-    # The README's commands (test_ab_identity) boot their own pair: plugin off, and on by env.
-    "identity": ("off", "bf16_cfg", "other_table", "other_geometry"),
+    # The README's commands (test_ab_identity) boot their own pair: plugin off (whose answers
+    # the other modules' A/Bs compare with), and on by environment.
+    "identity": ("other_table", "other_geometry"),
     "formats": ("int4", "nvfp4", "fp8"),
     "loader": ("stock_empty_shard", "fix_empty_shard", "fix_fp8"),
-    # test_override's dense baseline is ``off``: the same build (seed 0, no indexer).
+    # test_override's dense baseline is plugin off: the same build (seed 0, no indexer).
     "override": ("stock_qsa", "stock_override", "drop_indexer"),
     "tp": ("tp2",),
 }
 #: Servers used past their own wave: name -> the last module using it (the others stop when
 #: their own wave's module ends).
-LAST_USER = {"off": "override", "int4": "tp"}
+LAST_USER = {"int4": "tp"}
+#: Where plugin off's answers were recorded (the README's A/B), for :func:`off_answers`.
+OFF_ANSWERS: list[Path] = []
 
 
 def validate_ab(
-    baseline: VllmServer, candidate: VllmServer, out: Path, max_tokens: int = MAX_TOKENS
+    baseline: VllmServer | Path, candidate: VllmServer, out: Path, max_tokens: int = MAX_TOKENS
 ) -> tuple[int, dict]:
-    """``flashnext validate ab`` of two servers on the e2e prompts: (exit code, ab.json record)."""
+    """``flashnext validate ab`` on the e2e prompts of a live ``baseline``, or of the answers
+    recorded in directory ``baseline`` (its prompts and max tokens): (exit code, ab.json)."""
+    if isinstance(baseline, Path):
+        asked: list[object] = ["--baseline", baseline]
+    else:
+        asked = ["--baseline", baseline.url, "--prompts", PROMPTS, "--max-tokens", max_tokens]
     done = run(
-        "validate", "ab", "--baseline", baseline.url, "--candidate", candidate.url,
-        "--prompts", PROMPTS, "--max-tokens", max_tokens, "--out", out, "--no-png", "--json",
-        timeout=900,
+        "validate", "ab", *asked, "--candidate", candidate.url, "--out", out, "--no-png",
+        "--json", timeout=900,
     )  # fmt: skip
     assert done.stdout.strip(), f"validate ab printed no record:\n{done.stderr[-3000:]}"
-    return done.returncode, json.loads(done.stdout)
+    record = json.loads(done.stdout)
+    assert record["config"]["max_tokens"] == max_tokens, record["config"]
+    return done.returncode, record
+
+
+def validate_abs(
+    baseline: Path, candidates: dict[str, VllmServer], root: Path
+) -> dict[str, tuple[int, dict]]:
+    """:func:`validate_ab` of each candidate against recorded answers, side by side (each
+    server answers one A/B at a time, so its batches, hence numerics, are those of a lone run),
+    by name; each into ``root / name``."""
+    with ThreadPoolExecutor(max(1, len(candidates))) as side_by_side:
+        done = side_by_side.map(
+            lambda n: validate_ab(baseline, candidates[n], root / n), list(candidates)
+        )
+        return dict(zip(candidates, done))
+
+
+def same_model(a: Path, b: Path) -> bool:
+    """Whether two checkpoint directories hold the same files, byte for byte."""
+    names = sorted(p.name for p in a.iterdir() if p.is_file())
+    match, _, _ = filecmp.cmpfiles(a, b, names, shallow=False)
+    return names == sorted(p.name for p in b.iterdir() if p.is_file()) and match == names
+
+
+@pytest.fixture(scope="session")
+def off_answers(
+    pool: ServerPool, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A directory with plugin off's recorded answers to the e2e prompts (MAX_TOKENS): the
+    README's A/B's when it ran (:data:`OFF_ANSWERS`), else recorded here from the pool's
+    ``off`` against the int4 server (a module run alone)."""
+    if OFF_ANSWERS:
+        return OFF_ANSWERS[0]
+    out = tmp_path_factory.mktemp("off-answers")
+    validate_ab(pool.healthy("off"), pool.healthy("int4"), out)
+    pool.stop("off")
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -110,7 +162,7 @@ def sidecars(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     """name -> sidecar dir from ``flashnext ple quantize CKPT DST --format F --layer 0``: one per
-    format of ``tiny``, and bf16 of ``other`` and of ``geometry``."""
+    format of ``tiny`` (:data:`FORMATS`), and bf16 of ``other`` and of ``geometry``."""
     root = tmp_path_factory.mktemp("e2e-sidecars")
     todo = {f: (checkpoints["tiny"], f) for f in FORMATS}
     todo["other"] = (checkpoints["other"], "bf16")
@@ -133,13 +185,15 @@ def server_specs(
     def plugin(model: str, log: str, **env: str) -> Callable[[], VllmServer]:
         return lambda: e2e_server(rt, ckpt[model], logs / log, plugin=True, env=env)
 
-    config = json.dumps({"flashnext": {"ple_sidecar": str(side["bf16"])}})
+    # nvfp4's sidecar comes by --additional-config (the README's bf16 pair takes the variable)
+    config = json.dumps({"flashnext": {"ple_sidecar": str(side["nvfp4"])}})
     return {
         "off": lambda: e2e_server(rt, ckpt["tiny"], logs / "off"),
-        "bf16_cfg": lambda: e2e_server(
-            rt, ckpt["tiny"], logs / "bf16_cfg", plugin=True, extra=["--additional-config", config]
+        "int4": plugin("tiny", "int4", FLASHNEXT_PLE_SIDECAR=str(side["int4"])),
+        "nvfp4": lambda: e2e_server(
+            rt, ckpt["tiny"], logs / "nvfp4", plugin=True, extra=["--additional-config", config]
         ),
-        **{f: plugin("tiny", f, FLASHNEXT_PLE_SIDECAR=str(side[f])) for f in FORMATS[1:]},
+        "fp8": plugin("tiny", "fp8", FLASHNEXT_PLE_SIDECAR=str(side["fp8"])),
         "other_table": plugin("tiny", "other_table", FLASHNEXT_PLE_SIDECAR=str(side["other"])),
         "other_geometry": plugin(
             "tiny", "other_geometry", FLASHNEXT_PLE_SIDECAR=str(side["geometry"])
@@ -179,7 +233,8 @@ def pool(
 
 @pytest.fixture(scope="session")
 def ab_records() -> dict[str, dict]:
-    """Server name -> its ab.json record against ``off``, filled by the tests that ran the A/B."""
+    """Server name -> its ab.json record against plugin off, filled by the tests that ran the
+    A/B."""
     return {}
 
 

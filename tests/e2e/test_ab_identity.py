@@ -1,7 +1,9 @@
 """Plugin off vs a bf16 sidecar of the model's own table: identical answers through ``flashnext
-validate ab``, switched on through the environment (the README's two commands, run as written)
-and through ``--additional-config``; and the negative controls: another table of the same
-geometry makes the A/B fail, another geometry stops the server at start."""
+validate ab``, switched on through the environment (the README's two commands, run as written;
+test_formats switches nvfp4 on through ``--additional-config``). The README's A/B records plugin
+off's answers, which the other modules' A/Bs compare with (conftest.off_answers). And the
+negative controls: another table of the same geometry makes the A/B fail, another geometry
+stops the server at start."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import pytest
 from devtools.e2e.servers import ServerPool, log_text
 
 from ..cli.runner import BASE_ENV
-from .conftest import IDENTITY_TOKENS, PROMPTS, summary, validate_ab, wave
+from .conftest import MAX_TOKENS, OFF_ANSWERS, PROMPTS, same_model, summary, validate_ab, wave
 
 PLUGIN_LINE = "flashnext plugin: ple_sidecar: model.layers.0.ple.ple_embedding.ngram_embedding <- "
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +38,8 @@ def servers(pool: ServerPool) -> Iterator[ServerPool]:
     yield from wave(pool, "identity", "formats")
 
 
-def _assert_identical(code: int, record: dict) -> None:
+def assert_identical(code: int, record: dict) -> None:
+    """An A/B of three prompts whose answers are the same, token for token, with KL 0."""
     s = record["summary"]
     assert code == 0, json.dumps(record["verdict"])
     assert record["verdict"]["status"] == "identical", json.dumps(record["verdict"])
@@ -53,6 +56,12 @@ def readme_e2e_commands() -> tuple[list[str], list[str]]:
     assert serve[:4] == [".venv/bin/python", "-m", "devtools.e2e", "serve"], serve
     assert ab[:3] == [".venv/bin/flashnext", "validate", "ab"], ab
     return serve, ab
+
+
+def _sigint_default() -> None:
+    """In the child: Ctrl-C at its default, as in a terminal (a suite started in the background
+    by a non-interactive shell runs with SIGINT ignored, which children inherit)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _port_open(port: int) -> bool:
@@ -73,7 +82,7 @@ def readme_serve(e2e_runtime: object, tmp_path_factory: pytest.TempPathFactory) 
     err = open(tmp / "serve.stderr", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-        env={**os.environ, **BASE_ENV},
+        env={**os.environ, **BASE_ENV}, preexec_fn=_sigint_default,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or []], daemon=True).start()
@@ -91,14 +100,23 @@ def readme_serve(e2e_runtime: object, tmp_path_factory: pytest.TempPathFactory) 
                     ) from None
         yield {"proc": proc, "tmp": tmp, "ab": ab, "printed": printed}
     finally:
+        # Ctrl-C first: serve stops both servers (they run in sessions of their own, which a
+        # SIGKILL of serve's group would leave behind, holding the ports)
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
         err.close()
 
 
-def test_readme_end_to_end_commands_run_as_written(servers: ServerPool, readme_serve: dict) -> None:
+def test_readme_end_to_end_commands_run_as_written(
+    servers: ServerPool, readme_serve: dict, checkpoints: dict[str, Path]
+) -> None:
     """The README's two commands: ``serve`` prints both URLs, the ``validate ab`` line (defaults
-    included: ./ab-report with its PNG) passes with identical answers, Ctrl-C stops both servers."""
+    included: ./ab-report with its PNG) passes with identical answers, Ctrl-C stops both servers.
+    Plugin off's answers, recorded in ./ab-report, are the other modules' baseline."""
     proc, tmp, printed = readme_serve["proc"], readme_serve["tmp"], readme_serve["printed"]
     assert printed[-2:] == [
         "plugin off: http://127.0.0.1:8000\n",
@@ -117,8 +135,12 @@ def test_readme_end_to_end_commands_run_as_written(servers: ServerPool, readme_s
     record = json.loads((work / "ab-report" / "ab.json").read_text())
     assert (work / "ab-report" / "ab.png").stat().st_size > 0
     print(f"\nE2E-AB bf16_env {json.dumps(summary(record))}")
-    _assert_identical(0, record)
-    assert record["config"]["max_tokens"] == int(ab[ab.index("--max-tokens") + 1])
+    assert_identical(0, record)
+    assert record["config"]["max_tokens"] == int(ab[ab.index("--max-tokens") + 1]) == MAX_TOKENS
+    # The README builds its own tiny model: the same bytes as the pool's (seed 0), so its
+    # plugin-off answers are the other modules' baseline.
+    assert same_model(tmp / "e2e" / "tiny-qwen4exp", checkpoints["tiny"])
+    OFF_ANSWERS.append(work / "ab-report")
     on_log = (tmp / "e2e" / "logs-plugin" / "vllm-8001-1.log").read_text(errors="replace")
     assert PLUGIN_LINE + f"{tmp}/e2e/sidecar-bf16 (bf16" in on_log
     off_log = (tmp / "e2e" / "logs-off" / "vllm-8000-1.log").read_text(errors="replace")
@@ -129,26 +151,16 @@ def test_readme_end_to_end_commands_run_as_written(servers: ServerPool, readme_s
     assert not _port_open(8000) and not _port_open(8001)
 
 
-def test_bf16_sidecar_by_additional_config_answers_identically(
-    servers: ServerPool, sidecars: dict[str, Path], ab_records: dict[str, dict], tmp_path: Path
-) -> None:
-    candidate = "bf16_cfg"
-    off, on = servers.healthy("off"), servers.healthy(candidate)
-    code, record = validate_ab(off, on, tmp_path / "ab", IDENTITY_TOKENS)
-    ab_records[candidate] = record
-    print(f"\nE2E-AB {candidate} {json.dumps(summary(record))}")
-    _assert_identical(code, record)
-    # The rows really came from the sidecar: the plugin says so in the serving process.
-    assert PLUGIN_LINE + str(sidecars["bf16"]) + " (bf16" in log_text(on)
-    assert "flashnext plugin" not in log_text(off)
-
-
 def test_another_table_of_the_same_geometry_fails_the_ab(
-    servers: ServerPool, sidecars: dict[str, Path], ab_records: dict[str, dict], tmp_path: Path
+    servers: ServerPool,
+    sidecars: dict[str, Path],
+    ab_records: dict[str, dict],
+    off_answers: Path,
+    tmp_path: Path,
 ) -> None:
-    off, other = servers.healthy("off"), servers.healthy("other_table")
+    other = servers.healthy("other_table")
     assert PLUGIN_LINE + str(sidecars["other"]) in log_text(other)
-    code, record = validate_ab(off, other, tmp_path / "ab")
+    code, record = validate_ab(off_answers, other, tmp_path / "ab")
     ab_records["other_table"] = record
     print(f"\nE2E-AB other_table {json.dumps(summary(record))}")
     assert code == 1, json.dumps(record["verdict"])
@@ -162,7 +174,7 @@ def test_another_geometry_stops_the_server_at_start_naming_both(
     code, log = servers.exited("other_geometry")
     assert code != 0
     ours = json.loads((sidecars["geometry"] / "META.json").read_text())["num_rows"]
-    model = json.loads((sidecars["bf16"] / "META.json").read_text())["num_rows"]
+    model = json.loads((sidecars["int4"] / "META.json").read_text())["num_rows"]
     assert ours != model
     lines = [
         line

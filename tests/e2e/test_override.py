@@ -10,9 +10,9 @@ runtime:
 - the override done as a user does it (the real CLI) served without the plugin: vLLM stops at
   the indexer tensors the dense layers have no place for;
 - the same with ``FLASHNEXT_DROP_INDEXER=1``: starts and answers;
-- ``off`` (``tiny``, no plugin): the A/B baseline; the override must serve exactly this model
-  (identical tokens, KL 0), which shows that dropping the indexer tensors is all the plugin
-  changed.
+- plugin off (``tiny``, no plugin; its answers as the README's A/B recorded them): the A/B
+  baseline; the override must serve exactly this model (identical tokens, KL 0), which shows
+  that dropping the indexer tensors is all the plugin changed.
 
 This proves LOADING, not equivalence: the served model is the dense one, not QSA. How far dense
 attention is from QSA on these weights is measured beside it in transformers (the only QSA this
@@ -34,13 +34,10 @@ from flashnext.checkpoint.override import IndexerTensors
 from flashnext.checkpoint.snapshot import tensor_map
 
 from ..cli.runner import run
-from .conftest import IDENTITY_TOKENS, wave
+from .conftest import validate_ab, wave
+from .test_ab_identity import assert_identical
 
 REFERENCE = Path(__file__).parents[2] / "devtools" / "e2e" / "qsa_reference.py"
-PROMPTS = [
-    {"id": "bridges", "messages": [{"role": "user", "content": "The history of bridges"}]},
-    {"id": "fib", "messages": [{"role": "user", "content": "def fibonacci(n):"}]},
-]
 #: What vLLM 0.32.0 says, quoted from its sources (vllm/models/qwen4_exp/nvidia/qsa.py:253 and
 #: model_executor/models/utils.py, AutoWeightsLoader).
 NO_QSA_PATH = "NotImplementedError: Qwen4Exp QSA requires FlashAttention"
@@ -81,28 +78,18 @@ def test_override_without_the_plugin_stops_at_the_indexer_tensors(
 
 
 def test_override_serves_the_dense_model_exactly(
-    servers: ServerPool, checkpoints: dict[str, Path], tmp_path: Path
+    servers: ServerPool, checkpoints: dict[str, Path], off_answers: Path, tmp_path: Path
 ) -> None:
     """Loading, not equivalence: the override serves the dense checkpoint's model, token for
     token; what QSA would have answered is not compared here (see the reference test)."""
-    dense, override = servers.healthy("off"), servers.healthy("drop_indexer")
+    override = servers.healthy("drop_indexer")
     held = IndexerTensors.of(tensor_map(checkpoints["qsa"]))
     assert held.names and held.layers == (1,)
     assert (
         f"drop_indexer: Qwen4ExpModel skipped {len(held.names)} QSA indexer tensor(s), "
         f"{held.nbytes:,} bytes, of layers [1]"
     ) in log_text(override)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    done = run(
-        "validate", "ab", "--baseline", dense.url, "--candidate", override.url,
-        "--prompts", prompts, "--max-tokens", IDENTITY_TOKENS, "--out", tmp_path / "ab",
-        "--no-png", "--json", timeout=900,
-    )  # fmt: skip
-    summary = json.loads(done.stdout)["summary"]
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert summary["identical"] == summary["prompts"] == len(PROMPTS), summary
-    assert summary["kl"]["max"] == 0.0, summary
+    assert_identical(*validate_ab(off_answers, override, tmp_path / "ab"))
 
 
 def test_dense_attention_against_qsa_in_the_reference(

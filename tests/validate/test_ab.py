@@ -105,6 +105,7 @@ USES = {
         *(f"noise-{r}" for r in NOISE),
     ),
     "test_candidate_killed_mid_run_is_a_recorded_failure": ("base", "same"),
+    "test_baseline_recorded_alone_then_a_candidate_against_it": ("base", "same"),
 }
 
 
@@ -228,17 +229,26 @@ def test_attention_block_size_pair_is_reported_as_measured(ab_servers, prompts_f
 
 
 def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_file, tmp_path):
+    """Against the live baseline, then against the answers it recorded in that run: the
+    recorded baseline gives the live comparison's numbers exactly and asks the baseline
+    nothing."""
     base = ab_servers["base"]
     noisy = [ab_servers[f"noise-{rel}"] for rel in NOISE]
+    recorded = tmp_path / str(NOISE[0])
     try:
-        runs = [
-            run_cli(base.url, s.url, prompts_file, tmp_path / str(rel))
-            for s, rel in zip(noisy, NOISE)
-        ]
+        small_live = run_cli(base.url, noisy[0].url, prompts_file, recorded)[1]
+        _, small = run_replay(recorded, noisy[0].url, tmp_path / "replay-small")
+        rc_large, large = run_replay(recorded, noisy[1].url, tmp_path / str(NOISE[1]))
     finally:
         for s in noisy:
             s.stop()  # no later test uses them
-    (_, small), (rc_large, large) = runs
+    assert small["baseline"]["recorded"] == str(recorded / "baseline-answers.jsonl")
+    assert small["cost"]["requests"]["baseline"] == 0 and small["config"]["max_tokens"] == 24
+    assert small["summary"] == small_live["summary"] and small["verdict"] == small_live["verdict"]
+    for live, replay in zip(small_live["prompts"], small["prompts"]):
+        for key in ("prompt_tokens", "baseline", "candidate", "first_difference", "tf"):
+            assert replay[key] == live[key], (live["id"], key)
+    assert small["deployments"]["baseline"]["error"].startswith("recorded answers")
     kl_small, kl_large = small["summary"]["kl"]["mean"], large["summary"]["kl"]["mean"]
     for rel, rec in ((NOISE[0], small), (NOISE[1], large)):
         s = rec["summary"]
@@ -255,6 +265,38 @@ def test_perturbed_weights_diverge_and_kl_grows_with_noise(ab_servers, prompts_f
         assert r["baseline"]["token_ids"][f] != r["candidate"]["token_ids"][f]
     md = (tmp_path / str(NOISE[1]) / "ab.md").read_text()
     assert "FAIL" in md and "## Worst prompts" in md
+
+
+def test_baseline_recorded_alone_then_a_candidate_against_it(ab_servers, prompts_file, tmp_path):
+    """One GPU: record the baseline with no candidate (only it is asked), then compare another
+    server of the same model with the recording: identical, as live."""
+    base, same = ab_servers["base"], ab_servers["same"]
+    rec = tmp_path / "before"
+    p = run("validate", "ab", "--baseline", base.url, "--prompts", prompts_file,
+            "--max-tokens", MAX_TOKENS, "--out", rec)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith(f"recorded 3 of 3 prompts of {base.model} ({base.url})"), p.stdout
+    assert sorted(x.name for x in rec.iterdir()) == ["baseline-answers.jsonl"]
+    lines = [json.loads(x) for x in (rec / "baseline-answers.jsonl").read_text().splitlines()]
+    check_record(lines[0], kind="flashnext.validate.ab_answers", schema_version=1)
+    assert [x["id"] for x in lines[1:]] == ["code", "fr", "long"]
+    assert all(len(x["teacher_forced"]) == int(MAX_TOKENS) for x in lines[1:])
+    rc, record = run_replay(rec, same.url, tmp_path / "after")
+    assert rc == 0 and record["verdict"]["status"] == "identical", record["verdict"]
+    assert record["cost"]["requests"]["baseline"] == 0
+    assert 230 <= {r["id"]: r for r in record["prompts"]}["long"]["prompt_tokens"] <= 256
+    # a recording cannot be replayed without a candidate
+    p = run("validate", "ab", "--baseline", rec, "--out", tmp_path / "x")
+    assert p.returncode == 2 and "--candidate" in p.stderr
+
+
+def run_replay(recorded: Path, cand: str, out: Path) -> tuple[int, dict]:
+    """``validate ab`` of ``cand`` against the answers recorded in ``recorded`` (an earlier
+    run's --out), with the settings the recording holds."""
+    p = run("validate", "ab", "--baseline", recorded, "--candidate", cand, "--out", out, "--json")
+    assert p.returncode in (0, 1), p.stderr[-3000:]
+    assert not (out / "baseline-answers.jsonl").exists()  # nothing new was recorded
+    return p.returncode, json.loads(p.stdout)
 
 
 def test_candidate_killed_mid_run_is_a_recorded_failure(ab_servers, prompts_file, tmp_path):

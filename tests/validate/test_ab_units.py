@@ -168,3 +168,102 @@ def test_bad_prompt_files_name_the_line(tmp_path: Path, line: str, message: str)
     with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
         load_prompts(path)
     assert str(path) in str(e.value)
+
+
+# ---- recorded baseline answers (flashnext.validate.ab_answers) ----
+def _answers_file(tmp_path: Path, rng: np.random.Generator) -> tuple[Path, list[dict]]:
+    """An answers file as a live run writes it: random prompts, ids, continuations and top-K."""
+    from flashnext.records import make_record
+    from flashnext.validate.ab_answers import answer_line, answers_header, render_answers
+    from flashnext.validate.ab_prompts import Prompt
+    from flashnext.validate.ab_server import Generation
+
+    lines = []
+    for i in range(3):
+        ids = [int(t) for t in rng.integers(0, 1000, int(rng.integers(3, 9)))]
+        gen = Generation([int(t) for t in rng.integers(0, 1000, 5)], f"text {i}", "length")
+        tf = [{int(t): float(-rng.random()) for t in rng.integers(0, 1000, 4)} for _ in range(5)]
+        msg = [{"role": "user", "content": f"question {i} {rng.random()}"}]
+        p = Prompt(f"p{i}", "general", messages=msg) if i else Prompt("p0", "code", text="x = ")
+        lines.append({"prompt": p, "ids": ids, "gen": gen, "tf": tf})
+    ab = make_record("flashnext.validate.ab", {
+        "baseline": {"url": "http://127.0.0.1:8000", "model": "m", "version": "0.32.0",
+                     "max_model_len": 512, "teacher_forcing": "prompt_logprobs"},
+        "config": {"max_tokens": 5, "top_logprobs": 4, "seed": 3, "prompts_source": "default"},
+    })  # fmt: skip
+    text = render_answers(
+        answers_header(ab), [answer_line(x["prompt"], x["ids"], x["gen"], x["tf"]) for x in lines]
+    )
+    path = tmp_path / "rec" / "baseline-answers.jsonl"
+    path.parent.mkdir()
+    path.write_text(text)
+    return path, lines
+
+
+def test_recorded_side_answers_what_was_recorded(tmp_path: Path, rng):
+    import asyncio
+
+    from flashnext.validate.ab_answers import RecordedSide
+
+    path, lines = _answers_file(tmp_path, rng)
+    side = RecordedSide.load(path.parent)  # the run's --out directory
+    assert side.config == {"max_tokens": 5, "top_logprobs": 4, "seed": 3}
+    assert [p.id for p in side.prompts] == ["p0", "p1", "p2"]
+    assert side.info()["recorded"] == str(path) and side.info()["requests"] == 0
+
+    async def replay() -> None:
+        for p, x in zip(side.prompts, lines):
+            ids = await side.tokenize(p.messages, p.text)
+            assert ids == x["ids"]
+            gen = await side.generate(ids, 5, 4, 3)
+            assert gen == x["gen"]
+            dists = await side.score(ids + gen.token_ids, 4)
+            assert dists[: len(ids)] == [{}] * len(ids) and dists[len(ids) :] == x["tf"]
+
+    asyncio.run(replay())
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda ls: ["{not json", *ls[1:]], "not JSON lines"),
+        (lambda ls: [ls[0].replace("ab_answers", "ab"), *ls[1:]], "not a baseline answers file"),
+        (
+            lambda ls: [ls[0].replace('"schema_version": 1', '"schema_version": 9'), *ls[1:]],
+            "schema_version 9, expected 1",
+        ),
+        (lambda ls: [*ls[:2], '{"id": "x"}', *ls[3:]], "line 3 is not a recorded prompt"),
+        (lambda ls: ls[:1], "records no prompt"),
+    ],
+)
+def test_bad_answers_files_are_named(tmp_path: Path, rng, mutate, message):
+    from flashnext.validate.ab_answers import RecordedSide
+
+    path, _ = _answers_file(tmp_path, rng)
+    path.write_text("\n".join(mutate(path.read_text().splitlines())) + "\n")
+    with pytest.raises(ValidationError, match=message) as err:
+        RecordedSide.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_recorded_baseline_flags_are_checked_before_any_request(tmp_path: Path, rng):
+    """The recorded settings are replayed; a flag that would ask the candidate something else
+    is refused (exit 2, naming it), and --out may not hold the recording."""
+    from ..cli.runner import run
+
+    path, _ = _answers_file(tmp_path, rng)
+    cand = ["--candidate", "http://127.0.0.1:9"]  # nothing listens there: never reached
+    for flags, named in (
+        (["--max-tokens", "6"], "--max-tokens 6: the recorded baseline"),
+        (["--seed", "0"], "--seed 0: the recorded baseline"),
+        (["--prompts", str(path)], "--prompts: the recorded baseline"),
+        (["--baseline-served-model", "m"], "--baseline-served-model: the recorded baseline"),
+        (["--out", str(path.parent)], "--out"),
+    ):
+        done = run("validate", "ab", "--baseline", path.parent, *cand, *flags)
+        assert done.returncode == 2 and named in done.stderr, (flags, done.stderr)
+    done = run("validate", "ab", "--baseline", tmp_path / "none", *cand)
+    assert done.returncode == 2 and "or the answers an earlier run recorded" in done.stderr
+    path.write_text("{}\n")
+    done = run("validate", "ab", "--baseline", path, *cand)
+    assert done.returncode == 2 and "not a baseline answers file" in done.stderr

@@ -88,7 +88,7 @@ def test_ab_on_a_full_disk_prints_the_report_and_names_each_file(
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
         f"error: {full_dir / name}: cannot write (No space left on device)"
-        for name in ("ab.json", "ab.md", "ab.png")
+        for name in ("ab.json", "ab.md", "ab.png", "baseline-answers.jsonl")
     ]
     p = run(*args, "--max-tokens", "4", "--out", full_dir, "--json")
     assert p.returncode == 1 and "Traceback" not in p.stderr
@@ -115,7 +115,9 @@ def test_an_undecodable_out_path_works(vllm_server: VllmServer, tmp_path: Path) 
     p = run("validate", "ab", "--baseline", url, "--candidate", url, "--prompts", prompts,
             "--max-tokens", "4", "--out", ab_out)  # fmt: skip
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert sorted(os.listdir(os.fsencode(ab_out))) == [b"ab.json", b"ab.md", b"ab.png"]
+    assert sorted(os.listdir(os.fsencode(ab_out))) == [
+        b"ab.json", b"ab.md", b"ab.png", b"baseline-answers.jsonl"
+    ]  # fmt: skip
     md = (ab_out / "ab.md").read_bytes().decode("utf-8")
     assert md.startswith("# flashnext validate ab: IDENTICAL") and "ab-r\\udcff\\udcfeport" in md
     assert p.stdout.rstrip("\n") == md.rstrip("\n")  # stdout is the same valid UTF-8

@@ -25,6 +25,7 @@ from flashnext.records import dumps
 
 if TYPE_CHECKING:
     from flashnext.validate.ab import AbConfig
+    from flashnext.validate.ab_answers import RecordedSide
     from flashnext.validate.deployment import DeploymentProbe
     from flashnext.validate.output import Written
     from flashnext.validate.stages import Config, ValidationResult
@@ -395,9 +396,34 @@ def _ab_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
         ) from None
 
 
+def _ab_baseline(ctx: click.Context, param: click.Parameter, value: str) -> str | Path:
+    """A server root, or (a path) the answers a baseline recorded in an earlier run."""
+    if "://" in value:
+        return _ab_url(ctx, param, value)
+    path = Path(value)
+    if not path.exists():
+        raise click.BadParameter(
+            f"{value!r}: expected a server root like http://127.0.0.1:8000, or the answers an "
+            "earlier run recorded (its --out directory, or the baseline-answers.jsonl in it)"
+        )
+    return path
+
+
 @validate.command("ab")
-@click.option("--baseline", required=True, callback=_ab_url, help="Baseline server root.")
-@click.option("--candidate", required=True, callback=_ab_url, help="Candidate server root.")
+@click.option(
+    "--baseline",
+    required=True,
+    callback=_ab_baseline,
+    help="Baseline server root, or an earlier run's --out directory (its recorded "
+    "baseline-answers.jsonl) to compare against a server that is gone.",
+)
+@click.option(
+    "--candidate",
+    default=None,
+    callback=lambda ctx, param, v: None if v is None else _ab_url(ctx, param, v),
+    help="Candidate server root. Without one, only the baseline is asked and its answers "
+    "recorded in --out, for a later --baseline DIR.",
+)
 @click.option(
     "--prompts",
     "prompts_file",
@@ -463,36 +489,33 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
 
     \b
     flashnext validate ab --baseline http://127.0.0.1:8000 --candidate http://127.0.0.1:8001
+    flashnext validate ab --baseline http://127.0.0.1:8000 --out before/   # record only
+    flashnext validate ab --baseline before/ --candidate http://127.0.0.1:8000
     """
     from flashnext.records import make_record
-    from flashnext.validate.ab import KIND, SCHEMA_VERSION, AbConfig, Thresholds
-    from flashnext.validate.ab_prompts import load_prompts
+    from flashnext.validate.ab import KIND, SCHEMA_VERSION
+    from flashnext.validate.ab_answers import ANSWERS_FILE, answers_header, render_answers
     from flashnext.validate.ab_report import AB_FILES, render_markdown, write_ab
     from flashnext.validate.interrupts import deferred
     from flashnext.validate.output import check_writable, printable
 
-    check_output(o["out_dir"], [o["prompts_file"]], hint="--out")
-    cfg = AbConfig(
-        baseline_url=o["baseline"],
-        candidate_url=o["candidate"],
-        prompts=load_prompts(o["prompts_file"]),
-        prompts_source=str(o["prompts_file"] or "default"),
-        baseline_model=o["baseline_model"],
-        candidate_model=o["candidate_model"],
-        api_key=o["api_key"],
-        max_tokens=o["max_tokens"],
-        top_logprobs=o["top_logprobs"],
-        seed=o["seed"],
-        concurrency=o["concurrency"],
-        timeout_s=o["timeout_s"],
-        thresholds=Thresholds(o["min_top1"], o["max_mean_kl"], o["min_token_agreement"]),
-    )
+    recorded = _recorded_baseline(ctx, o)
+    if recorded and o["candidate"] is None:
+        raise click.UsageError("--candidate: a recorded baseline needs a live candidate")
+    answers_in = recorded.source if recorded else None
+    check_output(o["out_dir"], [o["prompts_file"], answers_in], hint="--out")
+    cfg = _ab_config(o, recorded)
     # Before the run: a report that cannot be written loses every prompt's evidence.
-    check_writable(o["out_dir"], AB_FILES if not o["no_png"] else AB_FILES[:2])
+    names = [*AB_FILES[: 2 if o["no_png"] else 3], *([] if recorded else [ANSWERS_FILE])]
+    check_writable(o["out_dir"], names if o["candidate"] else [ANSWERS_FILE])
     payload = _run_ab_with_progress(cfg)
+    if o["candidate"] is None:
+        _record_only(ctx, payload, o["out_dir"], o["as_json"])
+    answers = payload.pop("baseline_answers")
     record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
+    text = None if answers is None else render_answers(answers_header(record), answers)
     with deferred():  # a signal now would leave the report half written
-        written = write_ab(record, o["out_dir"], png=not o["no_png"])
+        written = write_ab(record, o["out_dir"], png=not o["no_png"], answers=text)
         if o["as_json"]:
             sys.stdout.write(dumps(record, indent=None))
             sys.stdout.flush()
@@ -508,6 +531,97 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
         )
         ctx.exit(128 + signal.Signals[stop["signal"]].value)
     ctx.exit(0 if record["verdict"]["passed"] and not written.failed else 1)
+
+
+def _ab_config(o: dict[str, Any], recorded: RecordedSide | None) -> AbConfig:
+    """The run's settings from the flags (``o``) and the recorded baseline, if any."""
+    from flashnext.validate.ab import AbConfig, Thresholds
+    from flashnext.validate.ab_prompts import load_prompts
+
+    source = f"recorded: {recorded.source}" if recorded else str(o["prompts_file"] or "default")
+    return AbConfig(
+        baseline_url=str(recorded.source) if recorded else o["baseline"],
+        candidate_url=o["candidate"],
+        prompts=recorded.prompts if recorded else load_prompts(o["prompts_file"]),
+        prompts_source=source,
+        baseline_model=o["baseline_model"],
+        candidate_model=o["candidate_model"],
+        api_key=o["api_key"],
+        max_tokens=o["max_tokens"],
+        top_logprobs=o["top_logprobs"],
+        seed=o["seed"],
+        concurrency=o["concurrency"],
+        timeout_s=o["timeout_s"],
+        thresholds=Thresholds(o["min_top1"], o["max_mean_kl"], o["min_token_agreement"]),
+        recorded_baseline=recorded,
+    )
+
+
+def _record_only(ctx: click.Context, payload: dict[str, Any], out_dir: Path, as_json: bool) -> None:
+    """Write the baseline's answers (:func:`~flashnext.validate.ab.record_baseline`'s
+    ``payload``), say what was recorded (``--json``: the answers' header record with the
+    counts) and exit: 0 when every prompt was recorded, 1 otherwise, 128 + N on a signal."""
+    from flashnext.validate.ab_answers import ANSWERS_FILE, answers_header, render_answers
+    from flashnext.validate.interrupts import deferred
+    from flashnext.validate.output import write_files
+
+    answers, errors, stop = payload["baseline_answers"], payload["errors"], payload["interrupted"]
+    header = answers_header(payload)
+    text = render_answers(header, answers)
+    with deferred():
+        written = write_files(out_dir, {ANSWERS_FILE: lambda: text}) if answers else None
+        summary = {**header, "recorded": len(answers), "errors": errors,
+                   "setup_error": payload["setup_error"], "interrupted": stop}  # fmt: skip
+        if as_json:
+            sys.stdout.write(dumps(summary, indent=None))
+            sys.stdout.flush()
+        else:
+            server = payload["baseline"]
+            click.echo(f"recorded {len(answers)} of {len(payload['config']['prompt_ids'])} "
+                       f"prompts of {server['model']} ({server['url']})")  # fmt: skip
+        for e in errors:
+            click.echo(f"error: prompt {e['id']}: {e['error']['kind']}: {e['error']['message']}",
+                       err=True)  # fmt: skip
+        if payload["setup_error"]:
+            e = payload["setup_error"]
+            click.echo(f"error: baseline: {e['kind']}: {e['message']}", err=True)
+        if written is not None:
+            _tell_written(written)
+    if stop:
+        ctx.exit(128 + signal.Signals[stop["signal"]].value)
+    ctx.exit(0 if answers and not errors and written and not written.failed else 1)
+
+
+def _recorded_baseline(ctx: click.Context, o: dict[str, Any]) -> RecordedSide | None:
+    """The recorded answers ``--baseline`` names (None for a server), the replayed settings
+    put into ``o``; a flag that would change what the baseline was asked is refused."""
+    from flashnext.validate.ab_answers import RecordedSide
+
+    if not isinstance(o["baseline"], Path):
+        return None
+    try:
+        recorded = RecordedSide.load(o["baseline"])
+    except ValidationError as exc:
+        raise click.BadParameter(str(exc), param_hint="--baseline") from None
+    for name, flag in (
+        ("prompts_file", "--prompts"),
+        ("baseline_model", "--baseline-served-model"),
+    ):
+        if o[name] is not None:
+            raise click.UsageError(
+                f"{flag}: the recorded baseline {recorded.source} fixes it (its "
+                f"{len(recorded.prompts)} prompts, model {recorded.model!r}); leave {flag} out"
+            )
+    for name, value in recorded.config.items():
+        flag = "--" + name.replace("_", "-")
+        given = ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        if given and o[name] != value:
+            raise click.UsageError(
+                f"{flag} {o[name]}: the recorded baseline {recorded.source} was asked with "
+                f"{flag} {value}, and a replay asks the candidate the same; leave {flag} out"
+            )
+        o[name] = value
+    return recorded
 
 
 def _run_ab_with_progress(cfg: AbConfig) -> dict[str, Any]:

@@ -11,7 +11,8 @@ The payload of the ``flashnext.validate.ab`` record (schema version 1):
 
 - ``baseline`` / ``candidate``: url, model, version (``/version``), max_model_len, models
   (``/v1/models``), requests sent, teacher_forcing mode (prompt_logprobs | echo | unsupported)
-  and note, down (why the server was given up, or null);
+  and note, down (why the server was given up, or null); a recorded baseline
+  (:mod:`flashnext.validate.ab_answers`) adds ``recorded``, the answers file it came from;
 - ``config``: max_tokens, top_logprobs, seed, concurrency, prompts source, thresholds;
 - ``prompts``: per prompt id, category, prompt_tokens, both continuations (text, token ids,
   finish reason), first_difference, token_agreement, ``tf`` (teacher-forced: positions,
@@ -40,6 +41,7 @@ from typing import Any
 
 from flashnext.records import VALIDATE_AB
 from flashnext.validate import ab_metrics as M
+from flashnext.validate.ab_answers import RecordedSide, answer_line
 from flashnext.validate.ab_prompts import Prompt, fill_repeats
 from flashnext.validate.ab_server import RequestFailed, Side
 from flashnext.validate.client import Client
@@ -69,7 +71,7 @@ class AbConfig:
     """What a run compares and how; the CLI builds it from flags."""
 
     baseline_url: str
-    candidate_url: str
+    candidate_url: str | None  # None: record the baseline only
     prompts: list[Prompt]
     prompts_source: str = "default"
     baseline_model: str | None = None
@@ -81,6 +83,9 @@ class AbConfig:
     concurrency: int = 1
     timeout_s: float = 180.0
     thresholds: Thresholds = field(default_factory=Thresholds)
+    #: Answers recorded by an earlier run, in place of a live baseline (``baseline_url`` and
+    #: ``prompts`` then name and are its own).
+    recorded_baseline: RecordedSide | None = None
 
 
 Progress = Callable[[int, int, str], None]
@@ -95,9 +100,18 @@ async def run_ab(
     The first SIGINT/SIGTERM (when run in the main thread) stops the prompts in flight: the
     payload then holds the finished ones and ``interrupted``; a second ends the process.
     ``deployment`` captures both servers' deployments after the prompts.
+
+    ``baseline_answers`` of the payload: a live baseline's answers to the prompts that
+    finished (lines of :mod:`flashnext.validate.ab_answers`; None for a recorded baseline). The
+    caller writes them and takes the key out of the record. Without a candidate
+    (``candidate_url`` None) the baseline is only recorded: see :func:`record_baseline`.
     """
+    if cfg.candidate_url is None:
+        return await record_baseline(cfg, progress)
     t0 = time.monotonic()
-    base = Side("baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s))
+    base = cfg.recorded_baseline or Side(
+        "baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s)
+    )
     cand = Side("candidate", Client(cfg.candidate_url, cfg.api_key, cfg.timeout_s))
     finished: dict[int, dict[str, Any]] = {}
     setup_error = None
@@ -113,9 +127,10 @@ async def run_ab(
                 if interrupts.signal is None:
                     raise
     finally:
-        await asyncio.gather(base.client.aclose(), cand.client.aclose())
+        await asyncio.gather(base.aclose(), cand.aclose())
     wall_s = round(time.monotonic() - t0, 3)
     results = [finished[i] for i in sorted(finished)]
+    answers = [r.pop("_answer") for r in results if "_answer" in r]
     summary = summarize(results)
     stop = _interruption(interrupts, len(results), len(cfg.prompts))
     return {
@@ -132,7 +147,63 @@ async def run_ab(
             "wall_s": wall_s,
         },
         "deployments": await deployments(cfg, deployment, stop) if deployment else None,
+        "baseline_answers": None if cfg.recorded_baseline else answers,
     }
+
+
+async def record_baseline(cfg: AbConfig, progress: Progress | None = None) -> dict[str, Any]:
+    """Ask the baseline alone and record its answers (one GPU: the candidate comes later, with
+    ``--baseline DIR``): ``baseline``, ``config``, ``setup_error``, ``interrupted``, ``errors``
+    (per failed prompt: id and error) and ``baseline_answers`` (as :func:`run_ab`). Never
+    raises for a server failure; a signal stops it as it stops :func:`run_ab`."""
+    base = Side("baseline", Client(cfg.baseline_url, cfg.api_key, cfg.timeout_s))
+    finished: dict[int, dict[str, Any]] = {}
+    interrupts = Interrupts()
+
+    async def prompts() -> dict[str, str] | None:
+        try:
+            await base.load_info(cfg.baseline_model)
+        except RequestFailed as exc:
+            return _error(exc)
+        for i, p in enumerate(cfg.prompts):  # one at a time: the batches of a lone request
+            try:
+                finished[i] = await _answer(cfg, p, base)
+            except RequestFailed as exc:
+                finished[i] = {"id": p.id, "error": _error(exc)}
+            if progress:
+                progress(len(finished), len(cfg.prompts), p.id)
+        return None
+
+    setup_error = None
+    try:
+        with interrupts.installed():
+            interrupts.task = asyncio.ensure_future(prompts())
+            try:
+                setup_error = await interrupts.task
+            except asyncio.CancelledError:
+                if interrupts.signal is None:
+                    raise
+    finally:
+        await base.aclose()
+    rows = [finished[i] for i in sorted(finished)]
+    return {
+        "baseline": base.info(),
+        "config": _config_dict(cfg),
+        "setup_error": setup_error,
+        "interrupted": _interruption(interrupts, len(rows), len(cfg.prompts)),
+        "errors": [r for r in rows if "error" in r],
+        "baseline_answers": [r for r in rows if "error" not in r],
+    }
+
+
+async def _answer(cfg: AbConfig, p: Prompt, base: Side) -> dict[str, Any]:
+    """The baseline's answers to one prompt, as :func:`compare_prompt` records them."""
+    if p.fill_fraction is not None:
+        p = await _fill(cfg, p, base, base)
+    ids = await base.tokenize(p.messages, p.text)
+    gen = await base.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed)
+    tf = await base.score(ids + gen.token_ids, cfg.top_logprobs) if gen.token_ids else []
+    return answer_line(p, ids, gen, None if tf is None else tf[len(ids) :])
 
 
 async def _setup_and_prompts(
@@ -163,13 +234,17 @@ async def deployments(
     """Both servers' deployment records, a line naming each and their differences (see the
     module docstring). Never raises: a capture that fails is recorded with its reason; after an
     interrupt nothing is captured (the report comes first)."""
+    cand_url = cfg.candidate_url or ""  # a comparison always has one (record_baseline: none)
     if stop is not None:
         why = f"the run was interrupted by {stop['signal']}"
         base = cand = probe.skipped(why)
+    elif cfg.recorded_baseline is not None:
+        base = probe.skipped(f"recorded answers ({cfg.recorded_baseline.source}): no live server")
+        cand = await asyncio.to_thread(probe.take, cand_url)
     else:
         base, cand = await asyncio.gather(
             asyncio.to_thread(probe.take, cfg.baseline_url),
-            asyncio.to_thread(probe.take, cfg.candidate_url),
+            asyncio.to_thread(probe.take, cand_url),
         )
     return {
         "baseline": base.record,
@@ -210,8 +285,10 @@ async def _run_prompts(
     await asyncio.gather(*(one(i, p) for i, p in enumerate(cfg.prompts)))
 
 
-async def prompt_tokens(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> list[int]:
-    """The prompt's token ids, long prompts filled first; both servers must agree.
+async def prompt_tokens(
+    cfg: AbConfig, p: Prompt, base: Side, cand: Side
+) -> tuple[Prompt, list[int]]:
+    """The prompt as sent (long prompts filled) and its token ids; both servers must agree.
 
     Raises:
         RequestFailed: a request failed, the tokenizers disagree, or a long prompt cannot be
@@ -230,7 +307,7 @@ async def prompt_tokens(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> lis
             f"the servers tokenize the prompt differently (first at token {at}); "
             "A/B needs the same tokenizer and chat template",
         )
-    return ids_b
+    return p, ids_b
 
 
 async def _fill(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> Prompt:
@@ -258,12 +335,14 @@ async def _fill(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> Prompt:
 
 
 async def compare_prompt(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> dict[str, Any]:
-    """Tokenize, generate on both, score the baseline continuation on both; the prompt's row.
+    """Tokenize, generate on both, score the baseline continuation on both; the prompt's row
+    (with ``_answer``, the baseline's answers as :func:`~flashnext.validate.ab_answers.answer_line`
+    records them, for the caller to take out).
 
     Raises:
         RequestFailed: any request of this prompt failed.
     """
-    ids = await prompt_tokens(cfg, p, base, cand)
+    sent, ids = await prompt_tokens(cfg, p, base, cand)
     gen_b, gen_c = await asyncio.gather(
         base.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed),
         cand.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed),
@@ -279,14 +358,17 @@ async def compare_prompt(cfg: AbConfig, p: Prompt, base: Side, cand: Side) -> di
         "tf": None,
         "error": None,
     }
+    tf_b = None
     if gen_b.token_ids:
         forced = ids + gen_b.token_ids
         tf_b, tf_c = await asyncio.gather(
             base.score(forced, cfg.top_logprobs), cand.score(forced, cfg.top_logprobs)
         )
+        n = len(ids)
         if tf_b is not None and tf_c is not None:
-            n = len(ids)
             row["tf"] = teacher_forced(tf_b[n:], tf_c[n:], gen_b.token_ids)
+        tf_b = None if tf_b is None else tf_b[n:]
+    row["_answer"] = answer_line(sent, ids, gen_b, tf_b if gen_b.token_ids else [])
     return row
 
 

@@ -1,4 +1,5 @@
-"""Files of ``flashnext validate ab``: ``ab.json`` (the record), ``ab.md``, ``ab.png``.
+"""Files of ``flashnext validate ab``: ``ab.json`` (the record), ``ab.md``, ``ab.png``, and
+the baseline's answers (``baseline-answers.jsonl``, :mod:`flashnext.validate.ab_answers`).
 
 ``ab.md`` is one page: the verdict with each check, both servers, the pooled numbers, a table
 of every prompt, both deployment records and what differs between them, and the worst prompts
@@ -16,6 +17,7 @@ from typing import Any
 
 from flashnext._extras import require
 from flashnext.records import dumps
+from flashnext.validate.ab_answers import ANSWERS_FILE
 from flashnext.validate.output import Render, Written, write_files
 
 WORST = 3
@@ -46,10 +48,12 @@ def _side_line(name: str, s: dict[str, Any]) -> str:
     tf = s["teacher_forcing"] or "not tried"
     note = f" ({s['teacher_forcing_note']})" if s.get("teacher_forcing_note") else ""
     down = f"; **down**: {s['down']}" if s.get("down") else ""
+    asked = (
+        f"recorded answers ({s['recorded']})" if s.get("recorded") else f"{s['requests']} requests"
+    )
     return (
         f"- {name}: {s['url']} · model `{s['model']}` · vLLM {s['version']} · "
-        f"max_model_len {s['max_model_len']} · teacher forcing: {tf}{note} · "
-        f"{s['requests']} requests{down}"
+        f"max_model_len {s['max_model_len']} · teacher forcing: {tf}{note} · {asked}{down}"
     )
 
 
@@ -198,14 +202,20 @@ def render_png(record: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-def write_ab(record: dict[str, Any], out_dir: Path, png: bool = True) -> Written:
-    """Write ab.json, ab.md and (when ``png`` and matplotlib is there) ab.png into ``out_dir``,
-    each on its own: one that cannot be written is named in the result, the others are still
-    written; a plot left out for want of matplotlib is a note."""
+def write_ab(
+    record: dict[str, Any], out_dir: Path, png: bool = True, answers: str | None = None
+) -> Written:
+    """Write ab.json, ab.md, (when ``png`` and matplotlib is there) ab.png and (when given) the
+    baseline's ``answers`` text into ``out_dir``, each on its own: one that cannot be written is
+    named in the result, the others are still written; a plot left out for want of matplotlib
+    is a note."""
     files: dict[str, Render] = {
         "ab.json": lambda: dumps(record),
         "ab.md": lambda: render_markdown(record),
     }
     if png:
         files["ab.png"] = lambda: render_png(record)
+    if answers is not None:
+        text = answers
+        files[ANSWERS_FILE] = lambda: text
     return write_files(out_dir, files)

@@ -72,6 +72,10 @@ class Side:
             "down": self.down,
         }
 
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self.client.aclose()
+
     async def post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST JSON; the decoded object, or :class:`RequestFailed` (server marked down when
         unreachable, so that later prompts are not sent to it)."""
