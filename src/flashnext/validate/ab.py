@@ -35,9 +35,9 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from flashnext.records import VALIDATE_AB
 from flashnext.validate import ab_metrics as M
@@ -49,6 +49,7 @@ from flashnext.validate.deployment import DeploymentProbe
 from flashnext.validate.interrupts import Interrupts
 
 KIND = VALIDATE_AB
+T = TypeVar("T")
 SCHEMA_VERSION = 1
 #: Room left for the chat template's own tokens when filling long prompts.
 _TEMPLATE_SLACK = 16
@@ -114,18 +115,10 @@ async def run_ab(
     )
     cand = Side("candidate", Client(cfg.candidate_url, cfg.api_key, cfg.timeout_s))
     finished: dict[int, dict[str, Any]] = {}
-    setup_error = None
     interrupts = Interrupts()
     try:
-        with interrupts.installed():
-            interrupts.task = asyncio.ensure_future(
-                _setup_and_prompts(cfg, base, cand, progress, finished)
-            )
-            try:
-                setup_error = await interrupts.task
-            except asyncio.CancelledError:
-                if interrupts.signal is None:
-                    raise
+        work = _setup_and_prompts(cfg, base, cand, progress, finished)
+        setup_error = await _interruptible(interrupts, work)
     finally:
         await asyncio.gather(base.aclose(), cand.aclose())
     wall_s = round(time.monotonic() - t0, 3)
@@ -174,15 +167,8 @@ async def record_baseline(cfg: AbConfig, progress: Progress | None = None) -> di
                 progress(len(finished), len(cfg.prompts), p.id)
         return None
 
-    setup_error = None
     try:
-        with interrupts.installed():
-            interrupts.task = asyncio.ensure_future(prompts())
-            try:
-                setup_error = await interrupts.task
-            except asyncio.CancelledError:
-                if interrupts.signal is None:
-                    raise
+        setup_error = await _interruptible(interrupts, prompts())
     finally:
         await base.aclose()
     rows = [finished[i] for i in sorted(finished)]
@@ -204,6 +190,18 @@ async def _answer(cfg: AbConfig, p: Prompt, base: Side) -> dict[str, Any]:
     gen = await base.generate(ids, cfg.max_tokens, cfg.top_logprobs, cfg.seed)
     tf = await base.score(ids + gen.token_ids, cfg.top_logprobs) if gen.token_ids else []
     return answer_line(p, ids, gen, None if tf is None else tf[len(ids) :])
+
+
+async def _interruptible(interrupts: Interrupts, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, run as the task the first SIGINT/SIGTERM cancels (None then)."""
+    with interrupts.installed():
+        interrupts.task = asyncio.ensure_future(work)
+        try:
+            return await interrupts.task
+        except asyncio.CancelledError:
+            if interrupts.signal is None:
+                raise
+            return None
 
 
 async def _setup_and_prompts(
