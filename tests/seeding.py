@@ -15,6 +15,7 @@ when an unseeded generator appears in ``tests/`` again.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import zlib
 
@@ -35,17 +36,34 @@ def _session_seed() -> int:
 
 
 SEED = _session_seed()
+
+
+def adopt_seed(seed: int) -> None:
+    """Use the run's seed drawn by another process: a pytest-xdist worker takes its controller's
+    (tests/conftest.py), before any test module imports ``SEED``."""
+    global SEED
+    SEED = seed
+
+
 _asked: dict[tuple[str, str], int] = {}
+#: The ``@group`` pytest-xdist appends to a test id under ``--dist loadgroup``.
+_XDIST_GROUP = re.compile(r"@[^\[\]@:]*$")
+
+
+def plain_test_id(nodeid: str) -> str:
+    """A test id as ``pytest ID`` takes it: without xdist's ``@group`` suffix."""
+    return _XDIST_GROUP.sub("", nodeid)
 
 
 def seeded_rng(*keys: str) -> np.random.Generator:
-    """A generator seeded from the run's seed and ``keys`` (stable strings)."""
-    return np.random.default_rng([SEED, *(zlib.crc32(k.encode()) for k in keys)])
+    """A generator seeded from the run's seed and ``keys`` (stable strings; a test id counts
+    without xdist's group suffix, so a test draws the same numbers with and without workers)."""
+    return np.random.default_rng([SEED, *(zlib.crc32(plain_test_id(k).encode()) for k in keys)])
 
 
 def current_test_id() -> str:
     """The node id of the test pytest is running now ('' outside a test)."""
-    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    return plain_test_id(os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0])
 
 
 def current_test_rng(label: str) -> np.random.Generator:

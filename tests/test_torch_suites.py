@@ -38,7 +38,8 @@ def test_torch_suites_pass_on_cpu_torch(tmp_path: Path) -> None:
         "TRITON_INTERPRET": "1",
         SEED_ENV: str(SEED),
     }
-    cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+    # -o addopts=: that venv has no pytest-xdist for pyproject's workers (one process here)
+    cmd = [str(python), "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "--basetemp",
            str(tmp_path / "inner"), *TORCH_SUITES]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     print(run.stdout[-6000:], run.stderr[-2000:])

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from devtools.vllm_cpu import ensure_vllm_venv, vllm_venv_dir
+from devtools.vllm_cpu import ensure_vllm_venv, install_lock, vllm_venv_dir
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
@@ -46,6 +46,11 @@ def overlay_dir() -> Path:
 def ensure_overlay(python: Path) -> Path:
     """Install the overlay once (about a minute; cached, redone when the pins change)."""
     target = overlay_dir()
+    with install_lock(target):
+        return _ensure_overlay(python, target)
+
+
+def _ensure_overlay(python: Path, target: Path) -> Path:
     marker = target / MARKER
     want = "\n".join(OVERLAY_PINS) + "\n"
     if marker.exists() and marker.read_text() == want:

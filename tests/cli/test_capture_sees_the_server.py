@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,10 +55,12 @@ def test_not_an_openai_server(tmp_path, capsys):
     )  # fmt: skip
     try:
         code, err = 1, ""
-        for _ in range(200):
+        deadline = time.monotonic() + 60  # until http.server listens (slow on a loaded box)
+        while time.monotonic() < deadline:
             code, _, err = _capture(capsys, "--url", f"http://127.0.0.1:{port}")
             if "unreachable" not in err:
                 break
+            time.sleep(0.05)
         assert code == 1 and "no served model listed (HTTP 404)" in _one_error_line(err)
     finally:
         proc.terminate()

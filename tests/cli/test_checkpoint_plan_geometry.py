@@ -42,8 +42,11 @@ def _changed(config, **text):
 
 
 def _plan(capsys, ckpt, sidecar):
+    """(exit code, stdout, stderr with its lines joined: rich wraps at the console's width,
+    where paths of any length fall)."""
     argv = ["checkpoint", "plan", ckpt.root, "--repo", "org/model", "--sidecar", sidecar]
-    return run_in_process([str(a) for a in argv], capsys)
+    code, out, err = run_in_process([str(a) for a in argv], capsys)
+    return code, out, " ".join(err.split())
 
 
 def test_own_geometry_is_ok(ckpt, tmp_path, rng, capsys):

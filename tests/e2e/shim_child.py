@@ -61,6 +61,22 @@ def triton_cases(seed: int) -> dict[str, object]:
         result["mask_equal_to_numpy"] = bool(np.array_equal(out.numpy(), ref))
     except Exception as exc:
         result["mask_equal_to_numpy"] = f"{type(exc).__name__}: {exc}"
+
+    @triton.jit
+    def nested(x, out, N: tl.constexpr):
+        # tl.sum, tl.max and tl.sigmoid are @triton.jit functions: calls the interpreter
+        # re-patches for (the triton_repatch shim skips that)
+        h = tl.program_id(0)
+        v = tl.load(x + h * N + tl.arange(0, N))
+        tl.store(out + h, tl.sum(tl.sigmoid(v) * v, axis=0) + tl.max(v, axis=0))
+
+    x = torch.randn(8, 64, generator=gen) * 3
+    out = torch.empty(8)
+    try:
+        nested[(8,)](x, out, N=64)
+        result["nested_bits"] = out.numpy().view(np.uint32).tolist()
+    except Exception as exc:
+        result["nested_bits"] = f"{type(exc).__name__}: {exc}"
     from triton.backends import backends
 
     result["cpu_backend"] = "cpu" in backends

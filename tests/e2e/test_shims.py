@@ -53,6 +53,14 @@ def test_without_the_interpreter_fix_bf16_math_and_scalar_masks_break(
     assert "mask has unsupported dtype" in str(got["mask_equal_to_numpy"]), got
 
 
+def test_skipping_the_repatching_changes_no_bit(e2e_runtime: E2eRuntime, rng_seed: int) -> None:
+    fast = _child(e2e_runtime, rng_seed)
+    slow = _child(e2e_runtime, rng_seed, off="triton_repatch")
+    assert isinstance(fast["nested_bits"], list) and len(fast["nested_bits"]) == 8, fast
+    assert fast["nested_bits"] == slow["nested_bits"]
+    assert fast["bf16_equal_to_torch"] == slow["bf16_equal_to_torch"] == [True] * 4
+
+
 def test_without_the_torchvision_shim_the_cuda_build_does_not_import(
     e2e_runtime: E2eRuntime, rng_seed: int
 ) -> None:

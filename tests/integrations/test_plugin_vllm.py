@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from devtools.vllm_cpu import ensure_vllm_venv, free_port
+from devtools.vllm_cpu import free_port
 from flashnext.ple.destination import write_sidecar
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
@@ -51,11 +51,6 @@ WORLD_RANKS = ((1, 0), (2, 0), (2, 1))
 TAKEN = ("weight", "shard_.weight", "weight_scale")
 
 
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    return ensure_vllm_venv()
-
-
 def _entry_point_dir(root: Path) -> Path:
     """A dist-info that declares the plugin's entry point, as ``pip install flashnext`` would."""
     info = root / "flashnext_plugin_under_test-0.0.dist-info"
@@ -80,7 +75,7 @@ def _tokens(rng: np.random.Generator) -> dict:
 
 @pytest.fixture(scope="module")
 def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import SEED, seeded_rng
+    from tests.seeding import SEED, seeded_rng
 
     rng = seeded_rng("test_plugin_vllm")
     root = tmp_path_factory.mktemp("plugin")

