@@ -267,3 +267,18 @@ def test_recorded_baseline_flags_are_checked_before_any_request(tmp_path: Path, 
     path.write_text("{}\n")
     done = run("validate", "ab", "--baseline", path, *cand)
     assert done.returncode == 2 and "not a baseline answers file" in done.stderr
+
+
+def test_recording_an_unreachable_server_is_one_error_line(tmp_path: Path):
+    """Record-only (no --candidate) against a port nothing listens on: exit 1, one error line
+    naming the baseline, nothing on stdout, no answers file."""
+    from ..cli.inputs import closed_port
+    from ..cli.runner import run
+
+    url = f"http://127.0.0.1:{closed_port()}"
+    done = run("validate", "ab", "--baseline", url, "--out", tmp_path / "rec")
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: baseline: unreachable"), done.stderr
+    assert not (tmp_path / "rec" / "baseline-answers.jsonl").exists()

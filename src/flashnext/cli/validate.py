@@ -575,7 +575,7 @@ def _record_only(ctx: click.Context, payload: dict[str, Any], out_dir: Path, as_
         if as_json:
             sys.stdout.write(dumps(summary, indent=None))
             sys.stdout.flush()
-        else:
+        elif not payload["setup_error"]:  # a server never reached has nothing to count
             server = payload["baseline"]
             click.echo(f"recorded {len(answers)} of {len(payload['config']['prompt_ids'])} "
                        f"prompts of {server['model']} ({server['url']})")  # fmt: skip
