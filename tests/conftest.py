@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_xdist_node_collection_finished(node: object, ids: list[str]) -> None:
     # Each worker's test ids end in "@group" under loadgroup: without it the groups are ignored
     # and both workers would run tests/e2e's servers (pytest-xdist#1386, pytest 9.2).
-    lost = [i for i in ids if "@" not in i.rsplit("]", 1)[-1]]
+    lost = [i for i in ids if plain_test_id(i) == i]
     if lost:
         raise pytest.UsageError(
             f"pytest-xdist did not group {len(lost)} tests (first: {lost[0]}): pytest "
@@ -154,11 +154,17 @@ def early_boot_pool(
         pool.stop_all()
 
 
+@pytest.fixture(scope="session")
+def _session_boots_selected(request: pytest.FixtureRequest) -> bool:
+    """Whether a selected test has an early boot marked ``at="session"`` (asked once)."""
+    return any_marked(request.session.items, "session")
+
+
 @pytest.fixture(autouse=True)
-def _session_start_boots(request: pytest.FixtureRequest) -> None:
+def _session_start_boots(request: pytest.FixtureRequest, _session_boots_selected: bool) -> None:
     """At the vllm-cpu group's first test (on its worker): launch the early boots marked
     ``at="session"``, if any is selected (later calls find none pending)."""
-    if worker_group(request.node) == "vllm-cpu" and any_marked(request.session.items, "session"):
+    if _session_boots_selected and worker_group(request.node) == "vllm-cpu":
         request.getfixturevalue("early_boot_pool").launch("session")
 
 
