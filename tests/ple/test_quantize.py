@@ -119,3 +119,35 @@ def test_non_finite_source_rows_are_named(tmp_path, rng):
         quantize_table(
             SidecarSource(tmp_path / "bad"), tmp_path / "out", "int4", 100, block_rows=100
         )
+
+
+def test_an_interrupt_leaves_no_worker_and_no_pool_thread(tmp_path, source, monkeypatch):
+    """An exception out of a worker run (the CLI turns SIGTERM into one) ends the workers and
+    joins the pool's manager thread before it goes on: a manager left running races the
+    interpreter's exit hook for its wakeup pipe (a traceback after the CLI's error line)."""
+    import multiprocessing
+    import threading
+    import time
+    from concurrent.futures import process
+
+    src, _ = source
+    # injected fault: a manager thread slow to wind down, as on a loaded machine (idle, it ends
+    # within microseconds and the race cannot be seen)
+    wind_down = process._ExecutorManagerThread.join_executor_internals
+
+    def slow_wind_down(self):
+        time.sleep(0.5)
+        wind_down(self)
+
+    monkeypatch.setattr(process._ExecutorManagerThread, "join_executor_internals", slow_wind_down)
+
+    def interrupt(result, rows):
+        if result is not None:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        quantize_table(
+            SidecarSource(src), tmp_path / "q", "int4", 500, workers=2, on_shard=interrupt
+        )
+    managers = [t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"]
+    assert managers == [] and multiprocessing.active_children() == []

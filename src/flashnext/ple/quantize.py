@@ -469,11 +469,17 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """Cancel what has not started and end the running workers now (their shards are lost;
     a temporary file they leave is removed by the next run)."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for proc in processes:
         proc.terminate()
     for proc in processes:
         proc.join(timeout=10)
+    # shutdown(wait=False) forgets the pool's manager thread, so no later shutdown joins it. Left
+    # running, it closes its wakeup pipe while the interpreter's exit hook writes to that pipe
+    # (CPython 3.11: "OSError: [Errno 9] Bad file descriptor" printed after our error line).
+    if manager is not None:
+        manager.join(timeout=30)
 
 
 def _table_rmse(records: Iterable[Mapping[str, Any]]) -> float:
