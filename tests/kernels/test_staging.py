@@ -179,3 +179,28 @@ def test_the_segment_directory_finds_every_rows_segment(kind, rng):
                            seg_start[1:] - 1, [end - 1], rng.integers(first, end, 20_000)])  # fmt: skip
     want = np.searchsorted(seg_start, rows, "right") - 1
     np.testing.assert_array_equal(find_all(rows.astype(np.int64), seg_start, seg_dir, shift), want)
+
+
+def test_a_setting_changed_between_steps_takes_effect(tables, rng):
+    """A step's call reads its settings from a context built once (``stage_step``): every
+    setting it holds, changed between steps, is in the next step's context, and the steps
+    stay exact."""
+    from flashnext.kernels import _staging
+
+    table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS)
+    stager.cache_rows(rng.permutation(ROWS), 100 * layout.record_bytes)
+    cached = {int(r): j for j, r in enumerate(np.flatnonzero(stager.slot_map >= 0) + LO)}
+    _check_step(table, layout, stager, slot, rng.integers(0, ROWS, size=(9, HEADS)), cached)
+    for name, word, value in (
+        ("serial_rows", _staging._SERIAL_ROWS, -1),
+        ("depth", _staging._DEPTH, 3),
+        ("hash_ids", _staging._HASH_IDS, 0),
+    ):
+        setattr(stager, name, value)
+        assert stager._context(0)[word] == value, name
+        _check_step(table, layout, stager, slot, rng.integers(0, ROWS, size=(9, HEADS)), cached)
+    stager.cache_rows(np.empty(0, np.int64), 0)
+    assert stager._context(0)[_staging._CACHED] == 0
+    second = np.full(stager.slot_bytes, 0xCD, np.uint8)
+    assert stager.add_slot(second) == 1
+    assert stager._context(1)[_staging._WORDS] == second.ctypes.data

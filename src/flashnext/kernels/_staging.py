@@ -25,7 +25,9 @@ layout). Two ways to dedup, both exact:
   which the lookup kernel turns into zero rows.
 
 Either way one call does all of a small step's work on the calling thread (handing work to
-numba's threads costs more than gathering a few hundred rows); a step with more unique rows
+numba's threads costs more than gathering a few hundred rows): :func:`stage_step`, which reads
+every argument but the ids from the slot's step context (an int64 array of addresses, sizes and
+settings, built once); a step with more unique rows
 than ``serial_rows`` returns ``-(n + 1)`` and the caller gathers with :func:`gather_parallel`
 (each core walks its own page tables: random rows of a memory map are bound by page walks,
 not bandwidth). :func:`gather_into` copies each unique row's stored bytes, tensor by tensor,
@@ -56,7 +58,7 @@ from flashnext.kernels.cache_plan import HIT_BLOCK  # 6 words of bits after 2 of
 from flashnext.kernels.records import RecordLayout
 
 # the address intrinsics of the CPU lookup kernels (one definition for both)
-from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch
+from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch, _ptr
 from flashnext.ple.mapping import touch_pages
 from flashnext.ple.table import PLETable, StoredTable
 
@@ -432,6 +434,58 @@ def stage_sorted(  # type: ignore[no-untyped-def]
     return n
 
 
+# The words of a step context (HostStager._context): every argument of stage_cached and
+# stage_sorted but the ids, as int64 addresses, sizes and knobs. A decode step's call then
+# unboxes two arrays instead of 23 arguments: numba's dispatch of those took 2.1 us of a
+# 26 us T = 32 step on the development VM, Python's choice of path and offsets 0.7 us more
+# (on the H200's host the fill went from ~27 to ~24 us, BENCHMARKS.md "Fifth pass").
+(_LO, _HI, _CACHED, _HASH_IDS, _SERIAL_ROWS, _DEPTH, _REC_BYTES, _INDEX, _BLOCKS, _SLOT_MAP,
+ _MAP_ROWS, _HASH, _HASH_SIZE, _KEYS, _UNIQ, _POS, _MAX_IDS, _WORDS, _SLOT_WORDS, _SEG_START,
+ _SEGMENTS, _SEG_DIR, _DIR_SIZE, _SEG_SHIFT, _BASES, _FIELDS, _ROW_BYTES, _FIELD_OFF,
+ _SHARD_STARTS, _SHARDS, _SCALARS, _N_SCALARS, CONTEXT_WORDS) = range(33)  # fmt: skip
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _align16(n):  # type: ignore[no-untyped-def]
+    return (n + 15) & ~15
+
+
+@numba.njit(nogil=True, cache=True)
+def stage_step(ids, ctx):  # type: ignore[no-untyped-def]
+    """:func:`stage_cached` (a cache is set) or :func:`stage_sorted` of ``ids`` (int64 [n],
+    n <= the context's max ids), every other argument read from the step context ``ctx``
+    (int64 [CONTEXT_WORDS], :meth:`HostStager._context`): the same return value. The slot's
+    offsets are :meth:`HostStager.offsets`'."""
+    n = ids.size
+    lo, hi = ctx[_LO], ctx[_HI]
+    s2_at = _align16(4 * n)
+    rec_at = _align16(s2_at + (4 * n if ctx[_N_SCALARS] else 0))
+    words = numba.carray(_ptr(ctx[_WORDS]), ctx[_SLOT_WORDS], np.int32)
+    fwords = numba.carray(_ptr(ctx[_WORDS]), ctx[_SLOT_WORDS], np.float32)
+    uniq = numba.carray(_ptr(ctx[_UNIQ]), ctx[_MAX_IDS], np.int64)
+    seg_start = numba.carray(_ptr(ctx[_SEG_START]), ctx[_SEGMENTS], np.int64)
+    seg_dir = numba.carray(_ptr(ctx[_SEG_DIR]), ctx[_DIR_SIZE], np.int64)
+    bases = numba.carray(_ptr(ctx[_BASES]), (ctx[_FIELDS], ctx[_SEGMENTS]), np.int64)
+    row_bytes = numba.carray(_ptr(ctx[_ROW_BYTES]), ctx[_FIELDS], np.int64)
+    field_off = numba.carray(_ptr(ctx[_FIELD_OFF]), ctx[_FIELDS], np.int64)
+    shard_starts = numba.carray(_ptr(ctx[_SHARD_STARTS]), ctx[_SHARDS], np.int64)
+    scalars = numba.carray(_ptr(ctx[_SCALARS]), ctx[_N_SCALARS], np.float32)
+    if ctx[_CACHED]:
+        index = numba.carray(_ptr(ctx[_INDEX]), (ctx[_BLOCKS], 8), np.uint64)
+        slot_map = numba.carray(_ptr(ctx[_SLOT_MAP]), ctx[_MAP_ROWS], np.int32)
+        hashed = ctx[_HASH_SIZE] if n <= ctx[_HASH_IDS] else 0
+        table = numba.carray(_ptr(ctx[_HASH]), hashed, np.int32)
+        pos = numba.carray(_ptr(ctx[_POS]), ctx[_MAX_IDS], np.int64)
+        return stage_cached(ids, lo, hi, index, slot_map, table, uniq, pos, words, fwords,
+                            s2_at >> 2, rec_at, ctx[_REC_BYTES], seg_start, seg_dir,
+                            ctx[_SEG_SHIFT], bases, row_bytes, field_off, shard_starts, scalars,
+                            ctx[_SERIAL_ROWS], ctx[_DEPTH])  # fmt: skip
+    keys = numba.carray(_ptr(ctx[_KEYS]), ctx[_MAX_IDS], np.int64)
+    return stage_sorted(ids, lo, hi, keys, uniq, words, fwords, s2_at >> 2, rec_at,
+                        ctx[_REC_BYTES], seg_start, seg_dir, ctx[_SEG_SHIFT], bases, row_bytes,
+                        field_off, shard_starts, scalars, ctx[_SERIAL_ROWS], ctx[_DEPTH])  # fmt: skip
+
+
 # -- the host side of one staged table (numpy only: benchmarks run it without torch) ---------
 def align(n: int, k: int = 16) -> int:
     """``n`` rounded up to a multiple of ``k``."""
@@ -556,6 +610,7 @@ class HostStager:
     ):
         if max_ids > 1 << POS_BITS:
             raise KernelError(f"max_ids is {max_ids}, at most {1 << POS_BITS}")
+        self._contexts: list[np.ndarray] | None = None  # per slot, built at the first step
         self.src = row_source(stored, layout)
         self.record_bytes = layout.record_bytes
         self.row_range = (int(row_range[0]), int(row_range[1]))
@@ -574,9 +629,49 @@ class HostStager:
         self._counts = np.empty(64, np.int64)
         self._index = np.empty((0, 8), np.uint64)  # build_hit_index's, with the slot map
         self._hash = np.empty(2 * min(self.max_ids, HASH_IDS), np.int32)  # dedup_hashed's
-        self._no_hash = self._hash[:0]  # steps above hash_ids: the slot map
         self._rows, self._shards = self.src.rows, self.src.shards  # built once, not per step
         self._slots: list[tuple[np.ndarray, np.ndarray, int]] = []
+
+    #: What a step context holds besides addresses that never change: setting one rebuilds
+    #: the contexts at the next step (benchmarks change the knobs between steps).
+    _CONTEXT_INPUTS = frozenset({"slot_map", "_index", "serial_rows", "hash_ids", "depth"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in HostStager._CONTEXT_INPUTS:
+            object.__setattr__(self, "_contexts", None)
+
+    def _context(self, slot: int) -> np.ndarray:
+        """Slot ``slot``'s step context for :func:`stage_step` (int64 [CONTEXT_WORDS]); the
+        arrays it points into are this object's, kept alive by it."""
+        if self._contexts is None:
+            self._contexts = [self._build_context(words) for words, _, _ in self._slots]
+        return self._contexts[slot]
+
+    def _build_context(self, words: np.ndarray) -> np.ndarray:
+        src = self.src
+        cached = self.slot_map is not None
+        slot_map = self._hash[:0] if self.slot_map is None else self.slot_map  # never read
+        ctx = np.zeros(CONTEXT_WORDS, np.int64)
+        for at, value in (
+            (_LO, self.row_range[0]), (_HI, self.row_range[1]), (_CACHED, int(cached)),
+            (_HASH_IDS, self.hash_ids), (_SERIAL_ROWS, self.serial_rows), (_DEPTH, self.depth),
+            (_REC_BYTES, self.record_bytes), (_INDEX, self._index.ctypes.data),
+            (_BLOCKS, self._index.shape[0]), (_SLOT_MAP, slot_map.ctypes.data),
+            (_MAP_ROWS, slot_map.size), (_HASH, self._hash.ctypes.data),
+            (_HASH_SIZE, self._hash.size), (_KEYS, self._keys.ctypes.data),
+            (_UNIQ, self._uniq.ctypes.data), (_POS, self._pos.ctypes.data),
+            (_MAX_IDS, self.max_ids), (_WORDS, words.ctypes.data), (_SLOT_WORDS, words.size),
+            (_SEG_START, src.seg_start.ctypes.data), (_SEGMENTS, src.seg_start.size),
+            (_SEG_DIR, src.seg_dir.ctypes.data), (_DIR_SIZE, src.seg_dir.size),
+            (_SEG_SHIFT, src.seg_shift), (_BASES, src.bases.ctypes.data),
+            (_FIELDS, src.row_bytes.size), (_ROW_BYTES, src.row_bytes.ctypes.data),
+            (_FIELD_OFF, src.field_off.ctypes.data),
+            (_SHARD_STARTS, src.shard_starts.ctypes.data), (_SHARDS, src.shard_starts.size),
+            (_SCALARS, src.scalars.ctypes.data), (_N_SCALARS, src.scalars.size),
+        ):  # fmt: skip
+            ctx[at] = value
+        return ctx
 
     def add_slot(self, slot: np.ndarray) -> int:
         """Register a staging slot (uint8 ``[>= slot_bytes]``, kept alive by the caller);
@@ -587,6 +682,7 @@ class HostStager:
         words = slot[: self.slot_bytes].view(np.int32)
         fwords = slot[: self.slot_bytes].view(np.float32)
         self._slots.append((words, fwords, int(slot.ctypes.data)))
+        self._contexts = None
         return len(self._slots) - 1
 
     def offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
@@ -606,32 +702,27 @@ class HostStager:
         A small step is one numba call on this thread; a big one reads the slot map (or sorts
         its keys with numpy) and gathers on numba's threads.
         """
+        cached = self.slot_map is not None
+        if not (cached and flat.size >= self.parallel_ids and self.workers > 1):
+            n = stage_step(flat, self._context(slot))
+            if n >= 0:
+                return n  # deduplicated and gathered in the one call
         lo, hi = self.row_range
         s2_at, rec_at, _ = self.offsets(flat.size, 0)
         words, fwords, addr = self._slots[slot]
         uniq, rb, serial = self._uniq, self.record_bytes, self.serial_rows
         rows, shards = self._rows, self._shards
-        if self.slot_map is not None and flat.size >= self.parallel_ids and self.workers > 1:
+        if not cached:
+            keys = self._keys[: -n - 1]
+            keys.sort()  # many keys: numpy's sort is the fastest
+            n = unique_sorted(keys, words, uniq)
+        elif flat.size >= self.parallel_ids and self.workers > 1:
             chunks = max(1, min(self.workers, flat.size >> 12, self._counts.size))
             classify(flat, lo, hi, self._index, words, self._pos, self._counts, chunks)
             n = dedup_positions(flat, lo, self.slot_map, words, uniq, self._pos, self._counts,
                                 chunks)  # fmt: skip
-        elif self.slot_map is not None:
-            table = self._hash if flat.size <= self.hash_ids else self._no_hash
-            n = stage_cached(flat, lo, hi, self._index, self.slot_map, table, uniq,
-                             self._pos, words, fwords, s2_at >> 2, rec_at, rb, *rows, *shards,
-                             serial, self.depth)  # fmt: skip
-            if n >= 0:
-                return int(n)  # gathered too
-            n = -n - 1
         else:
-            n = stage_sorted(flat, lo, hi, self._keys, uniq, words, fwords, s2_at >> 2, rec_at,
-                             rb, *rows, *shards, serial, self.depth)  # fmt: skip
-            if n >= 0:
-                return int(n)
-            keys = self._keys[: -n - 1]
-            keys.sort()  # many keys: numpy's sort is the fastest
-            n = unique_sorted(keys, words, uniq)
+            n = -n - 1  # deduplicated; too many rows for this thread alone
         dst = addr + rec_at
         if n <= serial:
             gather_into(uniq, 0, n, *rows, dst, rb, *shards, fwords, s2_at >> 2, self.depth)

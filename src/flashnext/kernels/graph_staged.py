@@ -168,7 +168,7 @@ class GraphStagedTable(StagedTable):
                 )
         t_fill = time.perf_counter()
         flat = flat_ids(arr)
-        n_unique = self._fill(0, flat)
+        n_unique = self._stager.fill(0, flat)  # a decode step's whole host work: one call
         t_flag = time.perf_counter()
         self._flag_np[0] = 1  # x86 keeps store order: the slot's bytes are visible first
         return StagedBatch(

@@ -148,7 +148,7 @@ class StagedTable:
             copied.synchronize()
         t_gather = time.perf_counter()
         flat = flat_ids(arr)
-        n_unique = self._fill(slot, flat)
+        n_unique = self._stager.fill(slot, flat)
         t_copy = time.perf_counter()
         used = self._offsets(flat.size, n_unique)[-1]
         self._dev[slot][:used].copy_(self._host[slot][:used], non_blocking=True)
@@ -166,10 +166,6 @@ class StagedTable:
                 "copy_enqueue_us": (t_end - t_copy) * 1e6,
             },
         )
-
-    def _fill(self, slot: int, flat: np.ndarray) -> int:
-        """Dedup ``flat`` and gather its rows into slot ``slot``; returns the unique count."""
-        return self._stager.fill(slot, flat)
 
     def lookup(self, batch: StagedBatch, out: Any = None) -> Any:
         """bf16 ``[T, heads * width]`` for a staged batch, on the current stream (the one
