@@ -34,7 +34,10 @@ every scenario: its times, the page faults (minor/major) of the decode steps (th
 decode-sized lookups run on the caller's thread, so a background warmer's faults are not
 counted), of the prefill and of the open (the process), and the share of the table's mapped
 bytes on 2 MiB pages (``FilePmdMapped`` / ``Rss`` of its maps in /proc/self/smaps) before and
-after the lookups. The JSON holds the same per repeat (``per_repeat``) and the load average.
+after the lookups, and the host probe taken right after the first step (``HostProbe``: how fast
+this machine served random reads of private memory, and a fixed in-cache computation, at that
+moment; a slow first step beside a slow probe is the host, beside a usual one it is the lookup).
+The JSON holds the same per repeat (``per_repeat``) and the load average.
 """
 
 from __future__ import annotations
@@ -97,6 +100,27 @@ def anonymous_bytes() -> int:
 
 
 # -- inputs ------------------------------------------------------------------------------------
+class HostProbe:
+    """Microseconds this machine takes, now, for 4,096 random reads of a private 256 MB buffer
+    touched once at start (DRAM, TLB and the host's handling of guest memory) and for a fixed
+    computation on 64 KiB in cache (CPU speed and steal): measured beside each first step, so
+    a slow one can be told from a slow host. Neither touches the table."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.buf = np.ones(256 << 20, np.uint8)  # written: no first touch left to the probe
+        self.idx = rng.integers(0, self.buf.size, 4096)
+        self.small = rng.random(16384).astype(np.float32)
+
+    def __call__(self) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        int(self.buf[self.idx].sum())
+        t1 = time.perf_counter()
+        for _ in range(20):
+            float(self.small.sum())
+        t2 = time.perf_counter()
+        return (t1 - t0) * 1e6, (t2 - t1) * 1e6
+
+
 @dataclass
 class Workload:
     decode: list[np.ndarray]  # int64 [REQUESTS, heads] per decode step
@@ -107,6 +131,7 @@ class Workload:
     # Output buffers allocated once, so anonymous memory measures tables, not results.
     out_decode: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
     out_prefill: np.ndarray = field(default_factory=lambda: np.empty(0, np.float32))
+    probe: HostProbe | None = None
 
     def allocate(self, width: int) -> None:
         self.out_decode = np.zeros((*self.decode[0].shape, width), np.float32)
@@ -210,6 +235,9 @@ def run_lookups(table: object, work: Workload, root: Path | None = None) -> Run:
         t = time.perf_counter()
         lookup(ids, out=work.out_decode)
         times.append(time.perf_counter() - t)
+        if len(times) == 1 and work.probe is not None:  # after the first step: not before it,
+            # where its reads would wake the CPU and caches for the step it is to explain
+            extra["probe_mem_us"], extra["probe_cpu_us"] = work.probe()
     decode_faults = faults() - before
     before = faults(resource.RUSAGE_SELF)
     t = time.perf_counter()
@@ -321,6 +349,7 @@ def main() -> None:
     geo = PLEGeometry.from_config(config)
     work = make_workload(geo, tok, eos, args.steps)
     work.allocate(geo.width)
+    work.probe = HostProbe(rng)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="coldstart-") as tmp:
         path = build_table(Path(tmp), geo, rng)
         files = sorted(path.glob("shard_*.safetensors"))
@@ -442,18 +471,20 @@ def print_table(out: dict) -> None:  # type: ignore[type-arg]
 
 def print_repeats(out: dict) -> None:  # type: ignore[type-arg]
     """Every repeat: times, the faults of the decode steps (this thread), of the prefill and
-    of the open (process), and the share of the maps on 2 MiB pages before / after."""
+    of the open (process), the share of the maps on 2 MiB pages before / after, and the host
+    probe beside the first step."""
     print(f"{'scenario':14} {'rep':>3} {'decode ms':>10} {'first ms':>9} {'prefill ms':>10} "
           f"{'decode min/maj flt':>19} {'prefill min/maj':>16} {'open min/maj':>14} "
-          f"{'2 MiB before/after':>19}")  # fmt: skip
+          f"{'2 MiB before/after':>19} {'probe mem/cpu us':>17}")  # fmt: skip
     for name, reps in out["per_repeat"].items():
         for k, r in enumerate(reps, 1):
             flt = {w: f"{r.get(w + '_minflt', 0)}/{r.get(w + '_majflt', 0)}"
                    for w in ("decode", "prefill", "open")}  # fmt: skip
             huge = f"{r.get('huge_share_before', 0):.0%}/{r.get('huge_share_after', 0):.0%}"
+            probe = f"{r.get('probe_mem_us', 0):.0f}/{r.get('probe_cpu_us', 0):.0f}"
             print(f"{name:14} {k:>3} {r['decode_ms']:10.2f} {r['first_step_ms']:9.2f} "
                   f"{r['prefill_ms']:10.2f} {flt['decode']:>19} {flt['prefill']:>16} "
-                  f"{flt['open']:>14} {huge:>19}")  # fmt: skip
+                  f"{flt['open']:>14} {huge:>19} {probe:>17}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -103,6 +103,9 @@ def test_cpu_benchmark_runs_end_to_end(script: str, tmp_path: Path) -> None:
     if "--json" in how:
         record = json.loads(out)
         assert record.get("results") or record.get("rows"), out[:2000]
+        if script == "coldstart.py":  # the host probe beside every repeat's first step
+            reps = [r for rs in record["per_repeat"].values() for r in rs]
+            assert all(r["probe_mem_us"] > 0 and r["probe_cpu_us"] > 0 for r in reps), reps
     elif script == "text_tokens.py":
         assert np.load(tmp_path / "tokens/text.npy").size > 1000
     else:
