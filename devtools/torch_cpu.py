@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from devtools.vllm_cpu import ensure_vllm_venv, vllm_venv_dir
+from devtools.vllm_cpu import ensure_vllm_venv, install_lock, vllm_venv_dir
 
 EXTRA_PINS = [
     "triton==3.6.0",
@@ -39,10 +39,17 @@ def ensure_torch_test_env() -> tuple[Path, Path]:
     """
     python = ensure_vllm_venv()
     target = extras_dir()
+    # two test workers may ask at once (tests/test_torch_suites.py, tests/test_bench_scripts.py)
+    with install_lock(target):
+        _ensure_extras(python, target)
+    return python, target
+
+
+def _ensure_extras(python: Path, target: Path) -> None:
     marker = target / MARKER
     want = "\n".join(EXTRA_PINS) + "\n"
     if marker.exists() and marker.read_text() == want:
-        return python, target
+        return
     shutil.rmtree(target, ignore_errors=True)
     subprocess.run(
         [str(python), "-m", "pip", "--disable-pip-version-check", "install", "--quiet",
@@ -50,4 +57,3 @@ def ensure_torch_test_env() -> tuple[Path, Path]:
         check=True,
     )  # fmt: skip
     marker.write_text(want)
-    return python, target
