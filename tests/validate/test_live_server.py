@@ -251,10 +251,14 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(early_boots, tmp_path: 
     conc = s["concurrency"]
     assert conc["status"] == "fail"
     text = "\n".join(conc["failures"])
-    assert "server unreachable in round 1; remaining rounds not run" in text
+    # the kill lands in round 1 as a rule, in a later one when round 1 finished before the
+    # killer saw the engine busy (a loaded machine): that round is the last one run
+    rounds = conc["evidence"]["rounds"]
+    hit = [r["round"] for r in rounds if r["errors"].get("unreachable", 0) >= 1]
+    assert hit and hit[0] == len(rounds), rounds
+    assert f"server unreachable in round {hit[0]}; remaining rounds not run" in text
     assert "server unreachable at t=" in text and f"GET {server.url}/metrics" in text
     assert "server restarted at t=" in text and "process_start_time_seconds changed" in text
-    assert conc["evidence"]["rounds"][0]["errors"].get("unreachable", 0) >= 1
     kinds = [e["kind"] for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"]
     assert kinds == ["unreachable", "reachable", "restart"]
     # the stage after the restart runs against the new process and passes
