@@ -70,8 +70,8 @@ def _naming(exc: OSError, final: Path) -> OSError:
     return type(exc)(exc.errno, exc.strerror, str(final))
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write ``data`` as indented JSON, atomically."""
+def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 2) -> None:
+    """Write ``data`` as JSON (indented unless ``indent=None``: compact, and several times
+    faster, json's C encoder), atomically."""
     with atomic_write(path, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=False)
-        fh.write("\n")
+        fh.write(json.dumps(data, indent=indent, sort_keys=False) + "\n")

@@ -77,10 +77,81 @@ def triton_cases(seed: int) -> dict[str, object]:
         result["nested_bits"] = out.numpy().view(np.uint32).tolist()
     except Exception as exc:
         result["nested_bits"] = f"{type(exc).__name__}: {exc}"
+    result.update(fast_path_cases(gen))
     from triton.backends import backends
 
     result["cpu_backend"] = "cpu" in backends
     return result
+
+
+def special_bits(width: int) -> list[int]:
+    """Bit patterns of a float of ``width`` bits (16: bf16, 32: fp32) the casts must keep: zeros,
+    the smallest and largest subnormals and normals, infinities and NaNs (quiet, signalling,
+    with a payload only in the low half)."""
+    mantissa = 7 if width == 16 else 23
+    sign, exp_all = 1 << (width - 1), ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    top = (1 << mantissa) - 1
+    plus = [0, 1, top, 1 << mantissa, exp_all - 1, exp_all, exp_all | 1, exp_all | (top >> 1) + 1]
+    plus += [exp_all | 0x1, 0x0001_0000 | 1] if width == 32 else [exp_all | 0x40]
+    return [b for p in plus for b in (p, p | sign)]
+
+
+def fast_path_cases(gen: object) -> dict[str, object]:
+    """What the ``triton_fast_paths`` shim touches, as bits: bf16 -> fp32 and fp32 -> bf16
+    casts of random and special values (with and without subnormals in a block), and int32
+    index arithmetic that overflows (wraps: the interpreter's overflow check feeds a
+    device_assert that is off)."""
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def casts(h, f, h_to_f, f_to_h, N: tl.constexpr):
+        offs = tl.program_id(0) * N + tl.arange(0, N)
+        tl.store(h_to_f + offs, tl.load(h + offs).to(tl.float32))
+        tl.store(f_to_h + offs, tl.load(f + offs).to(tl.bfloat16))
+        # and scalars (0-d values), into the block's last element
+        last = tl.program_id(0) * N + N - 1
+        tl.store(h_to_f + last, tl.load(h + last - 1).to(tl.float32))
+        tl.store(f_to_h + last, tl.load(f + last - 1).to(tl.bfloat16))
+
+    @triton.jit
+    def wrap(x, out, K: tl.constexpr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        v = tl.load(x + offs)
+        tl.store(out + offs, v * K + v - K)
+
+    n = 64
+    half = torch.randint(0, 1 << 16, (4 * n,), dtype=torch.int32, generator=gen).to(torch.int16)
+    full = torch.randint(-(1 << 31), 1 << 31, (4 * n,), dtype=torch.int64, generator=gen)
+    full = full.to(torch.int32)
+    for block, (h_bits, f_bits) in enumerate(((special_bits(16), special_bits(32)), ([], []))):
+        # block 0 holds the special values (subnormals: the slow path), the others none
+        half[block * n : block * n + len(h_bits)] = torch.tensor(h_bits, dtype=torch.int32)
+        full[block * n : block * n + len(f_bits)] = torch.tensor(
+            np.array(f_bits, dtype=np.uint32).view(np.int32)
+        )
+    for block in (1, 2, 3):  # no subnormal in these blocks
+        h, f = half[block * n : (block + 1) * n], full[block * n : (block + 1) * n]
+        h[(h & 0x7F80) == 0] |= 0x0080
+        f[(f & 0x7F800000) == 0] |= 0x00800000
+    h_to_f = torch.empty(4 * n, dtype=torch.float32)
+    f_to_h = torch.empty(4 * n, dtype=torch.bfloat16)
+    out: dict[str, object] = {}
+    try:
+        casts[(4,)](half.view(torch.bfloat16), full.view(torch.float32), h_to_f, f_to_h, N=n)
+        out["cast_bits"] = [h_to_f.view(torch.int32).tolist(), f_to_h.view(torch.int16).tolist()]
+    except Exception as exc:
+        out["cast_bits"] = f"{type(exc).__name__}: {exc}"
+    x = torch.randint(1 << 29, 1 << 31, (32,), dtype=torch.int64, generator=gen).to(torch.int32)
+    wrapped = torch.empty_like(x)
+    try:
+        wrap[(1,)](x, wrapped, K=7, N=32)
+        out["int_wrap"] = [wrapped.tolist(), ((x.long() * 8 - 7 + 2**31) % 2**32 - 2**31).tolist()]
+    except Exception as exc:
+        out["int_wrap"] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ import os
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from devtools.e2e.runtime import E2eRuntime
+
+from ..seeding import seeded_rng
 
 CHILD = Path(__file__).parent / "shim_child.py"
 
@@ -29,15 +30,20 @@ def _child(rt: E2eRuntime, seed: int, off: str = "") -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def rng_seed(rng: np.random.Generator) -> int:
-    return int(rng.integers(0, 2**31))
+@pytest.fixture(scope="module")
+def rng_seed(request: pytest.FixtureRequest) -> int:
+    """One seed for the module's children, so the shimmed run is made once and compared."""
+    return int(seeded_rng(request.node.nodeid, request.fixturename).integers(0, 2**31))
 
 
-def test_with_the_shims_everything_matches_torch_and_numpy(
-    e2e_runtime: E2eRuntime, rng_seed: int
-) -> None:
-    got = _child(e2e_runtime, rng_seed)
+@pytest.fixture(scope="module")
+def with_every_shim(e2e_runtime: E2eRuntime, rng_seed: int) -> dict:
+    """The child's report with every shim on (what every e2e server runs)."""
+    return _child(e2e_runtime, rng_seed)
+
+
+def test_with_the_shims_everything_matches_torch_and_numpy(with_every_shim: dict) -> None:
+    got = with_every_shim
     assert got["torchvision"] == "imported"
     assert got["bf16_equal_to_torch"] == [True, True, True, True]
     assert got["mask_equal_to_numpy"] is True
@@ -53,12 +59,27 @@ def test_without_the_interpreter_fix_bf16_math_and_scalar_masks_break(
     assert "mask has unsupported dtype" in str(got["mask_equal_to_numpy"]), got
 
 
-def test_skipping_the_repatching_changes_no_bit(e2e_runtime: E2eRuntime, rng_seed: int) -> None:
-    fast = _child(e2e_runtime, rng_seed)
+def test_skipping_the_repatching_changes_no_bit(
+    e2e_runtime: E2eRuntime, rng_seed: int, with_every_shim: dict
+) -> None:
+    fast = with_every_shim
     slow = _child(e2e_runtime, rng_seed, off="triton_repatch")
     assert isinstance(fast["nested_bits"], list) and len(fast["nested_bits"]) == 8, fast
     assert fast["nested_bits"] == slow["nested_bits"]
     assert fast["bf16_equal_to_torch"] == slow["bf16_equal_to_torch"] == [True] * 4
+
+
+def test_the_fast_paths_change_no_bit(
+    e2e_runtime: E2eRuntime, rng_seed: int, with_every_shim: dict
+) -> None:
+    """bf16 <-> fp32 casts (random and special values, subnormals included), int32 arithmetic
+    that overflows, and every other case: the same bits without ``triton_fast_paths``."""
+    fast = with_every_shim
+    slow = _child(e2e_runtime, rng_seed, off="triton_fast_paths")
+    assert isinstance(fast["cast_bits"], list) and len(fast["cast_bits"][0]) == 256, fast
+    wrapped, reference = fast["int_wrap"]  # int32 wraps as on a GPU: no overflow error
+    assert wrapped == reference
+    assert fast == slow
 
 
 def test_without_the_torchvision_shim_the_cuda_build_does_not_import(

@@ -64,7 +64,7 @@ from flashnext.ple.sidecar import (
     shard_name,
     write_shard_file,
 )
-from flashnext.records import make_record
+from flashnext.records import make_record, to_jsonable
 from flashnext.safetensors_file import sha256_file
 
 __all__ = [
@@ -277,6 +277,7 @@ class SidecarWriter:
         #: What the output depends on besides the source; recorded in the state and META.json.
         self.settings = {**self.default_settings(), **(settings or {})}
         self.records: dict[int, dict[str, Any]] = {}
+        self._state_records: dict[int, Any] = {}  # self.records as JSON values (_save_state)
         self._started = False
 
     def default_settings(self) -> dict[str, Any]:
@@ -302,18 +303,24 @@ class SidecarWriter:
         """Mark the directory unfinished (creating it), counting ``kept`` shards as written."""
         self.path.mkdir(parents=True, exist_ok=True)
         self.records = {int(i): dict(r) for i, r in (kept or {}).items()}
+        self._state_records = {i: to_jsonable(r) for i, r in self.records.items()}
         self._save_state()
         (self.path / META_NAME).unlink(missing_ok=True)
         self._started = True
 
     def _save_state(self) -> None:
+        # Rewritten after every shard, so each shard's record is converted once (adopt) and
+        # the file is compact JSON (json's C encoder): else a save costs Python work for every
+        # shard so far, and a 128-shard table spent most of its quantizing time here.
         payload = {
             "directory": str(self.path),
             "num_shards": self.num_shards,
             "params": self.params,
-            "shards": {str(k): v for k, v in sorted(self.records.items())},
+            "shards": {},
         }
-        write_json(self.path / STATE_NAME, make_record(STATE_KIND, payload))
+        record = make_record(STATE_KIND, payload)
+        record["shards"] = {str(k): v for k, v in sorted(self._state_records.items())}
+        write_json(self.path / STATE_NAME, record, indent=None)
 
     def write_shard(
         self, index: int, tensors: Mapping[str, np.ndarray], **extra: Any
@@ -350,6 +357,7 @@ class SidecarWriter:
         if not self._started:
             self.start()
         self.records[index] = dict(record)
+        self._state_records[index] = to_jsonable(record)
         self._save_state()
 
     def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:

@@ -9,7 +9,8 @@ Each shim covers one upstream gap and says how to drop it once fixed:
   runner) on only when Triton has one; with ``TRITON_INTERPRET=1`` every kernel is interpreted.
 - :mod:`.triton_interpreter`: two bugs of Triton's interpreter (compare results, bf16 math);
   and, as the shim ``triton_repatch``, a redundant re-patching it does per device-function call
-  (speed only: the same bits).
+  (speed only: the same bits); and, as the shim ``triton_fast_paths``, shorter bf16 <-> fp32
+  casts and dtype lookups (speed only: the same bits).
 
 All act through :class:`PostImportHook`, a ``sys.meta_path`` finder that runs a function right
 after a named module executes (or stands in for a module), so the installed packages stay as
@@ -96,6 +97,7 @@ def install() -> None:
         for name, shim in (
             ("triton_interpreter", triton_interpreter.patch),
             ("triton_repatch", triton_interpreter.skip_repatching),
+            ("triton_fast_paths", triton_interpreter.fast_paths),
         )
         if name not in off
     ]

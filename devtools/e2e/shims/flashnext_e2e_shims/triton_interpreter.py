@@ -24,10 +24,27 @@ never undoes it. When those modules are patched already (their builtins are the 
 wrappers) the walk would install equal wrappers again, so it is skipped: ~15% of an e2e server's
 time (:func:`skip_repatching`, the shim ``triton_repatch``; tests/e2e/test_shims.py checks that
 kernels give the same bits with and without it).
+
+And three more of speed only (:func:`fast_paths`, the shim ``triton_fast_paths``):
+
+- a bf16 <-> fp32 cast goes through ``_convert_float``, a field-by-field float re-encoder (~0.2 ms
+  a call), where a 16-bit shift gives the same bits for every input but subnormals (which still
+  take the re-encoder);
+- ``_get_np_dtype`` builds a 20-entry dict on every call (~15 us, ~60 calls per program), here
+  looked up once per Triton dtype;
+- every integer add, sub and mul is redone in int64 and compared with the int32 range
+  (``binary_op_sanitize_overflow_impl``, ~0.5 ms each) to feed a ``device_assert`` that does
+  nothing unless the interpreter's ``debug`` option is on (it is off, and nothing sets it): with
+  ``debug`` off the check is switched off (``sanitize_overflow=False``), as the GPU backends do.
+
+Together they halve the time of vLLM's hyper-connection kernels in a 48-token prefill (970 ->
+453 ms) and take an A/B of the e2e prompts against one server from 49 s to 32 s (2-vCPU AMD
+EPYC VM); the same bits (tests/e2e/test_shims.py, special values included).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any
 
@@ -111,3 +128,56 @@ def skip_repatching(interpreter: ModuleType) -> None:
 
     setattr(call, _MARK, True)
     cls.__call__ = call
+
+
+def fast_paths(interpreter: ModuleType) -> None:
+    """Faster bf16 <-> fp32 casts and a memoized ``_get_np_dtype`` (idempotent; the shim named
+    ``triton_fast_paths``): the same bits as the interpreter's own code."""
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original_cast = builder.cast_impl
+    if getattr(original_cast, _MARK, False):
+        return
+    handle = interpreter.TensorHandle
+    original_np_dtype = interpreter._get_np_dtype
+    np_dtypes: dict[Any, np.dtype] = {}
+
+    def get_np_dtype(tt_dtype: Any) -> np.dtype:
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return np.dtype(np.uint64)
+        found = np_dtypes.get(scalar)
+        if found is None:
+            found = np_dtypes[scalar] = original_np_dtype(scalar)
+        return found
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        have, want, data = src.dtype.scalar, dst_type.scalar, src.data
+        if have == tl.bfloat16 and want == tl.float32 and data.dtype == np.uint16:
+            if not _has_subnormal(data, 0x7F80, 0x7F):
+                wide = data.astype(np.uint32, order="C")
+                wide <<= np.uint32(16)
+                return handle(wide.view(np.float32), want)
+        elif have == tl.float32 and want == tl.bfloat16 and data.dtype == np.float32:
+            bits = data.view(np.uint32)
+            if not _has_subnormal(bits, 0x7F800000, 0x7FFFFF):
+                # the interpreter truncates here (no rounding mode): the high half of the bits
+                narrow = (bits >> np.uint32(16)).astype(np.uint16)  # a numpy scalar if 0-d
+                return handle(np.ascontiguousarray(narrow).reshape(data.shape), want)
+        return original_cast(self, src, dst_type)
+
+    setattr(cast_impl, _MARK, True)
+    builder.cast_impl = cast_impl
+    interpreter._get_np_dtype = get_np_dtype
+    options = interpreter.interpreter_builder.options
+    if not options.debug:  # the overflow check only feeds device_assert, a no-op without debug
+        interpreter.interpreter_builder.options = dataclasses.replace(
+            options, sanitize_overflow=False
+        )
+
+
+def _has_subnormal(bits: np.ndarray, exponent_mask: int, mantissa_mask: int) -> bool:
+    """Whether any float (as its bit patterns) has a zero exponent and a nonzero mantissa, the
+    inputs ``_convert_float`` re-normalizes (so a shift would not give its bits)."""
+    return bool(np.any(((bits & exponent_mask) == 0) & ((bits & mantissa_mask) != 0)))
