@@ -140,7 +140,7 @@ def fast_paths(interpreter: ModuleType) -> None:
     if getattr(original_cast, _MARK, False):
         return
     handle = interpreter.TensorHandle
-    original_np_dtype = interpreter._get_np_dtype
+    original_np_dtype = getattr(interpreter, "_get_np_dtype")  # noqa: B009 (private)
     np_dtypes: dict[Any, np.dtype] = {}
 
     def get_np_dtype(tt_dtype: Any) -> np.dtype:
@@ -169,7 +169,7 @@ def fast_paths(interpreter: ModuleType) -> None:
 
     setattr(cast_impl, _MARK, True)
     builder.cast_impl = cast_impl
-    interpreter._get_np_dtype = get_np_dtype
+    setattr(interpreter, "_get_np_dtype", get_np_dtype)  # noqa: B010 (private)
     options = interpreter.interpreter_builder.options
     if not options.debug:  # the overflow check only feeds device_assert, a no-op without debug
         interpreter.interpreter_builder.options = dataclasses.replace(
