@@ -57,6 +57,8 @@ FLOAT_OPS = (
     np.minimum, np.maximum, np.fmin, np.fmax,
 )  # fmt: skip
 _MARK = "__flashnext_e2e_fixed__"
+#: The interpreter's (private) Triton dtype -> numpy dtype function, memoized by fast_paths.
+_NP_DTYPE = "_get_np_dtype"
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -140,7 +142,7 @@ def fast_paths(interpreter: ModuleType) -> None:
     if getattr(original_cast, _MARK, False):
         return
     handle = interpreter.TensorHandle
-    original_np_dtype = getattr(interpreter, "_get_np_dtype")  # noqa: B009 (private)
+    original_np_dtype = getattr(interpreter, _NP_DTYPE)
     np_dtypes: dict[Any, np.dtype] = {}
 
     def get_np_dtype(tt_dtype: Any) -> np.dtype:
@@ -169,7 +171,7 @@ def fast_paths(interpreter: ModuleType) -> None:
 
     setattr(cast_impl, _MARK, True)
     builder.cast_impl = cast_impl
-    setattr(interpreter, "_get_np_dtype", get_np_dtype)  # noqa: B010 (private)
+    setattr(interpreter, _NP_DTYPE, get_np_dtype)
     options = interpreter.interpreter_builder.options
     if not options.debug:  # the overflow check only feeds device_assert, a no-op without debug
         interpreter.interpreter_builder.options = dataclasses.replace(
