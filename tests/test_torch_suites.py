@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from devtools.torch_cpu import ensure_torch_test_env
+from devtools.vllm_cpu import numba_cache_env
 
 from .seeding import SEED, SEED_ENV
 
@@ -37,6 +38,7 @@ def test_torch_suites_pass_on_cpu_torch(tmp_path: Path) -> None:
         "PYTHONPATH": os.pathsep.join([str(extras), str(ROOT / "src"), str(ROOT)]),
         "TRITON_INTERPRET": "1",
         SEED_ENV: str(SEED),
+        **numba_cache_env(),
     }
     # -o addopts=: that venv has no pytest-xdist for pyproject's workers (one process here)
     cmd = [str(python), "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "--basetemp",

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from devtools.vllm_cpu import ensure_vllm_venv, install_lock, vllm_venv_dir
+from devtools.vllm_cpu import ensure_vllm_venv, install_lock, numba_cache_env, vllm_venv_dir
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
@@ -81,7 +81,11 @@ class E2eRuntime:
         paths = [SHIMS, self.overlay]
         if plugin:
             paths += [PLUGIN_ENTRY, SRC]
-        return {**BASE_ENV, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
+        return {
+            **BASE_ENV,
+            **numba_cache_env(),
+            "PYTHONPATH": os.pathsep.join(str(p) for p in paths),
+        }
 
     def build_tiny_qwen4exp(self, out: Path, **options: object) -> Path:
         """Build the tiny Qwen4Exp checkpoint at ``out`` (options: build_tiny_qwen4exp.py).

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from devtools.e2e.runtime import E2eRuntime, ensure_e2e_runtime
+from devtools.vllm_cpu import numba_cache_env
 
 CHILD = Path(__file__).with_name("indexer_child.py")
 SRC = Path(__file__).parents[2] / "src"
@@ -39,7 +40,7 @@ def run_child(runtime: E2eRuntime, heads: int | None, seed: int) -> dict:
     path = os.pathsep.join([str(SRC), str(runtime.overlay)])
     run = subprocess.run(
         [str(runtime.python), str(CHILD), spec],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=300, env={**os.environ, **numba_cache_env(), "PYTHONPATH": path},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)

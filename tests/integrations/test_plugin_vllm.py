@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from devtools.vllm_cpu import free_port
+from devtools.vllm_cpu import free_port, numba_cache_env
 from flashnext.ple.destination import write_sidecar
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
@@ -102,6 +102,7 @@ def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
             Path(importlib.util.find_spec("ml_dtypes").origin).parents[1]
         ),
         "VLLM_TARGET_DEVICE": "cpu",
+        **numba_cache_env(),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_HOST_IP": "127.0.0.1",
     }

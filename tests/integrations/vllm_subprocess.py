@@ -14,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from devtools.vllm_cpu import ensure_vllm_venv, free_port  # noqa: F401  (free_port: re-exported)
+from devtools.vllm_cpu import (  # noqa: F401  (free_port: re-exported)
+    ensure_vllm_venv,
+    free_port,
+    numba_cache_env,
+)
 
 HERE = Path(__file__).parent
 SRC = HERE.parent.parent / "src"
@@ -34,7 +38,7 @@ def vllm_python_or_skip() -> Path:
 
 
 def child_env() -> dict[str, str]:
-    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": str(SRC)}
+    env = {**os.environ, **CHILD_ENV, **numba_cache_env(), "PYTHONPATH": str(SRC)}
     env.pop("PYTHONHOME", None)
     return env
 
