@@ -71,7 +71,7 @@ def _naming(exc: OSError, final: Path) -> OSError:
 
 
 def write_json(path: str | os.PathLike[str], data: Any, indent: int | None = 2) -> None:
-    """Write ``data`` as JSON (indented unless ``indent=None``: compact, and several times
-    faster, json's C encoder), atomically."""
+    """Write ``data`` as JSON, atomically: indented, or with ``indent=None`` compact (encoded
+    by json's C encoder, for a file rewritten often)."""
     with atomic_write(path, "w") as fh:
         fh.write(json.dumps(data, indent=indent, sort_keys=False) + "\n")

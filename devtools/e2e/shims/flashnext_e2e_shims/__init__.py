@@ -10,7 +10,8 @@ Each shim covers one upstream gap and says how to drop it once fixed:
 - :mod:`.triton_interpreter`: two bugs of Triton's interpreter (compare results, bf16 math);
   and, as the shim ``triton_repatch``, a redundant re-patching it does per device-function call
   (speed only: the same bits); and, as the shim ``triton_fast_paths``, shorter bf16 <-> fp32
-  casts and dtype lookups (speed only: the same bits).
+  casts and dtype lookups and no integer-overflow check that only fed a disabled assert (speed
+  only: the same bits).
 
 All act through :class:`PostImportHook`, a ``sys.meta_path`` finder that runs a function right
 after a named module executes (or stands in for a module), so the installed packages stay as

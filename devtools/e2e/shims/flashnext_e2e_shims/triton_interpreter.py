@@ -133,8 +133,9 @@ def skip_repatching(interpreter: ModuleType) -> None:
 
 
 def fast_paths(interpreter: ModuleType) -> None:
-    """Faster bf16 <-> fp32 casts and a memoized ``_get_np_dtype`` (idempotent; the shim named
-    ``triton_fast_paths``): the same bits as the interpreter's own code."""
+    """Faster bf16 <-> fp32 casts, a memoized ``_get_np_dtype`` and no integer-overflow check
+    while ``debug`` is off (idempotent; the shim named ``triton_fast_paths``): the same bits as
+    the interpreter's own code."""
     import triton.language as tl
 
     builder = interpreter.InterpreterBuilder
