@@ -85,14 +85,16 @@ def triton_cases(seed: int) -> dict[str, object]:
 
 
 def special_bits(width: int) -> list[int]:
-    """Bit patterns of a float of ``width`` bits (16: bf16, 32: fp32) the casts must keep: zeros,
-    the smallest and largest subnormals and normals, infinities and NaNs (quiet, signalling,
-    with a payload only in the low half)."""
+    """Bit patterns of a float of ``width`` bits (16: bf16, 32: fp32) the casts must keep, each
+    with either sign: zero, the smallest and largest subnormals, the smallest normal, the largest
+    finite, infinity, a signalling NaN (payload 1: for fp32 only in the low half, which bf16
+    drops) and the quiet NaN; for fp32 also a subnormal with mantissa bits in both halves."""
     mantissa = 7 if width == 16 else 23
-    sign, exp_all = 1 << (width - 1), ((1 << (width - 1 - mantissa)) - 1) << mantissa
+    sign, inf = 1 << (width - 1), ((1 << (width - 1 - mantissa)) - 1) << mantissa
     top = (1 << mantissa) - 1
-    plus = [0, 1, top, 1 << mantissa, exp_all - 1, exp_all, exp_all | 1, exp_all | (top >> 1) + 1]
-    plus += [exp_all | 0x1, 0x0001_0000 | 1] if width == 32 else [exp_all | 0x40]
+    plus = [0, 1, top, 1 << mantissa, inf - 1, inf, inf | 1, inf | (1 << (mantissa - 1))]
+    if width == 32:
+        plus.append(0x0001_0001)
     return [b for p in plus for b in (p, p | sign)]
 
 
@@ -126,12 +128,10 @@ def fast_path_cases(gen: object) -> dict[str, object]:
     half = torch.randint(0, 1 << 16, (4 * n,), dtype=torch.int32, generator=gen).to(torch.int16)
     full = torch.randint(-(1 << 31), 1 << 31, (4 * n,), dtype=torch.int64, generator=gen)
     full = full.to(torch.int32)
-    for block, (h_bits, f_bits) in enumerate(((special_bits(16), special_bits(32)), ([], []))):
-        # block 0 holds the special values (subnormals: the slow path), the others none
-        half[block * n : block * n + len(h_bits)] = torch.tensor(h_bits, dtype=torch.int32)
-        full[block * n : block * n + len(f_bits)] = torch.tensor(
-            np.array(f_bits, dtype=np.uint32).view(np.int32)
-        )
+    # block 0 starts with the special values (subnormals: the slow path), the others have none
+    h_bits, f_bits = special_bits(16), special_bits(32)
+    half[: len(h_bits)] = torch.tensor(h_bits, dtype=torch.int32)
+    full[: len(f_bits)] = torch.tensor(np.array(f_bits, dtype=np.uint32).view(np.int32))
     for block in (1, 2, 3):  # no subnormal in these blocks
         h, f = half[block * n : (block + 1) * n], full[block * n : (block + 1) * n]
         h[(h & 0x7F80) == 0] |= 0x0080
