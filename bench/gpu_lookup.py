@@ -643,7 +643,7 @@ def comma_sections(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=Path, help="int32 token stream .npy (with a .json beside)")
+    ap.add_argument("--tokens", type=Path, help="bench/text_tokens.py output .npy (its .json beside)")
     ap.add_argument("--baseline-rows", type=positive_int, default=160_000_000)
     ap.add_argument("--rows", type=positive_int, default=320_001_536,
                     help="rows of our UVA/device tables")  # fmt: skip

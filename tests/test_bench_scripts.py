@@ -107,9 +107,31 @@ def test_cpu_benchmark_runs_end_to_end(script: str, tmp_path: Path) -> None:
             reps = [r for rs in record["per_repeat"].values() for r in rs]
             assert all(r["probe_mem_us"] > 0 and r["probe_cpu_us"] > 0 for r in reps), reps
     elif script == "text_tokens.py":
-        assert np.load(tmp_path / "tokens/text.npy").size > 1000
+        tokens = np.load(tmp_path / "tokens/text.npy")
+        assert tokens.size > 1000 and tokens.dtype == np.uint16  # an 8,192-token vocabulary
     else:
         assert out.strip(), "printed nothing"
+
+
+def test_text_tokens_reads_extra_sources_after_the_standard_library(tmp_path: Path) -> None:
+    """``--extra DIR``: its Python sources (tests skipped, sorted) come after the standard
+    library's, within ``--text-bytes``; a DIR that is not a directory is refused by name."""
+    spec = importlib.util.spec_from_file_location("text_tokens", BENCH / "text_tokens.py")
+    assert spec is not None and spec.loader is not None
+    text_tokens = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(text_tokens)
+    site = tmp_path / "site"
+    for name in ("b/c.py", "a.py", "test/skipped.py", "empty.py", "notes.txt"):
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text("" if name == "empty.py" else f"# {name}\nx = 1\n")
+    stdlib = text_tokens.text_files(1 << 40)
+    assert text_tokens.text_files(1 << 40, [site]) == [*stdlib, site / "a.py", site / "b/c.py"]
+    # the byte budget: one byte past the standard library's takes the first extra file only
+    budget = sum(p.stat().st_size for p in stdlib) + 1
+    assert text_tokens.text_files(budget, [site]) == [*stdlib, site / "a.py"]
+    proc = run("text_tokens.py", ["out.npy", "--extra", str(site / "a.py")], tmp_path)
+    assert proc.returncode == 2 and f"--extra {site / 'a.py'}: not a directory" in proc.stderr
+    assert not (tmp_path / "out.npy").exists()
 
 
 def tokens_file(tmp_path: Path, rng: np.random.Generator) -> Path:
