@@ -35,7 +35,7 @@ def text_files(limit_bytes: int, extra: Sequence[Path] = ()) -> list[Path]:
         for p in sorted(root.rglob("*.py")):
             if total >= limit_bytes:
                 return files
-            if p.resolve() in seen or "test" in p.parts:
+            if p.resolve() in seen or "test" in p.relative_to(root).parts:
                 continue
             if p.is_file() and not p.is_symlink() and 0 < p.stat().st_size < 400_000:
                 files.append(p)

@@ -120,7 +120,7 @@ def test_text_tokens_reads_extra_sources_after_the_standard_library(tmp_path: Pa
     assert spec is not None and spec.loader is not None
     text_tokens = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(text_tokens)
-    site = tmp_path / "site"
+    site = tmp_path / "test" / "site"  # only "test" folders inside the tree are skipped
     for name in ("b/c.py", "a.py", "test/skipped.py", "empty.py", "notes.txt"):
         (site / name).parent.mkdir(parents=True, exist_ok=True)
         (site / name).write_text("" if name == "empty.py" else f"# {name}\nx = 1\n")
