@@ -181,11 +181,12 @@ def test_the_walker_sees_function_local_and_relative_imports(tmp_path: Path) -> 
     assert "flashnext.deploy.probe" in {t for _, t in graph()["flashnext.cli.validate"]}
 
 
-def test_plan_and_check_do_not_load_numba() -> None:
-    """numba takes seconds to import: the planner and ``flashnext check`` never need it."""
+def test_plan_check_and_ple_commands_do_not_load_numba() -> None:
+    """numba takes seconds to import: the planner, ``flashnext check`` and the ``ple`` commands'
+    module (``info``, ``slice``, ``preflight``, ``profile`` never look rows up) never need it."""
     code = (
         "import sys, flashnext.plan, flashnext.plan.planner, flashnext.deploy.check, "
-        "flashnext.cli.check; "
+        "flashnext.cli.check, flashnext.cli.ple; "
         "assert 'numba' not in sys.modules, sorted(m for m in sys.modules if 'numba' in m)"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -54,10 +54,8 @@ from flashnext.ple.profile import (
     profile_text_files,
     write_profile,
 )
-from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
 from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
 from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import PLETable, Warming, open_table
 from flashnext.records import (
     PLE_INFO,
     PLE_LOOKUP,
@@ -67,6 +65,9 @@ from flashnext.records import (
     PLE_SLICE,
     PLE_WARM,
 )
+
+if TYPE_CHECKING:  # the lookup path loads numba (~0.2 s): info, slice and profile never need it
+    from flashnext.ple.table import PLETable, Warming
 
 
 @contextlib.contextmanager
@@ -231,6 +232,7 @@ def _quantize_locked(
     as_json: bool, lock: DestinationLock,
 ) -> None:  # fmt: skip
     from flashnext.checkpoint.sources import open_row_source
+    from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
 
     with _bar(disable=as_json) as bar:
         task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
@@ -351,6 +353,8 @@ def _parse_ids(text: str) -> np.ndarray:
 @click.option("--json", "as_json", is_flag=True, help="Print full rows as JSON on stdout.")
 def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_json: bool) -> None:
     """Print the dequantized rows of DIRECTORY for --ids (for debugging)."""
+    from flashnext.ple.table import open_table
+
     row_ids = _parse_ids(ids)
     if warm and residency == "resident":
         raise click.BadParameter("applies to --residency mmap (page cache)", param_hint="--warm")
@@ -413,6 +417,8 @@ def warm(directory: Path, as_json: bool) -> None:
     maps the table afterwards find their rows cached instead of reading them from disk. Warns
     when this host pages out page cache on its own (DAMON), and after how long.
     """
+    from flashnext.ple.table import open_table
+
     with open_table(directory, "mmap") as table:
         files = sorted({p for p, _, _ in table.file_ranges()})
         before = sum(page_cache_bytes(p) for p in files)
