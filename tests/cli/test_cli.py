@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flashnext.ple import write_sidecar
@@ -47,6 +48,7 @@ def test_quantize_info_lookup(bf16):
 
     info = json.loads(run_ok("ple", "info", bf16 / "int4", "--json").stdout)
     assert info["format"] == "int4" and info["checksums"] == "ok" and info["bytes_per_row"] == 100
+    assert info["values"] == "ok"
     assert info["rel_rmse"] == pytest.approx(out["rel_rmse"])
     assert info["resident_bytes"] == 2000 * 100 and info["resident_fits"] is True
 
@@ -87,6 +89,35 @@ def test_info_reports_checksum_mismatch(bf16):
     assert info["checksums"] == "1 mismatched" and info["problems"][0].startswith(
         "shard_3.safetensors"
     )
+
+
+def test_info_refuses_a_nan_scale_from_another_tool(tmp_path):
+    """A sidecar another tool wrote (no META.json, nothing to hash) with a NaN fp16 scale:
+    ``ple info`` reads every value, exits 1 and names the shard, tensor and row; with
+    --no-verify it reads none."""
+    import safetensors.numpy
+
+    rng = seeded_rng("test_info_refuses_a_nan_scale_from_another_tool")
+    scale = (rng.random((30, 10)) * 0.02 + 1e-4).astype(np.float16)
+    row = int(rng.integers(0, 30))
+    scale[row, int(rng.integers(0, 10))] = np.nan
+    codes = rng.integers(0, 256, size=(30, 80), dtype=np.uint8)
+    (tmp_path / "t").mkdir()
+    safetensors.numpy.save_file(
+        {"weight_i4": codes, "weight_scale": scale}, str(tmp_path / "t" / "shard_0.safetensors")
+    )
+    proc = run("ple", "info", tmp_path / "t", "--json")
+    assert proc.returncode == 1, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["values"] == "1 tensor with inf/NaN" and info["checksums"].startswith("not rec")
+    assert info["problems"] == [
+        f"shard_0.safetensors: weight_scale holds 1 inf/NaN value (first in row {row}); the "
+        "rows that read them dequantize to inf/NaN: re-create this shard from its source"
+    ]
+    human = run("ple", "info", tmp_path / "t")
+    assert human.returncode == 1 and "1 tensor with inf/NaN" in human.stdout
+    skipped = run_ok("ple", "info", tmp_path / "t", "--no-verify", "--json").stdout
+    assert json.loads(skipped)["values"] == "not checked (--no-verify)"
 
 
 def test_help_lists_commands():

@@ -99,6 +99,22 @@ def test_wrong_dtype(tmp_path):
         open_sidecar(tmp_path)
 
 
+@pytest.mark.parametrize("scale_2", [0.0, -1e-3, float("nan"), float("inf")])
+def test_non_positive_or_non_finite_scale_2(tmp_path, scale_2):
+    """A zero, negative or NaN per-shard scale would zero, flip or poison every row of the
+    shard; the writer never makes one, so the reader refuses it by name."""
+    rng = _good(tmp_path, "nvfp4")
+    t = card_tensors("nvfp4", 50, rng)
+    t["weight_scale_2"] = np.array(scale_2, np.float32)
+    safetensors.numpy.save_file(t, str(tmp_path / "shard_2.safetensors"))
+    with pytest.raises(
+        SidecarError,
+        match=r"shard_2\.safetensors: weight_scale_2 is (0\.0|-0\.001|nan|inf), expected a "
+        r"finite positive scale",
+    ):
+        open_sidecar(tmp_path)
+
+
 def test_wrong_width(tmp_path):
     rng = _good(tmp_path)
     t = card_tensors("int4", 50, rng)
@@ -213,3 +229,39 @@ def test_checksum_mismatch(tmp_path, rng):
     path.write_bytes(bytes(data))
     problems = open_sidecar(tmp_path).verify_checksums()
     assert len(problems) == 1 and problems[0].startswith("shard_1.safetensors: sha256")
+
+
+#: A non-finite value per float dtype, as stored bits (e4m3fn has NaN only: 0x7F / 0xFF).
+_BAD_BITS = {"float16": [0x7C00, 0xFE00], "float32": [0x7F800000, 0xFFC00000],
+             "bfloat16": [0x7F80, 0xFFC1], "float8_e4m3fn": [0x7F, 0xFF]}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4", "nvfp4"])
+def test_info_finds_inf_and_nan_values(tmp_path, fmt, rng):
+    """``ple info``'s scan reads every floating-point value of every shard (bf16/fp8 weights,
+    scales) and names the shard, tensor, count and first row of inf/NaN ones."""
+    from flashnext.ple.inspect import inspect_sidecar, value_bytes
+
+    shards = write_card_sidecar(tmp_path, fmt, [40, 40, 40], rng)  # every value finite
+    clean = inspect_sidecar(open_sidecar(tmp_path))
+    assert clean.values == "ok" and clean.problems == []
+    k = int(rng.integers(0, 3))
+    name = next(n for n, v in shards[k].items() if v.dtype.name in _BAD_BITS and v.ndim)
+    arr = shards[k][name]
+    row, bits = int(rng.integers(0, 40)), _BAD_BITS[arr.dtype.name]
+    flat = arr.view(np.dtype(f"u{arr.dtype.itemsize}")).reshape(arr.shape[0], -1)
+    cols = rng.choice(flat.shape[1], size=min(2, flat.shape[1]), replace=False)
+    flat[row, cols] = bits[: cols.size]
+    safetensors.numpy.save_file(shards[k], str(tmp_path / f"shard_{k}.safetensors"))
+    seen = []
+    found = inspect_sidecar(open_sidecar(tmp_path), progress=seen.append)
+    assert found.values == "1 tensor with inf/NaN"
+    assert found.problems == [
+        f"shard_{k}.safetensors: {name} holds {cols.size} inf/NaN value{'s' * (cols.size > 1)} "
+        f"(first in row "
+        f"{40 * k + row:,}); the rows that read them dequantize to inf/NaN: re-create this "
+        "shard from its source"
+    ]
+    assert sum(seen) == value_bytes(open_sidecar(tmp_path)) > 0
+    skipped = inspect_sidecar(open_sidecar(tmp_path), verify=False)
+    assert skipped.values == "not checked (--no-verify)" and skipped.problems == []

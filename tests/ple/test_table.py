@@ -80,6 +80,11 @@ def test_index_errors_name_the_id(tables):
         table.lookup([[0, -2]])
     with pytest.raises(SidecarError, match=r"row_range \(10, 2000\) is not inside"):
         open_table(root / "int4", row_range=(10, 2000))
+    # a rank's bounds from true division, strings, a flag or a third value: refused, not floored
+    for bad in ((249.9, 750.9), ("3", "10"), (True, 5), (0, 10, 99), 7):
+        with pytest.raises(SidecarError, match=r"row_range must be two integers \(start, end\)"):
+            open_table(root / "int4", row_range=bad)  # type: ignore[arg-type]
+    assert open_table(root / "int4", row_range=[np.int64(3), 10]).row_range == (3, 10)
     with pytest.raises(SidecarError, match="residency must be 'mmap' or 'resident'"):
         open_table(root / "int4", "pinned")  # type: ignore[arg-type]
     assert table.lookup(np.empty((0,), np.int64)).shape == (0, 160)

@@ -32,7 +32,7 @@ from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import DestinationLock
 from flashnext.ple.formats import FORMATS, get_codec
-from flashnext.ple.inspect import checksum_bytes, inspect_sidecar
+from flashnext.ple.inspect import checksum_bytes, inspect_sidecar, value_bytes
 from flashnext.ple.pageout import page_cache_pageout
 from flashnext.ple.preflight import (
     COMMAND_LINE,
@@ -88,16 +88,23 @@ def ple() -> None:
 
 @ple.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--no-verify", is_flag=True, help="Skip re-hashing the shards against META.json.")
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Skip re-hashing the shards against META.json and scanning their values.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
 def info(directory: Path, no_verify: bool, as_json: bool) -> None:
-    """Format, rows, width, size and checksum status of the sidecar DIRECTORY.
+    """Format, rows, width, size, checksum and value status of the sidecar DIRECTORY.
 
-    Exits 1 when a shard no longer matches its recorded sha256.
+    Verifying re-hashes the shards against META.json's sha256 and reads every floating-point
+    value (bf16/fp8 weights, scales) for inf and NaN. Exits 1 when a shard no longer matches
+    its sha256 or holds such a value.
     """
     sidecar = open_sidecar(directory)
-    with _bar(disable=as_json or no_verify) as bar:
-        task = bar.add_task("sha256", total=checksum_bytes(sidecar), bytes_per_unit=1, unit="B")
+    total = 0 if no_verify else checksum_bytes(sidecar) + value_bytes(sidecar)
+    with _bar(disable=as_json or not total) as bar:
+        task = bar.add_task("verify", total=total, bytes_per_unit=1, unit="B")
         found = inspect_sidecar(
             sidecar, verify=not no_verify, progress=lambda n: bar.advance(task, n)
         )
@@ -117,6 +124,7 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
             "rows_per_shard",
             "bytes_per_row",
             "checksums",
+            "values",
         ):
             value = record[key]
             table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))

@@ -1,4 +1,5 @@
-"""What ``flashnext ple info`` reports about a sidecar: layout, checksums, fit in host RAM."""
+"""What ``flashnext ple info`` reports about a sidecar: layout, checksums, stored values, fit
+in host RAM."""
 
 from __future__ import annotations
 
@@ -6,8 +7,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from flashnext.ple.formats import BF16, E4M3, F16, F32
 from flashnext.ple.preflight import DEFAULT_HEADROOM, HostMemory, host_memory
 from flashnext.ple.sidecar import META_NAME, Sidecar
+
+#: Float dtypes as (bits of one value, mask of the exponent bits that are all ones exactly for
+#: inf and NaN; e4m3fn has no inf: its NaN is the 7 bits below the sign all ones).
+_NON_FINITE = {
+    BF16: (np.uint16, 0x7F80),
+    F16: (np.uint16, 0x7C00),
+    F32: (np.uint32, 0x7F800000),
+    E4M3: (np.uint8, 0x7F),
+}
+_CHUNK = 64 << 20  # bytes scanned at a time
 
 
 @dataclass
@@ -24,6 +38,7 @@ class SidecarInfo:
     size_bytes: int
     has_meta: bool
     checksums: str  # "ok" | "N mismatched" | "not recorded (...)" | "not checked (--no-verify)"
+    values: str  # "ok" | "N tensor(s) with inf/NaN" | "not checked (--no-verify)"
     problems: list[str]
     rel_rmse: float | None
     resident_bytes: int
@@ -46,6 +61,49 @@ def checksum_bytes(sidecar: Sidecar) -> int:
     return sum(s.path.stat().st_size for s in sidecar.shards if s.index in expected)
 
 
+def value_bytes(sidecar: Sidecar) -> int:
+    """Bytes :func:`scan_values` reads: every per-row floating-point tensor of every shard."""
+    return sum(
+        e.nbytes for s in sidecar.shards for e in s.tensors.values() if e.dtype in _NON_FINITE
+    )
+
+
+def scan_values(sidecar: Sidecar, progress: Callable[[int], None] | None = None) -> list[str]:
+    """One problem line per shard tensor holding inf or NaN (bf16/fp8 weights, fp16/fp32/e4m3
+    scales; integer codes cannot hold one), naming the count and the first row: such a row
+    dequantizes to inf or NaN and poisons every activation that reads it. The writer refuses
+    non-finite input, so only a damaged file or another tool's bug leaves one."""
+    problems = []
+    for shard in sidecar.shards:
+        for entry in shard.tensors.values():
+            if entry.dtype not in _NON_FINITE:
+                continue
+            if entry.nbytes == 0:
+                continue
+            bits, mask = _NON_FINITE[entry.dtype]
+            count, first = 0, -1
+            per_row = entry.nbytes // (entry.shape[0] if entry.shape else 1)  # whole values
+            data = np.memmap(shard.path, np.uint8, "r", entry.offset, (entry.nbytes,))
+            step = max(per_row, _CHUNK // per_row * per_row)
+            for start in range(0, entry.nbytes, step):
+                words = np.asarray(data[start : start + step]).view(bits)
+                bad = np.flatnonzero((words & bits(mask)) == mask)
+                if bad.size and first < 0:
+                    first = shard.row_start + (start + int(bad[0]) * words.itemsize) // per_row
+                count += int(bad.size)
+                if progress is not None:
+                    progress(words.nbytes)
+            del data
+            if count:
+                problems.append(
+                    f"{shard.path.name}: {entry.name} holds {count:,} inf/NaN value"
+                    f"{'s' if count > 1 else ''} (first in "
+                    f"row {first:,}); the rows that read them dequantize to inf/NaN: re-create "
+                    "this shard from its source"
+                )
+    return problems
+
+
 def inspect_sidecar(
     sidecar: Sidecar,
     *,
@@ -53,12 +111,20 @@ def inspect_sidecar(
     progress: Callable[[int], None] | None = None,
     memory: HostMemory | None = None,
 ) -> SidecarInfo:
-    """Describe ``sidecar``; with ``verify`` re-hash its shards against META.json.
+    """Describe ``sidecar``; with ``verify`` re-hash its shards against META.json and scan
+    their floating-point values (:func:`scan_values`).
 
-    ``progress(nbytes)`` is called while hashing; ``memory`` defaults to this host's.
+    ``progress(nbytes)`` is called while hashing and scanning; ``memory`` defaults to this
+    host's.
     """
     expected = sidecar.expected_checksums()
     problems = sidecar.verify_checksums(progress) if verify and expected else []
+    bad_values = scan_values(sidecar, progress) if verify else []
+    problems += bad_values
+    n_bad = len(bad_values)
+    values = f"{n_bad} tensor{'s' if n_bad > 1 else ''} with inf/NaN" if bad_values else "ok"
+    if not verify:
+        values = "not checked (--no-verify)"
     if not expected:
         checks = "not recorded (no META.json checksums)"
     elif not verify:
@@ -83,6 +149,7 @@ def inspect_sidecar(
         size_bytes=sidecar.nbytes,
         has_meta=(sidecar.path / META_NAME).exists(),
         checksums=checks,
+        values=values,
         problems=problems,
         rel_rmse=rmse if isinstance(rmse, (int, float)) else None,
         resident_bytes=resident,

@@ -519,14 +519,20 @@ def _open_sidecar(root: Path) -> Sidecar:
 
 
 def _scalars(header: Header, codec: Codec) -> dict[str, float]:
-    """Per-shard scalars (nvfp4 ``weight_scale_2``) read from the file."""
+    """Per-shard scalars (nvfp4 ``weight_scale_2``) read from the file: finite and positive,
+    as the writer makes them (a zero, negative or NaN one would zero, flip or poison every row
+    of the shard without a word)."""
     scalars = {}
     for spec in codec.specs:
         if not spec.per_row:
             entry = header.tensors[spec.name]
-            scalars[spec.name] = float(
-                np.fromfile(header.path, entry.dtype, 1, offset=entry.offset)[0]
-            )
+            value = np.fromfile(header.path, entry.dtype, 1, offset=entry.offset)[0]
+            if not (np.isfinite(value) and value > 0):
+                raise SidecarError(
+                    f"{header.path}: {spec.name} is {value!s}, expected a finite positive scale; "
+                    "this shard is corrupt: re-create it"
+                )
+            scalars[spec.name] = float(value)
     return scalars
 
 

@@ -19,6 +19,7 @@ numpy path they are tested against. A table is safe to use from several threads 
 from __future__ import annotations
 
 import mmap
+import numbers
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -133,9 +134,7 @@ class PLETable:
         self.residency: Residency = residency
         #: Threads a big batch is split over (``FLASHNEXT_LOOKUP_THREADS`` or the CPUs).
         self.threads = threads or kern.default_threads()
-        start, end = (
-            (0, sidecar.num_rows) if row_range is None else (int(row_range[0]), int(row_range[1]))
-        )
+        start, end = (0, sidecar.num_rows) if row_range is None else _row_range(row_range)
         if not 0 <= start < end <= sidecar.num_rows:
             raise SidecarError(
                 f"{sidecar.path}: row_range ({start}, {end}) is not inside the table's "
@@ -697,6 +696,15 @@ def open_table(
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
     return PLETable(sidecar, residency, row_range, preflight, hot_rows, threads)
+
+
+def _row_range(value: Any) -> tuple[int, int]:
+    """``(start, end)`` as two ints, refused by name otherwise: ``int()`` would quietly floor
+    a rank's row bounds computed with true division (or parse strings)."""
+    ok = isinstance(value, (tuple, list)) and len(value) == 2
+    if not ok or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value):
+        raise SidecarError(f"row_range must be two integers (start, end), found {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _refuse_missing_rows(sidecar: Sidecar, start: int, end: int, whole: bool) -> None:
