@@ -15,7 +15,7 @@ from flashnext.ple.sidecar import META_NAME, Sidecar
 
 #: Float dtypes as (bits of one value, mask of the exponent bits that are all ones exactly for
 #: inf and NaN; e4m3fn has no inf: its NaN is the 7 bits below the sign all ones).
-_NON_FINITE = {
+_NON_FINITE: dict[np.dtype[Any], tuple[Any, int]] = {
     BF16: (np.uint16, 0x7F80),
     F16: (np.uint16, 0x7C00),
     F32: (np.uint32, 0x7F800000),
@@ -85,12 +85,17 @@ def scan_values(sidecar: Sidecar, progress: Callable[[int], None] | None = None)
             per_row = entry.nbytes // (entry.shape[0] if entry.shape else 1)  # whole values
             data = np.memmap(shard.path, np.uint8, "r", entry.offset, (entry.nbytes,))
             step = max(per_row, _CHUNK // per_row * per_row)
+            masked = np.empty(step // np.dtype(bits).itemsize, bits)  # no allocation per chunk
+            hit = np.empty(masked.size, bool)
             for start in range(0, entry.nbytes, step):
                 words = np.asarray(data[start : start + step]).view(bits)
-                bad = np.flatnonzero((words & bits(mask)) == mask)
-                if bad.size and first < 0:
-                    first = shard.row_start + (start + int(bad[0]) * words.itemsize) // per_row
-                count += int(bad.size)
+                n = words.size
+                np.bitwise_and(words, bits(mask), out=masked[:n])
+                bad = int(np.count_nonzero(np.equal(masked[:n], mask, out=hit[:n])))
+                if bad and first < 0:
+                    at = int(np.argmax(hit[:n])) * words.itemsize
+                    first = shard.row_start + (start + at) // per_row
+                count += bad
                 if progress is not None:
                     progress(words.nbytes)
             del data
