@@ -265,3 +265,24 @@ def test_info_finds_inf_and_nan_values(tmp_path, fmt, rng):
     assert sum(seen) == value_bytes(open_sidecar(tmp_path)) > 0
     skipped = inspect_sidecar(open_sidecar(tmp_path), verify=False)
     assert skipped.values == "not checked (--no-verify)" and skipped.problems == []
+
+
+def test_info_keeps_checksums_and_values_apart(tmp_path, rng):
+    """A NaN written into a shard whose recorded sha256 was updated with it (a tool that
+    re-hashes what it damaged): the checksums are ok, the values are not."""
+    from flashnext.ple.inspect import inspect_sidecar
+    from flashnext.safetensors_file import sha256_file
+
+    x = embedding_rows(300, 160, rng)
+    write_sidecar(tmp_path / "t", "bf16", x, rows_per_shard=100)
+    shard = tmp_path / "t" / "shard_1.safetensors"
+    t = safetensors.numpy.load_file(str(shard))
+    bits = t["weight"].view(np.uint16)
+    bits[int(rng.integers(0, 100)), int(rng.integers(0, 160))] = 0x7FC0  # bf16 NaN
+    safetensors.numpy.save_file(t, str(shard))
+    meta = json.loads((tmp_path / "t" / "META.json").read_text())
+    meta["shards"][1]["sha256"] = sha256_file(shard)
+    (tmp_path / "t" / "META.json").write_text(json.dumps(meta))
+    found = inspect_sidecar(open_sidecar(tmp_path / "t"))
+    assert found.checksums == "ok" and found.values == "1 tensor with inf/NaN"
+    assert len(found.problems) == 1 and found.problems[0].startswith("shard_1.safetensors: weight")

@@ -123,19 +123,19 @@ def inspect_sidecar(
     host's.
     """
     expected = sidecar.expected_checksums()
-    problems = sidecar.verify_checksums(progress) if verify and expected else []
+    mismatched = sidecar.verify_checksums(progress) if verify and expected else []
     bad_values = scan_values(sidecar, progress) if verify else []
-    problems += bad_values
-    n_bad = len(bad_values)
-    values = f"{n_bad} tensor{'s' if n_bad > 1 else ''} with inf/NaN" if bad_values else "ok"
-    if not verify:
-        values = "not checked (--no-verify)"
     if not expected:
         checks = "not recorded (no META.json checksums)"
     elif not verify:
         checks = "not checked (--no-verify)"
     else:
-        checks = "ok" if not problems else f"{len(problems)} mismatched"
+        checks = "ok" if not mismatched else f"{len(mismatched)} mismatched"
+    n_bad = len(bad_values)
+    values = f"{n_bad} tensor{'s' if n_bad > 1 else ''} with inf/NaN" if bad_values else "ok"
+    if not verify:
+        values = "not checked (--no-verify)"
+    problems = mismatched + bad_values
     memory = memory or host_memory()
     bytes_per_row = sidecar.codec.bytes_per_row(sidecar.width)
     present = sidecar.rows_present or ((0, sidecar.num_rows),)
