@@ -69,6 +69,49 @@ def test_1_foreign_destination_is_refused_and_kept(tmp_path, rng):
     assert [p.name for p in tmp_path.iterdir() if "flashnext" in p.name] == []
 
 
+def test_1_force_replaces_a_table_not_a_folder_of_them(tmp_path, rng):
+    """The typo ``ple`` for ``ple/layer_11`` with --force: a folder holding the layers'
+    sidecars (or anything that is not a table) is refused and left as it was."""
+    bf16_sidecar(tmp_path / "src", rng, rows=600)
+    ple = tmp_path / "ple"
+    for layer in ("layer_11", "layer_23"):
+        write_sidecar(ple / layer, "fp8", embedding_rows(200, 160, rng), 100)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    for dst, named in ((ple, "holds directories (layer_11, layer_23)"),
+                       (notes, "holds todo.txt but no shard_N.safetensors")):  # fmt: skip
+        before = snapshot(dst)
+        proc = run("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--force")
+        assert_one_line_error(proc, str(dst), named, "--force replaces a sidecar table")
+        assert snapshot(dst) == before
+    forced = run("ple", "quantize", tmp_path / "src", ple / "layer_11", "--format", "int4",
+                 "--force")  # fmt: skip
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert open_sidecar(ple / "layer_11").format == "int4"
+    assert open_sidecar(ple / "layer_23").format == "fp8"
+
+
+def test_1_a_symlinked_destination_is_the_directory_it_names(tmp_path, rng):
+    """--force through a link replaces the linked directory (the link stays a link), and the
+    lock is the directory's, whichever name a writer uses."""
+    bf16_sidecar(tmp_path / "src", rng, rows=600)
+    target = tmp_path / "disk" / "t"
+    write_sidecar(target, "fp8", embedding_rows(200, 160, rng), 100)
+    link = tmp_path / "t_link"
+    link.symlink_to(target)
+    forced = run("ple", "quantize", tmp_path / "src", link, "--format", "int4", "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert link.is_symlink() and open_sidecar(target).format == "int4"
+    assert [p.name for p in tmp_path.iterdir() if "flashnext" in p.name] == []
+    from flashnext.ple.destination import DestinationLock
+
+    with DestinationLock(target):  # a writer through the directory's own name
+        proc = run("ple", "quantize", tmp_path / "src", link, "--format", "fp8", "--force")
+    assert_one_line_error(proc, "another flashnext process", str(target))
+    assert open_sidecar(target).format == "int4"
+
+
 # -- finding 2: a failed rerun leaves a finished destination exactly as it was -------------
 def test_2_failed_rerun_leaves_finished_table_intact(tmp_path, rng):
     bf16_sidecar(tmp_path / "a", rng)

@@ -167,7 +167,7 @@ class DestinationLock:
     """
 
     def __init__(self, dst: Path) -> None:
-        self.dst = dst
+        self.dst = dst = real_destination(dst)
         self.path = dst.with_name(f".{dst.name}.flashnext-lock")
         self._fd: int | None = None
         self._made: list[Path] = []  # parents created for the lock file, deepest last
@@ -217,6 +217,14 @@ class DestinationLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def real_destination(dst: str | os.PathLike[str]) -> Path:
+    """``dst`` with a symbolic link in its last component followed: the directory it names is
+    the one written, locked and replaced (``--force`` would otherwise swap a new directory in
+    for the link, and a second writer through another name would not meet the lock)."""
+    path = Path(dst)
+    return Path(os.path.realpath(path)) if path.is_symlink() and path.exists() else path
 
 
 def _read_pid(fd: int) -> str:
@@ -457,7 +465,7 @@ class SidecarDestination:
         inputs: Iterable[str | os.PathLike[str]] = (),
         lock: DestinationLock | None = None,
     ) -> None:
-        self.dst = Path(dst)
+        self.dst = real_destination(dst)
         self.stage = self.dst.with_name(f".{self.dst.name}.flashnext-new")
         self._old = self.dst.with_name(f".{self.dst.name}.flashnext-old")
         self._writer = writer
@@ -546,6 +554,13 @@ class SidecarDestination:
                 "directory, or pass --force to replace it (the old contents stay until the new "
                 "table is complete)"
             )
+        not_a_table = _not_a_table(self.dst)
+        if not_a_table:
+            raise SidecarError(
+                f"{self.dst}: {not_a_table}; --force replaces a sidecar table, not a folder of "
+                "other things: choose a directory for this table (e.g. one inside it) or empty "
+                "it yourself"
+            )
         staged = self._existing(self.stage)
         if staged.refusal is not None:
             if not all(self._ours(n, 1 << 20) for n in _listing(self.stage)):
@@ -633,6 +648,22 @@ def _listing(directory: Path) -> list[str]:
         return sorted(p.name for p in directory.iterdir())
     except OSError as exc:
         raise SidecarError(f"{directory}: cannot list ({exc.strerror})") from None
+
+
+def _not_a_table(directory: Path) -> str | None:
+    """Why ``--force`` must not replace ``directory`` (None: it is a sidecar table, finished,
+    unfinished or another tool's): a table is files only, shards or META.json among them. A
+    folder of tables (``ple/layer_11``, ``ple/layer_23``) or of anything else is refused."""
+    names = _listing(directory)
+    subdirs = [n for n in names if (directory / n).is_dir()]
+    if subdirs:
+        more = f" and {len(subdirs) - 3} more" if len(subdirs) > 3 else ""
+        return f"holds directories ({', '.join(subdirs[:3])}{more}), which a sidecar never has"
+    finals = [final_name(n) if is_temp_name(n) else n for n in names]
+    if not any(n in (META_NAME, STATE_NAME) or shard_index(n) is not None for n in finals):
+        more = " ..." if len(names) > 3 else ""
+        return f"holds {', '.join(names[:3])}{more} but no shard_N.safetensors or {META_NAME}"
+    return None
 
 
 def _found(directory: Path) -> _Found:
