@@ -88,6 +88,23 @@ def test_a_changed_source_shard_is_refused_and_not_copied(full, tmp_path):
     assert len(lines) == 1 and "shard_3.safetensors: sha256" in lines[0], proc.stderr
     assert not (tmp_path / "out" / "shard_3.safetensors").exists()
     assert not (tmp_path / "out" / "META.json").exists()
+    # what it left is an unfinished slice: refused by readers, naming the command ...
+    info = run("ple", "info", tmp_path / "out")
+    assert info.returncode == 1 and "unfinished: 2 of 3 shards" in info.stderr, info.stderr
+    assert "flashnext ple slice" in info.stderr
+    # ... and the same command resumes it once the source is whole again, keeping the copy
+    kept = [(tmp_path / "out" / f"shard_{k}.safetensors").stat().st_ino for k in (1, 2)]
+    blob[-1] ^= 0xFF
+    (src / "shard_3.safetensors").write_bytes(bytes(blob))
+    again = run("ple", "slice", src, tmp_path / "out", "--tp", TP, "--ranks", 1)
+    assert again.returncode == 0, again.stderr
+    assert [(tmp_path / "out" / f"shard_{k}.safetensors").stat().st_ino for k in (1, 2)] == kept
+    assert sorted(q.name for q in (tmp_path / "out").iterdir()) == ["META.json"] + [
+        f"shard_{k}.safetensors" for k in (1, 2, 3)]  # fmt: skip
+    assert open_sidecar(tmp_path / "out").verify_checksums() == []
+    # another run's unfinished slice (other ranks) is not this command's: refused, kept
+    other = run("ple", "slice", src, tmp_path / "out", "--tp", TP, "--ranks", 2)
+    assert other.returncode == 2 and "was not written by this command" in other.stderr
 
 
 def test_a_slice_missing_or_with_a_stray_shard_is_refused(full, tmp_path, capsys):

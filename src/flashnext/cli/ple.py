@@ -716,13 +716,22 @@ def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: b
     Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
     along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
     rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
-    DST must be new or empty (no file in it is replaced).
+    DST must be new or empty (no file in it is replaced), or this command's own unfinished
+    slice: an interrupted run resumes, keeping the shards it copied whole.
     """
-    from flashnext.ple.slicing import plan_slice, slice_file_names, write_slice
+    from flashnext.ple.slicing import (
+        plan_slice,
+        slice_file_names,
+        slice_owns,
+        slice_params,
+        write_slice,
+    )
 
     source = open_sidecar(sidecar)
     plan = plan_slice(source, tp, ranks)
-    check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source))
+    params = slice_params(source, plan)
+    check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source),
+                 owns=lambda path: slice_owns(path.parent, params))  # fmt: skip
     with terminate_cleanly(), DestinationLock(dst), _bar(disable=as_json) as bar:
         task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
         write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))

@@ -58,6 +58,7 @@ allocated from them.
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -283,7 +284,7 @@ def _refuse_unfinished(root: Path) -> None:
     done = state.get("shards")
     total = state.get("num_shards")
     command = state["environment"].get("command")
-    how = f" ({' '.join(map(str, command))})" if isinstance(command, list) and command else ""
+    how = f" ({shlex.join(map(str, command))})" if isinstance(command, list) and command else ""
     raise SidecarError(
         f"{root}: unfinished: {len(done) if isinstance(done, dict) else '?'} of {total} shards, "
         f"rerun the command that made it{how}"

@@ -9,6 +9,12 @@ or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes ME
 complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
 ``row_range`` inside the rows present and refuses one outside, naming the missing rows.
 
+An interrupted slice resumes: the writers' state record (:data:`~flashnext.ple.sidecar.
+STATE_NAME`, so readers refuse the directory as unfinished and name the command) is written
+first with the plan and each copied shard's sha256; the same command again keeps the shards
+whose files still hash to it (:func:`slice_owns` tells the destination rule which files are
+this slice's own).
+
 The destination rule (not an input, not inside one, no file replaced that this command did
 not write) is the caller's: :func:`flashnext.ple.destination.destination_problem`.
 """
@@ -26,7 +32,18 @@ from flashnext import __version__
 from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
 from flashnext.ple.profile import PROFILE_NAME, default_profile_path
-from flashnext.ple.sidecar import FORMAT_VERSION, META_NAME, Shard, Sidecar, shard_name
+from flashnext.ple.sidecar import (
+    FORMAT_VERSION,
+    META_NAME,
+    STATE_KIND,
+    STATE_NAME,
+    Shard,
+    Sidecar,
+    read_state,
+    shard_name,
+)
+from flashnext.records import make_record
+from flashnext.safetensors_file import sha256_file
 
 _CHUNK = 8 << 20  # bytes per read while copying
 
@@ -125,15 +142,62 @@ def write_slice(
     out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
     expected = sidecar.expected_checksums()
-    records = []
+    params = slice_params(sidecar, plan)
+    done = _resumable(out, params)
+    records: dict[int, dict[str, Any]] = {}
+    _save_state(out, params, len(plan.shards), records)  # unfinished from here on
     for sh in plan.shards:
-        digest = copy_checked(sh.path, out / shard_name(sh.index), expected.get(sh.index), progress)
-        records.append({"file": shard_name(sh.index), "rows": sh.rows, "sha256": digest})
+        name = shard_name(sh.index)
+        kept = done.get(sh.index)
+        if kept is not None and (out / name).is_file() and sha256_file(out / name) == kept:
+            digest = kept  # an interrupted run's copy, still whole
+            if progress is not None:
+                progress(sh.path.stat().st_size)
+        else:
+            digest = copy_checked(sh.path, out / name, expected.get(sh.index), progress)
+        records[sh.index] = {"file": name, "rows": sh.rows, "sha256": digest}
+        _save_state(out, params, len(plan.shards), records)
     profile = source_profile(sidecar)
     if profile is not None:  # inside the slice: the destination holds everything it writes
         copy_checked(profile, out / PROFILE_NAME, None, progress)
-    write_json(out / META_NAME, slice_meta(sidecar, plan, records))
+    write_json(out / META_NAME, slice_meta(sidecar, plan, list(records.values())))
+    (out / STATE_NAME).unlink()  # finished
     return out
+
+
+def slice_params(sidecar: Sidecar, plan: SlicePlan) -> dict[str, Any]:
+    """What makes two slice runs the same run (the state record's ``params``)."""
+    return {"slice": {"source": str(sidecar.path.resolve()), "tp": plan.tp,
+                      "ranks": list(plan.ranks)}}  # fmt: skip
+
+
+def slice_owns(dst: Path, params: dict[str, Any]) -> bool:
+    """Whether ``dst`` is an unfinished slice of the same run (its files may be replaced)."""
+    try:
+        state = read_state(dst)
+    except SidecarError:
+        return False
+    return state is not None and state.get("params") == params
+
+
+def _resumable(out: Path, params: dict[str, Any]) -> dict[int, str]:
+    """Shard index -> sha256 of the copies an interrupted run of the same slice recorded."""
+    if not slice_owns(out, params):
+        return {}
+    state = read_state(out) or {}
+    shards = state.get("shards")
+    return {
+        int(k): v["sha256"]
+        for k, v in (shards.items() if isinstance(shards, dict) else ())
+        if isinstance(v, dict) and isinstance(v.get("sha256"), str)
+    }
+
+
+def _save_state(out: Path, params: dict[str, Any], total: int, done: dict[int, Any]) -> None:
+    record = make_record(STATE_KIND, {"directory": str(out), "num_shards": total,
+                                      "params": params, "shards": {}})  # fmt: skip
+    record["shards"] = {str(k): v for k, v in sorted(done.items())}
+    write_json(out / STATE_NAME, record, indent=None)
 
 
 def copy_checked(
