@@ -145,3 +145,30 @@ def test_the_hot_row_profile_comes_along_inside_the_slice(full, tmp_path, capsys
     assert run_in_process(["ple", "slice", full, dst, "--tp", TP, "--ranks", 1], capsys)[0] == 0
     assert filecmp.cmp(written, dst / "hot_rows.safetensors", shallow=False)
     np.testing.assert_array_equal(load_profile(dst).row_ids, ids)
+
+
+def test_quantizing_a_slice_is_refused_before_anything_is_written(full, tmp_path, capsys):
+    dst = tmp_path / "node"
+    assert run_in_process(["ple", "slice", full, dst, "--tp", TP, "--ranks", 1], capsys)[0] == 0
+    proc = run("ple", "quantize", dst, tmp_path / "q", "--format", "fp8")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "a slice (rows 128..512 of 1000" in proc.stderr and "quantize the full" in proc.stderr
+    assert not (tmp_path / "q").exists()
+    assert [p.name for p in tmp_path.iterdir() if "flashnext" in p.name] == []
+
+
+def test_ple_lookup_reads_a_slice_where_it_holds_rows(full, tmp_path, rng, capsys):
+    dst = tmp_path / "node"  # ranks 0 and 2 of 4: shards 0-1 and 3-5, rows 0..256 and 384..768
+    assert run_in_process(["ple", "slice", full, dst, "--tp", TP, "--ranks", "0,2"], capsys)[0] == 0
+    for lo, hi in ((0, 256), (384, 768)):
+        ids = [*rng.integers(lo, hi, size=4).tolist(), -1]
+        text = ",".join(map(str, ids))
+        code, out, err = run_in_process(["ple", "lookup", dst, "--ids", text, "--json"], capsys)
+        assert code == 0, err
+        want = open_table(full).reference_lookup(np.array(ids))
+        np.testing.assert_array_equal(np.array(json.loads(out)["rows"], np.float32), want)
+    outside = int(rng.integers(256, 384))
+    code, _, err = run_in_process(["ple", "lookup", dst, "--ids", str(outside)], capsys)
+    assert code == 1 and f"row {outside} is not in" in err and "rows 0..256, 384..768" in err
+    code, _, err = run_in_process(["ple", "lookup", dst, "--ids", "3,600"], capsys)
+    assert code == 1 and "two ranges of the slice" in err, err

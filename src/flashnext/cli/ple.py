@@ -55,7 +55,7 @@ from flashnext.ple.profile import (
     write_profile,
 )
 from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
-from flashnext.ple.sidecar import open_sidecar
+from flashnext.ple.sidecar import Sidecar, open_sidecar
 from flashnext.records import (
     PLE_INFO,
     PLE_LOOKUP,
@@ -360,14 +360,20 @@ def _parse_ids(text: str) -> np.ndarray:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print full rows as JSON on stdout.")
 def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_json: bool) -> None:
-    """Print the dequantized rows of DIRECTORY for --ids (for debugging)."""
+    """Print the dequantized rows of DIRECTORY for --ids (for debugging).
+
+    DIRECTORY may be a slice (`flashnext ple slice`): its rows are looked up where it holds
+    them, and an id outside them is refused, naming the rows it holds.
+    """
     from flashnext.ple.table import open_table
 
     row_ids = _parse_ids(ids)
     if warm and residency == "resident":
         raise click.BadParameter("applies to --residency mmap (page cache)", param_hint="--warm")
+    sidecar = open_sidecar(directory)
+    row_range = None if sidecar.rows_present is None else _slice_span(sidecar, row_ids)
     try:
-        with open_table(directory, residency) as table:  # type: ignore[arg-type]
+        with open_table(sidecar, residency, row_range=row_range) as table:  # type: ignore[arg-type]
             if warm:
                 _warm(table, disable=as_json)
             rows = table.lookup(row_ids)
@@ -404,6 +410,27 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
             out_console.print(
                 f"  {name}: {np.asarray(value[i]).astype(np.float32)}", highlight=False
             )
+
+
+def _slice_span(sidecar: Sidecar, row_ids: np.ndarray) -> tuple[int, int]:
+    """The range of a slice's rows that holds every id of ``row_ids`` (-1 pads), refused by
+    name when an id is not in the slice or the ids span two of its ranges."""
+    ids = [i for i in row_ids.tolist() if i != -1]
+    held = sidecar.rows_present or ()
+    for i in ids:
+        if not any(lo <= i < hi for lo, hi in held):
+            raise SidecarError(
+                f"--ids: row {i} is not in {sidecar.path}, a slice holding rows "
+                f"{sidecar.present_text()}; look it up in the full sidecar or another node's slice"
+            )
+    first = ids[0] if ids else held[0][0]
+    span = next(r for r in held if r[0] <= first < r[1])
+    if any(not span[0] <= i < span[1] for i in ids):
+        raise SidecarError(
+            f"--ids: the ids lie in two ranges of the slice {sidecar.path} (rows "
+            f"{sidecar.present_text()}); look them up one range at a time"
+        )
+    return span
 
 
 def _warm(table: PLETable, disable: bool, populate: bool = True) -> Warming:

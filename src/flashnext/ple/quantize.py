@@ -94,7 +94,8 @@ class SidecarSource:
     refused unless ``ignore_checksums``. ``progress(nbytes)`` is called while hashing.
 
     Raises:
-        SidecarError: the sidecar is invalid or unfinished, or a shard fails its checksum.
+        SidecarError: the sidecar is invalid, unfinished or a slice, or a shard fails its
+            checksum.
     """
 
     def __init__(
@@ -105,6 +106,11 @@ class SidecarSource:
         progress: Callable[[int], None] | None = None,
     ):
         sidecar = open_sidecar(path)
+        if sidecar.rows_present is not None:  # before a destination exists: nothing to resume
+            raise SidecarError(
+                f"{path}: a slice (rows {sidecar.present_text()} of {sidecar.num_rows}, "
+                "`flashnext ple slice`): quantize the full sidecar, then slice the result"
+            )
         self.path = str(Path(path).resolve())
         self.num_rows = sidecar.num_rows
         self.width = sidecar.width
