@@ -93,6 +93,23 @@ def test_override_to_out_dir(tmp_path, capsys, nested):
         ["checkpoint", "override", str(built.root), *MAPPING, "--out", str(foreign)], capsys
     )
     assert code == 1 and "not written by flashnext" in err
+    # the same --out for another checkpoint (or revision) would serve one's weights with the
+    # other's config: refused before anything changes, naming the link
+    other = build_checkpoint(tmp_path / "ck2", base=400, nested=nested, files=2)
+    before = {q.name: q.read_bytes() for q in out.iterdir() if not q.is_symlink()}
+    code, _, err = run_in_process(
+        ["checkpoint", "override", str(other.root), *MAPPING, "--out", str(out)], capsys
+    )
+    assert code == 1 and "model-00001-of-00002.safetensors links to" in err, err
+    assert "would mix two checkpoints" in err
+    assert {q.name: q.read_bytes() for q in out.iterdir() if not q.is_symlink()} == before
+    # and a file where a link belongs (a user's own copy of a shard) the same way
+    (out / "model-00002-of-00002.safetensors").unlink()
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"mine")
+    code, _, err = run_in_process(
+        ["checkpoint", "override", str(built.root), *MAPPING, "--out", str(out)], capsys
+    )
+    assert code == 1 and "model-00002-of-00002.safetensors is not a link to" in err, err
 
 
 @pytest.mark.parametrize("nested", [False, True])

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashnext.atomic import write_json
+from flashnext.atomic import is_temp_name, write_json
 from flashnext.checkpoint.config import CONFIG_NAME, read_config
 from flashnext.errors import CheckpointError
 from flashnext.records import CHECKPOINT_OVERRIDE, make_record
@@ -434,7 +434,8 @@ def write_overridden_snapshot(
     is symlinked, so no weights are copied. Returns the names symlinked.
 
     Raises:
-        CheckpointError: ``out`` is ``src`` or inside it, or holds a config.json that is not ours.
+        CheckpointError: ``out`` is ``src`` or inside it, holds a config.json that is not ours,
+            or holds anything but links to ``src``'s entries (another checkpoint's, a file).
     """
     src_p, out_p = Path(src).resolve(), Path(out)
     if out_p.resolve() == src_p or src_p in out_p.resolve().parents:
@@ -442,19 +443,17 @@ def write_overridden_snapshot(
             f"--out {out_p} is the checkpoint or inside it; the original checkpoint is never "
             "edited in place: choose a directory outside it"
         )
-    out_p.mkdir(parents=True, exist_ok=True)
     existing = out_p / CONFIG_NAME
     _refuse_foreign_config(existing)
+    skip = (CONFIG_NAME, OVERRIDES_FILE, ".cache")
+    entries = [e for e in sorted(src_p.iterdir()) if e.name not in skip]
+    _refuse_mixed(out_p, src_p, entries)
+    out_p.mkdir(parents=True, exist_ok=True)
     linked = []
-    for entry in sorted(src_p.iterdir()):
-        if entry.name in (CONFIG_NAME, OVERRIDES_FILE, ".cache"):
-            continue
+    for entry in entries:
         link = out_p / entry.name
-        if link.is_symlink() or link.exists():
-            if link.is_symlink() and Path(os.readlink(link)) == entry:
-                linked.append(entry.name)
-            continue
-        link.symlink_to(entry)
+        if not link.is_symlink():
+            link.symlink_to(entry)
         linked.append(entry.name)
     if existing.is_symlink():
         existing.unlink()
@@ -463,6 +462,31 @@ def write_overridden_snapshot(
     write_json(existing, doc)
     write_json(out_p / OVERRIDES_FILE, dict(record))
     return linked
+
+
+def _refuse_mixed(out: Path, src: Path, entries: list[Path]) -> None:
+    """Refuse an ``out`` that would serve files of another checkpoint beside ``src``'s: a link
+    there to anything but ``src``'s own entry (an earlier override of another checkpoint or
+    revision), or a file or directory where a link belongs."""
+    if not out.is_dir():
+        return
+    wanted = {e.name: e for e in entries}
+    for item in sorted(out.iterdir()):
+        if item.name in (CONFIG_NAME, OVERRIDES_FILE) or is_temp_name(item.name):
+            continue
+        target = Path(os.readlink(item)) if item.is_symlink() else None
+        if target is not None and target == wanted.get(item.name):
+            continue
+        if target is None:
+            what = f"is not a link to {src / item.name}"
+        elif item.name in wanted:
+            what = f"links to {target}, not to {src / item.name}"
+        else:
+            what = f"links to {target}, which {src} does not have"
+        raise CheckpointError(
+            f"--out {out}: {item.name} {what}: serving it would mix two checkpoints. Choose "
+            "a new --out directory (or empty this one)"
+        )
 
 
 def _refuse_foreign_config(existing: Path) -> None:
