@@ -206,6 +206,13 @@ def test_4_source_failing_its_checksums_is_refused(tmp_path, rng):
     assert ok.returncode == 0, ok.stderr[-3000:]
     meta = json.loads((tmp_path / "dst" / "META.json").read_text())
     assert meta["source"]["checksum_mismatch_accepted"] == ["shard_2.safetensors"]
+    # `ple info` keeps saying so (the table itself is whole: exit 0)
+    info = run("ple", "info", tmp_path / "dst", "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["source_checksums_ignored"] == [
+        "shard_2.safetensors"
+    ]
+    human = run("ple", "info", tmp_path / "dst")
+    assert "1 shards failed their own checksum" in " ".join(human.stdout.split())
 
 
 # -- finding 5: without META.json, order and extent must be unambiguous ---------------------

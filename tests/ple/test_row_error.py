@@ -79,6 +79,18 @@ def test_nvfp4_outlier_zeroes_rows_and_is_refused_in_the_summary(tmp_path, rng, 
     zeroed = f"{found['zeroed_rows']:,}"
     assert f"{zeroed} rows quantized to all-zero" in lines[-1], lines[-1]
     assert "row error" in out and f"{zeroed} rows zeroed" in out
+    # the table stays on disk; `ple info` says the same and exits 1 (checksums and values ok)
+    code, out, err = run_in_process(["ple", "info", tmp_path / "n", "--json"], capsys)
+    info = json.loads(out)
+    assert code == 1 and info["checksums"] == "ok" and info["values"] == "ok", err
+    assert info["row_error"]["zeroed_rows"] == found["zeroed_rows"]
+    assert info["problems"] == [
+        f"row {found['worst_row']:,} has relative error 1, above the --max-row-error 0.5 this "
+        f"table was made with; {zeroed} rows quantized to all-zero from non-zero rows: it does "
+        "not hold the source's rows (re-create it in another format)"
+    ]
+    code, out, _ = run_in_process(["ple", "info", tmp_path / "n"], capsys)
+    assert code == 1 and f"{zeroed} rows zeroed: above 0.5" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
@@ -97,6 +109,9 @@ def test_threshold_is_the_users_and_resume_keeps_the_verdict(tmp_path, rng, caps
     write_sidecar(tmp_path / "src", "bf16", x, 500)
     base = ["ple", "quantize", tmp_path / "src", tmp_path / "n", "--format", "nvfp4", "--json"]
     code, out, _ = run_in_process([*base, "--max-row-error", "1"], capsys)
+    assert code == 0 and json.loads(out)["row_error"]["max_row_error"] == 1.0
+    # `ple info` judges the table by the threshold it was made with
+    code, out, _ = run_in_process(["ple", "info", tmp_path / "n", "--json"], capsys)
     assert code == 0 and json.loads(out)["row_error"]["max_row_error"] == 1.0
     # a rerun keeps every shard and judges them again from META.json
     code, out, _ = run_in_process(base, capsys)

@@ -139,6 +139,21 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
         )
         if record["rel_rmse"] is not None:
             table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
+        rows_err = record["row_error"]
+        if rows_err is not None:
+            zeroed = rows_err["zeroed_rows"]
+            table.add_row(
+                "row error",
+                f"worst {rows_err['worst']:.4f} (row {rows_err['worst_row']:,}), p99.9 "
+                f"{rows_err['p99_9']:.4f}, {zeroed:,} rows zeroed"
+                + ("" if rows_err["ok"] else f": above {rows_err['max_row_error']:g}"),
+            )
+        if record["source_checksums_ignored"]:
+            table.add_row(
+                "source",
+                f"{len(record['source_checksums_ignored'])} shards failed their own checksum, "
+                "taken with --ignore-source-checksums",
+            )
         show(table)
         for line in problems:
             note(line, style="red")

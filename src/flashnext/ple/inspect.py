@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from flashnext.ple import row_error
 from flashnext.ple.formats import BF16, E4M3, F16, F32
 from flashnext.ple.preflight import DEFAULT_HEADROOM, HostMemory, host_memory
 from flashnext.ple.sidecar import META_NAME, Sidecar
@@ -48,6 +49,11 @@ class SidecarInfo:
     memory: HostMemory = field(repr=False)
     #: A slice's rows (``[[start, end], ...]``, ``flashnext ple slice``); None: the whole table.
     rows_present: list[list[int]] | None = None
+    #: :func:`flashnext.ple.row_error.summarize` of the shards' records against the
+    #: ``--max-row-error`` the table was made with; None when no shard measured it.
+    row_error: dict[str, Any] | None = None
+    #: Source shards whose own checksums did not match, taken with --ignore-source-checksums.
+    source_checksums_ignored: list[Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -142,6 +148,17 @@ def inspect_sidecar(
     resident = sum(hi - lo for lo, hi in present) * bytes_per_row  # a slice: its rows only
     quant = sidecar.meta.get("quantization")
     rmse = quant.get("rel_rmse") if isinstance(quant, dict) else None
+    rows_err = _row_error(sidecar.meta, quant)
+    if rows_err is not None and not rows_err["ok"]:
+        zeroed = rows_err["zeroed_rows"]
+        problems.append(
+            f"row {rows_err['worst_row']:,} has relative error {rows_err['worst']:.3g}, above "
+            f"the --max-row-error {rows_err['max_row_error']:g} this table was made with"
+            + (f"; {zeroed:,} rows quantized to all-zero from non-zero rows" if zeroed else "")
+            + ": it does not hold the source's rows (re-create it in another format)"
+        )
+    source = sidecar.meta.get("source")
+    ignored = source.get("checksum_mismatch_accepted") if isinstance(source, dict) else None
     geometry = sidecar.geometry
     return SidecarInfo(
         path=str(sidecar.path),
@@ -163,4 +180,18 @@ def inspect_sidecar(
         geometry=geometry.to_dict() if geometry is not None else None,
         memory=memory,
         rows_present=[list(r) for r in sidecar.rows_present] if sidecar.rows_present else None,
+        row_error=rows_err,
+        source_checksums_ignored=list(ignored) if isinstance(ignored, list) and ignored else None,
     )
+
+
+def _row_error(meta: dict[str, Any], quant: Any) -> dict[str, Any] | None:
+    """The table's per-row error from META.json's shard records (None: none measured)."""
+    shards = meta.get("shards")
+    records = [r.get("row_error") for r in shards if isinstance(r, dict)] if isinstance(
+        shards, list) else []  # fmt: skip
+    limit = quant.get("max_row_error") if isinstance(quant, dict) else None
+    if not isinstance(limit, (int, float)) or isinstance(limit, bool):
+        limit = row_error.DEFAULT_MAX_ROW_ERROR
+    found = row_error.summarize(records, float(limit))
+    return found if found["measured_shards"] else None

@@ -633,7 +633,8 @@ def _quantize(
         _run_shards(jobs, workers, finished)
         records = [writer.records[i] for i in range(writer.num_shards)]
         method = get_codec(fmt).method if opt.conversion == "quantize" else _COPY_METHOD
-        sidecar = dest.commit(quantization={"rel_rmse": _table_rmse(records), "method": method})
+        sidecar = dest.commit(quantization={"rel_rmse": _table_rmse(records), "method": method,
+                                            "max_row_error": opt.max_row_error})  # fmt: skip
     return _result(sidecar, results, len(dest.kept), t0, source.width, opt, workers)
 
 
