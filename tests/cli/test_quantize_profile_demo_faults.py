@@ -176,6 +176,7 @@ def test_full_disk_force_run_frees_its_work_and_keeps_the_old_table(tmp_path, rn
     line = _error_line(done.stderr)
     assert "rc=1" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "No space left" in line and str(mount) in line and ".tmp-" not in line, line
+    assert "(the old table is intact)" in line, line
     listing = done.stdout.split("rc=1", 1)[1]
     assert ".dst.flashnext-new" not in listing and ".dst.flashnext-lock" not in listing, listing
     after = dict(reversed(row.split()) for row in listing.splitlines() if "  " in row)
@@ -195,6 +196,7 @@ def test_full_disk_error_names_a_file_and_the_rerun_resumes(tmp_path, rng):
     line = _error_line(done.stderr)
     assert "rc=1" in done.stdout and "No space left" in line, done.stdout + line
     assert f"{mount}/dst/" in line and ".tmp-" not in line, line
+    assert "(finished shards are kept for a rerun)" in line, line
     assert ".flashnext-quantize.json" in done.stdout  # unfinished: the next run resumes
 
 

@@ -562,13 +562,16 @@ def quantize_table(
     except OSError as exc:
         where = exc.filename or dst
         raise SidecarError(
-            f"{where}: {exc.strerror or exc} (while quantizing into {dst}); " + _os_hint(exc)
+            f"{where}: {exc.strerror or exc} (while quantizing into {dst}); "
+            + _os_hint(exc, force)
         ) from None
 
 
-def _os_hint(exc: OSError) -> str:
+def _os_hint(exc: OSError, force: bool) -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "free space or choose another destination (finished shards are kept for a rerun)"
+        # a --force run's partial table is removed (it holds the space; the old one is intact)
+        kept = "the old table is intact" if force else "finished shards are kept for a rerun"
+        return f"free space or choose another destination ({kept})"
     return "check the path and its permissions"
 
 
