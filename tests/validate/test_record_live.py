@@ -61,6 +61,7 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     captured = run("record", "capture", "--url", first.url, "--output", out_a,
                    env={"FLASHNEXT_API_KEY": API_KEY})  # fmt: skip
     assert captured.returncode == 0, captured.stderr
+    assert captured.stdout.startswith(f"wrote {out_a}: server ")  # the summary: stdout
     outputs = [captured.stdout, captured.stderr]
     rec_a = json.loads(out_a.read_text())
     assert rec_a["launch"]["source"] == "port"
@@ -91,6 +92,7 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
 
     restore = run("record", "restore", str(out_a), "--write", str(tmp_path / "restore.sh"))
     assert restore.returncode == 0, restore.stderr
+    assert restore.stdout == f"wrote {tmp_path / 'restore.sh'}\n"
     outputs += [restore.stdout, restore.stderr]
     assert restore_command(rec_a) in (tmp_path / "restore.sh").read_text()
     log = tmp_path / "restored.log"

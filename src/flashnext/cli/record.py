@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, old_spelling, out_console
+from flashnext.cli._common import err_console, old_spelling, out_console, say
 from flashnext.cli._destination import check_output
 from flashnext.errors import FlashnextError
 from flashnext.records import DEPLOY_RECORD_DIFF
@@ -60,10 +60,10 @@ def capture(
     with atomic_write(out, "w") as f:
         f.write(text)
     launch = rec.get("launch") or {}
-    err_console.print(
+    say(  # the closing summary: stdout, as in every command
         f"wrote {out}: server {rec['server'].get('version')}, launch from "
-        f"{launch.get('source', 'nowhere (remote)')}", markup=False, highlight=False,
-    )  # fmt: skip
+        f"{launch.get('source', 'nowhere (remote)')}"
+    )
 
 
 def _is_record(path: Path) -> bool:
@@ -153,7 +153,7 @@ def restore(a: Path, write_to: Path | None, do_exec: bool) -> None:
         with atomic_write(write_to, "w") as f:
             f.write(f"{_SCRIPT_HEAD}{command}\n")
         os.chmod(write_to, 0o755)
-        err_console.print(f"wrote {write_to}", markup=False)
+        say(f"wrote {write_to}")
     else:
         out_console.print(command, markup=False, highlight=False, soft_wrap=True)
     if do_exec:
