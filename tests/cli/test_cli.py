@@ -52,6 +52,12 @@ def test_quantize_info_lookup(bf16):
     assert info["rel_rmse"] == pytest.approx(out["rel_rmse"])
     assert info["resident_bytes"] == 2000 * 100 and info["resident_fits"] is True
 
+    # requantizing a lossy table: the errors are said to be against it, not the original
+    again = run_ok("ple", "quantize", bf16 / "int4", bf16 / "fp8_of_int4", "--format", "fp8")
+    assert "against SRC, whose rows are int4 (lossy) already" in " ".join(again.stderr.split())
+    direct = run_ok("ple", "quantize", bf16 / "bf16", bf16 / "fp8_direct", "--format", "fp8")
+    assert "lossy" not in direct.stderr
+
     rows = json.loads(run_ok("ple", "lookup", bf16 / "int4", "--ids", "0,-1,1999", "--json").stdout)
     assert len(rows["rows"]) == 3 and all(v == 0 for v in rows["rows"][1])
     human = run_ok("ple", "lookup", bf16 / "int4", "--ids", "5", "--raw").stdout

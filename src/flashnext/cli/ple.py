@@ -295,6 +295,13 @@ def _quantize_locked(
         print_record(PLE_QUANTIZE, summary)
     else:
         _show_quantize_summary(summary)
+    lossy = summary["source"].get("format") in ("fp8", "int4", "nvfp4")
+    if lossy and summary["conversion"] == "quantize":
+        note(
+            f"the errors above are against SRC, whose rows are {summary['source']['format']} "
+            "(lossy) already: against the original rows they are larger (quantize from the "
+            "checkpoint or a bf16 sidecar to measure them)"
+        )
     if not result.row_error["ok"]:
         raise SidecarError(_row_error_refusal(result.row_error, fmt, dst))
 
