@@ -98,6 +98,7 @@ def test_cli_copies_by_default_and_requantize_forces_the_old_path(tmp_path, caps
     assert summary["conversion"] == "quantize" and 0.0 < summary["rel_rmse"] < 0.16
     code, out, _ = run_in_process([*args, str(tmp_path / "text"), "--format", "nvfp4"], capsys)
     assert code == 0 and "copied to nvfp4" in out and "rel. RMSE" in out
+    assert "0 in every row" in out and "row -1" not in out
     # a requantized DST is not resumed by a copy: the settings differ, named
     code, _, err = run_in_process([*args, str(tmp_path / "again"), "--format", "nvfp4"], capsys)
     assert code != 0 and "conversion None -> 'copy'" in err

@@ -336,7 +336,9 @@ def _show_quantize_summary(summary: dict) -> None:
         f"{summary['rel_rmse']:.5f} (worst shard {summary['worst_shard_rel_rmse']:.5f})",
     )
     rows = summary["row_error"]
-    if rows.get("measured_shards"):
+    if rows.get("measured_shards") and rows["worst_row"] < 0:  # no row with an error (a copy)
+        table.add_row("row error", "0 in every row")
+    elif rows.get("measured_shards"):
         bad = not rows["ok"]
         table.add_row(
             "row error",
