@@ -125,3 +125,68 @@ def test_server_without_health_route_is_ready_by_its_model_list(tmp_path: Path) 
     ready = by_name(report)["ready"]
     assert p.returncode == 0 and ready["status"] == "pass", ready
     assert ready["duration_s"] < 10  # not the 60 s deadline
+
+
+class StubServerBrokenLogprobs(BaseHTTPRequestHandler):
+    """/v1/completions answering a scoring request with the logprobs of ``SERVED[path]``: the
+    malformed values a broken kernel or server sends (NaN, null), which a working vLLM does
+    not produce on demand."""
+
+    served: dict[str, object] = {}
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        n = len(request["prompt"])
+        rows: list[object] = [None] + [{"7": {"logprob": -0.5}} for _ in range(n - 1)]
+        bad_at = 1 + n // 2
+        rows[bad_at] = StubServerBrokenLogprobs.served["row"]
+        body = json.dumps({"choices": [{"text": "", "prompt_logprobs": rows}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize(
+    "row, said",
+    [
+        ({"7": {"logprob": float("nan")}}, "the logprob of token 7 is nan"),
+        ({"7": {"logprob": None}}, "the logprob of token 7 is None"),
+        ({"7": None}, "the logprob of token 7 is None"),
+        ({"7": {"logprob": 0.5}}, "the logprob of token 7 is 0.5"),
+        ([1, 2], "logprobs are list, expected an object"),
+    ],
+)
+def test_broken_logprobs_are_a_bad_response_not_a_distribution(row, said, rng) -> None:
+    """NaN or null logprobs from a candidate once pooled as nothing (verdict "identical") or
+    crashed the report; now the request fails as a bad response naming the position."""
+    import asyncio
+
+    from flashnext.validate.ab_server import RequestFailed, Side
+    from flashnext.validate.client import Client
+
+    StubServerBrokenLogprobs.served["row"] = row
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubServerBrokenLogprobs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    tokens = rng.integers(0, 1000, size=int(rng.integers(4, 40))).tolist()
+
+    async def score() -> None:
+        side = Side("candidate", Client(f"http://127.0.0.1:{server.server_address[1]}"))
+        try:
+            await side._score(tokens, 5, "prompt_logprobs")
+        finally:
+            await side.aclose()
+
+    try:
+        with pytest.raises(RequestFailed) as failed:
+            asyncio.run(score())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert failed.value.kind == "bad_response"
+    assert f"prompt position {1 + len(tokens) // 2}: " in failed.value.message
+    assert said in failed.value.message

@@ -211,15 +211,21 @@ class Side:
             rows = choice.get("prompt_logprobs")
             if not isinstance(rows, list):
                 raise RequestFailed(self.name, "unsupported", "prompt_logprobs ignored")
-            dists = [{int(t): float(v["logprob"]) for t, v in (row or {}).items()} for row in rows]
+            dists = [
+                {_prompt_token(self.name, t): _logprob(self.name, i, t, v)
+                 for t, v in _entries(self.name, i, row)}
+                for i, row in enumerate(rows)
+            ]  # fmt: skip
         else:
-            rows = (choice.get("logprobs") or {}).get("top_logprobs")
+            logprobs = choice.get("logprobs")
+            rows = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
             if not isinstance(rows, list):
                 raise RequestFailed(self.name, "unsupported", "echo gave no top_logprobs")
             dists = [
-                {_parse_token(self.name, t): float(v) for t, v in (row or {}).items()}
-                for row in rows
-            ]
+                {_parse_token(self.name, t): _logprob(self.name, i, t, v)
+                 for t, v in _entries(self.name, i, row)}
+                for i, row in enumerate(rows)
+            ]  # fmt: skip
         if len(dists) < len(tokens):
             raise RequestFailed(
                 self.name, "bad_response", f"{len(dists)} prompt logprobs for {len(tokens)} tokens"
@@ -232,6 +238,42 @@ def _first_choice(side: str, data: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise RequestFailed(side, "bad_response", "completion without choices")
     return choices[0]
+
+
+def _entries(side: str, position: int, row: Any) -> list[tuple[str, Any]]:
+    """A position's ``{token: logprob}`` items (none for the first prompt position's null)."""
+    if row is None:
+        return []
+    if not isinstance(row, dict):
+        raise RequestFailed(side, "bad_response", f"prompt position {position}: logprobs are "
+                            f"{type(row).__name__}, expected an object of token -> logprob")  # fmt: skip
+    return list(row.items())
+
+
+def _logprob(side: str, position: int, token: str, value: Any) -> float:
+    """A listed logprob: a number <= 0 (-inf allowed). NaN, null, +inf or a positive one is a
+    broken kernel or server, never a distribution to compare: it would pool as nothing, and
+    the verdict would read "identical"."""
+    if isinstance(value, dict):  # prompt_logprobs: {"logprob": x, "rank": r, ...}
+        value = value.get("logprob")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 1e-4
+    if not ok:
+        raise RequestFailed(
+            side,
+            "bad_response",
+            f"prompt position {position}: the logprob of token {token} is {value!r}, expected a "
+            "number <= 0 (NaN or null: a broken kernel or server)",
+        )
+    return float(value)
+
+
+def _prompt_token(side: str, token: str) -> int:
+    """A prompt_logprobs key: the token id as a string."""
+    try:
+        return int(token)
+    except ValueError:
+        raise RequestFailed(side, "bad_response", f"prompt_logprobs key {token!r} is not a "
+                            "token id") from None  # fmt: skip
 
 
 def _parse_token(side: str, token: str) -> int:
