@@ -122,6 +122,13 @@ def test_verdict_statuses():
     th = Thresholds()
     ident = summarize([_row(None, 1.0, [0.0, 0.0], [True, True])])
     assert verdict(ident, th)["status"] == "identical"
+    # the same tokens and scores, but one side stopped where the other ran out of tokens
+    ends = _row(None, 1.0, [0.0, 0.0], [True, True])
+    ends.update(baseline={"finish_reason": "length"}, candidate={"finish_reason": "stop"})
+    v = verdict(summarize([ends, _row(None, 1.0, [0.0], [True])]), th)
+    assert v["status"] == "pass" and v["passed"]
+    assert v["reasons"] == ["1 prompt ends with another finish_reason (first: x, length -> stop)"]
+    assert summarize([ends])["identical"] == 0
     close = summarize([_row(5, 0.9, [1e-4] * 40, [True] * 40)])
     assert verdict(close, th)["status"] == "pass"
     far = summarize([_row(0, 0.1, [0.5] * 10, [False, True] * 5)])

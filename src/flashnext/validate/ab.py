@@ -393,12 +393,18 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tv = [v for t in tf for v in t["per_position"]["tv"]]
     same = [s for t in tf for s in t["per_position"]["top1_same"]]
     firsts = [r["first_difference"] for r in ok if r["first_difference"] is not None]
+    finish = [r for r in ok if _finish(r, "baseline") != _finish(r, "candidate")]
     return {
         "prompts": len(rows),
         "compared": len(ok),
         "errors": len(rows) - len(ok),
-        "identical": sum(1 for r in ok if r["first_difference"] is None),
+        "identical": sum(1 for r in ok if r["first_difference"] is None and r not in finish),
         "differing": len(firsts),
+        # the same tokens can still end differently (a stop the other side did not see)
+        "finish_reason_differs": [
+            {"id": r["id"], "baseline": _finish(r, "baseline"), "candidate": _finish(r, "candidate")}
+            for r in finish
+        ],
         "first_difference": {
             "min": min(firsts) if firsts else None,
             "median": statistics.median(firsts) if firsts else None,
@@ -410,6 +416,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "kl": M.summarize(kl),
         "tv": M.summarize(tv),
     }
+
+
+def _finish(row: dict[str, Any], side: str) -> Any:
+    return (row.get(side) or {}).get("finish_reason")
 
 
 def verdict(
@@ -444,10 +454,19 @@ def verdict(
         status, reasons = "error", ["no prompt was compared"]
     elif reasons:
         status = "fail"
-    elif summary["differing"] == 0 and (summary["kl"]["max"] or 0.0) == 0.0:
+    elif (summary["differing"] == 0 and not summary.get("finish_reason_differs")
+          and (summary["kl"]["max"] or 0.0) == 0.0):  # fmt: skip
         status = "identical"
     else:
         status = "pass"
+    ends = summary.get("finish_reason_differs") or []
+    if ends:
+        first = ends[0]
+        reasons.append(
+            f"{len(ends)} prompt{'s end' if len(ends) > 1 else ' ends'} with another "
+            "finish_reason (first: "
+            f"{first['id']}, {first['baseline']} -> {first['candidate']})"
+        )
     if summary["compared"] and summary["tf_prompts"] == 0:
         reasons.append("no teacher-forced scores: verdict from token agreement only")
     if stop is not None:
