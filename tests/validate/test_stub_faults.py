@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -132,7 +134,7 @@ class StubServerBrokenLogprobs(BaseHTTPRequestHandler):
     malformed values a broken kernel or server sends (NaN, null), which a working vLLM does
     not produce on demand."""
 
-    served: dict[str, object] = {}
+    served: ClassVar[dict[str, object]] = {}
 
     def log_message(self, *args: object) -> None:
         pass
@@ -190,3 +192,130 @@ def test_broken_logprobs_are_a_bad_response_not_a_distribution(row, said, rng) -
     assert failed.value.kind == "bad_response"
     assert f"prompt position {1 + len(tokens) // 2}: " in failed.value.message
     assert said in failed.value.message
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+class StubServerNotARoot(StubServerMissingFinishReason):
+    """Any HTTP service that is not an OpenAI server root: 404 on every route."""
+
+    def do_GET(self) -> None:
+        self._send(404, b'{"detail": "Not Found"}')
+
+
+def test_a_url_that_is_no_server_root_fails_ready_in_seconds(tmp_path: Path) -> None:
+    server, url = _serve(StubServerNotARoot)
+    try:
+        p = run("validate", "--url", url, "--stages", "ready", "--out", str(tmp_path),
+                "--no-png")  # fmt: skip  (the default --ready-timeout is 600 s)
+    finally:
+        server.shutdown()
+        server.server_close()
+    ready = by_name(json.loads((tmp_path / "report.json").read_text()))["ready"]
+    assert p.returncode == 1 and ready["status"] == "fail" and ready["duration_s"] < 30, ready
+    assert "HTTP 404 on /health and on /v1/models for 10 s: not an OpenAI-compatible server " \
+           "root" in ready["reason"]  # fmt: skip
+
+
+class StubServerTrickle(StubServerMissingFinishReason):
+    """A chat stream that sends a token every 0.3 s and never ends (a server stuck decoding,
+    past max_tokens): each read is quick, the request never completes."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+        try:
+            while True:
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(0.3)
+        except OSError:  # the client gave up
+            pass
+
+
+class StubServerAnswersJson(StubServerMissingFinishReason):
+    """Asked to stream, it answers one plain JSON completion (a proxy that buffers)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = {"choices": [{"index": 0, "message": {"content": "hi"}, "finish_reason": "stop"}]}
+        self._send(200, json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(
+    "handler, reason",
+    [
+        (StubServerTrickle, "request failed (timeout): no complete answer within --timeout 3 s"),
+        (StubServerAnswersJson, "request failed (bad_response): asked to stream, the server "
+                                "answered application/json, not an event stream"),
+    ],
+)  # fmt: skip
+def test_a_stream_that_never_ends_or_is_no_stream_fails_short(tmp_path: Path, handler, reason):
+    server, url = _serve(handler)
+    t0 = time.monotonic()
+    try:
+        p = run("validate", "--url", url, "--stages", "ready,short", "--timeout", "3",
+                "--out", str(tmp_path), "--no-png")  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    short = by_name(json.loads((tmp_path / "report.json").read_text()))["short"]
+    assert p.returncode == 1 and short["status"] == "fail" and short["reason"] == reason, short
+    assert time.monotonic() - t0 < 90
+
+
+class StubServerIdleClose(StubServerMissingFinishReason):
+    """Keeps connections alive, then closes one just as the next request arrives on it: the
+    race of a server closing idle connections (uvicorn: after 5 s) with a client reusing one,
+    made to happen every time."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _second_request_here(self) -> bool:
+        if getattr(self, "_answered", False):
+            self.close_connection = True  # no response: "Server disconnected without ..."
+            return True
+        self._answered = True
+        return False
+
+    def do_GET(self) -> None:
+        if not self._second_request_here():
+            super().do_GET()
+
+    def do_POST(self) -> None:
+        if not self._second_request_here():
+            super().do_POST()
+
+
+def test_a_keepalive_closed_while_idle_is_retried_on_a_fresh_connection() -> None:
+    import asyncio
+
+    from flashnext.validate.client import Client
+
+    server, url = _serve(StubServerIdleClose)
+
+    async def twice() -> list[object]:
+        client = Client(url, timeout_s=5.0)
+        try:
+            first = await client.get("/v1/models")
+            second = await client.get("/v1/models")  # on the pooled connection: dropped
+            chat = await client.chat("stub", [{"role": "user", "content": "hi"}], 4)
+            return [first, second, chat]
+        finally:
+            await client.aclose()
+
+    try:
+        first, second, chat = asyncio.run(twice())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert first[0] == 200 and second[0] == 200, second  # type: ignore[index]
+    # the chat stream itself is this stub's (no finish_reason), but it was answered
+    assert chat.status == 200 and chat.content == "hello there", chat  # type: ignore[attr-defined]

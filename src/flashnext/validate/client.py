@@ -16,6 +16,7 @@ Error kinds (``RequestResult.error_kind``):
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
@@ -164,12 +165,29 @@ class Client:
             return "unreachable"
         return "bad_response"
 
+    def describe(self, exc: BaseException, timeout_s: float | None = None) -> str:
+        """``Type: message`` of a failed request, never with nothing after the type (httpx's
+        timeouts and resets often carry no message)."""
+        text = str(exc).strip()
+        if not text and isinstance(exc, self._httpx.TimeoutException):
+            text = f"no answer within {timeout_s or self.timeout_s:g} s"
+        return f"{type(exc).__name__}: {text or 'the connection failed without a message'}"
+
+    def _stale_keepalive(self, exc: BaseException) -> bool:
+        """A pooled connection the server had closed while idle (uvicorn closes them after 5
+        s): the request never reached it, and one retry on a fresh connection is the fix."""
+        return isinstance(exc, self._httpx.RemoteProtocolError) and "disconnected" in str(exc)
+
     async def get(self, path: str, timeout_s: float = 10.0) -> tuple[int | None, str, str | None]:
         """GET ``path``: (status or None, body text, error kind or None). Never raises."""
-        try:
-            r = await self.http.get(path, timeout=timeout_s)
-        except Exception as exc:  # every failure is data for the report
-            return None, f"{type(exc).__name__}: {exc}", self._kind(exc)
+        for attempt in (0, 1):
+            try:
+                r = await self.http.get(path, timeout=timeout_s)
+                break
+            except Exception as exc:  # every failure is data for the report
+                if attempt == 0 and self._stale_keepalive(exc):
+                    continue
+                return None, self.describe(exc, timeout_s), self._kind(exc)
         return r.status_code, r.text, None
 
     async def get_json(self, path: str, timeout_s: float = 10.0) -> Any | None:
@@ -227,18 +245,34 @@ class Client:
         res = RequestResult(ok=False, started=t0)
         parts: list[str] = []
         marks: list[float] = []  # arrival time of each content piece
-        try:
+
+        async def stream() -> None:
             async with self.http.stream("POST", "/v1/chat/completions", json=payload) as r:
                 res.status = r.status_code
                 if r.status_code != 200:
                     res.error_kind = f"http_{r.status_code}"
                     res.error = _error_message(await r.aread())
+                elif not r.headers.get("content-type", "").startswith("text/event-stream"):
+                    res.error_kind = "bad_response"
+                    res.error = (f"asked to stream, the server answered "
+                                 f"{r.headers.get('content-type') or 'no content type'}, not an "
+                                 "event stream")  # fmt: skip
                 else:
                     await _read_stream(r.aiter_bytes(), res, parts, marks)
-        except ValueError as exc:
-            res.error_kind, res.error = "bad_response", f"undecodable stream chunk: {exc}"
-        except Exception as exc:  # transport failures are outcomes, not crashes
-            res.error_kind, res.error = self._kind(exc), f"{type(exc).__name__}: {exc}"
+
+        for attempt in (0, 1):
+            try:  # --timeout bounds the whole request, not each read of a trickling stream
+                await asyncio.wait_for(stream(), self.timeout_s)
+            except ValueError as exc:
+                res.error_kind, res.error = "bad_response", f"undecodable stream chunk: {exc}"
+            except asyncio.TimeoutError:
+                res.error_kind = "timeout"
+                res.error = f"no complete answer within --timeout {self.timeout_s:g} s"
+            except Exception as exc:  # transport failures are outcomes, not crashes
+                if attempt == 0 and res.status is None and self._stale_keepalive(exc):
+                    continue
+                res.error_kind, res.error = self._kind(exc), self.describe(exc)
+            break
         res.e2e_s = time.monotonic() - t0
         res.content = "".join(parts)
         if marks:

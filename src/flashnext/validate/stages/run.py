@@ -19,6 +19,10 @@ ProgressFn = Callable[[str, str, "float | None"], None]
 
 #: Seconds between "still waiting" progress messages while a server does not answer.
 WAIT_NOTICE_S = 5.0
+#: A server answering 404 on both /health and /v1/models this long is no server root (vLLM's
+#: HTTP server only listens once it can answer /health).
+NOT_FOUND_GIVE_UP_S = 10.0
+_BOTH_404 = "HTTP 404 on /health and on /v1/models"
 
 
 class Run:
@@ -120,6 +124,7 @@ class Run:
         where = f"{redact_url(self.cfg.url)}/health"
         self.progress(stage, f"waiting up to {deadline_s:g} s for {where}", 0.0)
         notice = start + WAIT_NOTICE_S
+        not_found_since: float | None = None
         while True:
             ok, last = await self._health_once()
             if ok:
@@ -127,6 +132,18 @@ class Run:
             now = time.monotonic()
             if now >= end:
                 return False, last
+            # Waiting cannot help a URL that is not a server root or not TLS: say so now.
+            if "WRONG_VERSION_NUMBER" in last or "CERTIFICATE_VERIFY_FAILED" in last:
+                return False, f"{last}: TLS failed (is the server plain http? then use http://)"
+            if last == _BOTH_404:
+                not_found_since = not_found_since or now
+                if now - not_found_since >= NOT_FOUND_GIVE_UP_S:
+                    return False, (
+                        f"{last} for {NOT_FOUND_GIVE_UP_S:g} s: not an OpenAI-compatible server "
+                        "root; --url is the root (e.g. http://host:8000), not a route"
+                    )
+            else:
+                not_found_since = None
             if now >= notice:
                 waited = now - start
                 self.progress(
@@ -146,6 +163,8 @@ class Run:
             m_status, _, _ = await self.client.get("/v1/models", timeout_s=5.0)
             if m_status == 200:
                 return True, "no /health (HTTP 404); /v1/models answered HTTP 200"
+            if m_status == 404:
+                return False, _BOTH_404
         return False, f"HTTP {status}" if status is not None else text
 
     def cache_config(self) -> dict[str, str]:

@@ -30,8 +30,8 @@ async def stage_ready(run: Run, res: StageResult) -> None:
     ok, last = await run.wait_healthy(run.cfg.ready_timeout_s, res.name)
     if not ok:
         res.fail(
-            f"{run.cfg.url}/health did not answer HTTP 200 within --ready-timeout "
-            f"{run.cfg.ready_timeout_s:g} s (last: {last})"
+            f"{run.cfg.url}/health did not answer HTTP 200 (waited {time.monotonic() - t:.0f} "
+            f"of --ready-timeout {run.cfg.ready_timeout_s:g} s; last: {last})"
         )
         return
     err = await run.discover()
