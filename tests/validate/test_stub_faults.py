@@ -319,3 +319,51 @@ def test_a_keepalive_closed_while_idle_is_retried_on_a_fresh_connection() -> Non
     assert first[0] == 200 and second[0] == 200, second  # type: ignore[index]
     # the chat stream itself is this stub's (no finish_reason), but it was answered
     assert chat.status == 200 and chat.content == "hello there", chat  # type: ignore[attr-defined]
+
+
+class StubServerLyingAnswer(StubServerMissingFinishReason):
+    """A complete chat stream whose ``model`` or ``usage`` cannot be true (``LIE`` says which):
+    the validator's throughput and fill figures are computed from usage."""
+
+    LIE: ClassVar[dict[str, object]] = {}
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        lie = StubServerLyingAnswer.LIE
+        model = lie.get("model", "stub")
+        chunks = [{"model": model, "choices": [{"index": 0, "delta": {"content": w},
+                                                "finish_reason": None}]} for w in ("a", " b")]  # fmt: skip
+        chunks.append({"model": model, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        chunks.append({"model": model, "choices": [], "usage": {
+            "prompt_tokens": lie.get("prompt_tokens", 5),
+            "completion_tokens": lie.get("completion_tokens", 2)}})  # fmt: skip
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self._send(200, body.encode(), "text/event-stream")
+
+
+@pytest.mark.parametrize(
+    "lie, reason",
+    [
+        ({}, None),
+        ({"model": "some-other-model"}, "answered as model 'some-other-model', asked for 'stub'"),
+        ({"completion_tokens": 10**6}, "usage.completion_tokens is 1000000, outside 0..max_tokens"),
+        ({"completion_tokens": 0}, "usage.completion_tokens is 0, yet content arrived"),
+        ({"prompt_tokens": 0}, "usage.prompt_tokens is 0, expected at least 1"),
+    ],
+)
+def test_an_answer_from_another_model_or_with_impossible_usage_fails(tmp_path: Path, lie,
+                                                                     reason) -> None:  # fmt: skip
+    StubServerLyingAnswer.LIE = lie
+    server, url = _serve(StubServerLyingAnswer)
+    try:
+        p = run("validate", "--url", url, "--stages", "ready,short", "--out", str(tmp_path),
+                "--no-png")  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    short = by_name(json.loads((tmp_path / "report.json").read_text()))["short"]
+    if reason is None:  # the same stub telling the truth passes: the check is the lie's
+        assert p.returncode == 0 and short["status"] == "pass", short
+    else:
+        assert p.returncode == 1 and short["status"] == "fail", short
+        assert short["reason"].startswith(f"request failed (bad_response): {reason}"), short

@@ -86,6 +86,7 @@ class RequestResult:
     error_kind: str | None = None
     error: str | None = None
     status: int | None = None
+    model: str | None = None  # the model the stream says answered
 
     def summary(self) -> dict[str, Any]:
         """A JSON-ready record without the bulky per-chunk gaps and content."""
@@ -281,8 +282,28 @@ class Client:
         if res.error_kind is None and res.finish_reason is None:
             res.error_kind = "missing_finish_reason"
             res.error = "the stream ended without a finish_reason"
+        if res.error_kind is None:
+            wrong = _answer_problem(res, model, max_tokens)
+            if wrong:
+                res.error_kind, res.error = "bad_response", wrong
         res.ok = res.error_kind is None
         return res
+
+
+def _answer_problem(res: RequestResult, model: str, max_tokens: int) -> str | None:
+    """What makes a complete answer wrong: another model answered, or its usage cannot be
+    true (throughput and fill figures are computed from it)."""
+    if res.model is not None and res.model != model:
+        return f"answered as model {res.model!r}, asked for {model!r}"
+    done = res.completion_tokens
+    if done is not None and (not isinstance(done, int) or done < 0 or done > max_tokens):
+        return f"usage.completion_tokens is {done!r}, outside 0..max_tokens {max_tokens}"
+    if done == 0 and res.content:
+        return "usage.completion_tokens is 0, yet content arrived"
+    prompt = res.prompt_tokens
+    if prompt is not None and (not isinstance(prompt, int) or prompt < 1):
+        return f"usage.prompt_tokens is {prompt!r}, expected at least 1"
+    return None
 
 
 async def _read_stream(
@@ -305,6 +326,8 @@ async def _read_stream(
             res.error_kind, res.error = "server_error", _error_message(data.encode())
             return
         now = time.monotonic()
+        if chunk.get("model") is not None and res.model is None:
+            res.model = str(chunk["model"])
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             text = delta.get("content") or delta.get("reasoning_content") or ""
