@@ -45,6 +45,10 @@ def test_keyed_server_without_or_with_a_wrong_key(tmp_path, capsys, monkeypatch)
         assert [m["id"] for m in record["server"]["models"]] == ["tiny"]
         assert record["server"]["version"] == "0.33.0" and KEY not in out
         assert record["captured"]["pid"] == srv.pid  # found by the URL's port
+        # ".../v1" (what OpenAI clients are given) is the same server, as `validate --url`
+        code, out, err = _capture(capsys, "--url", srv.url + "/v1/", "--api-key", KEY)
+        assert code == 0 and json.loads(out)["server"]["version"] == "0.33.0", err
+        assert err == f"note: --url: using the server root {srv.url}\n"
 
 
 def test_not_an_openai_server(tmp_path, capsys):

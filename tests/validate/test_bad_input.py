@@ -170,3 +170,16 @@ def test_compare_bad_inputs_are_one_line(tmp_path: Path) -> None:
     for args, expected in cases:
         p = run(*["validate", "compare", *args])
         assert (p.returncode, p.stderr.strip()) == (1, expected)
+
+
+def test_ab_names_its_own_flags_and_warns_of_one_server_twice(tmp_path: Path) -> None:
+    from ..cli.inputs import closed_port
+
+    url = f"http://127.0.0.1:{closed_port()}"
+    p = run("validate", "ab", "--baseline", f"{url}/v1", "--candidate", f"{url}/",
+            "--out", str(tmp_path / "ab"), "--no-png")  # fmt: skip
+    assert p.returncode == 1  # nothing answers there: an error verdict
+    lines = p.stderr.splitlines()
+    assert lines[0] == f"note: --baseline: using the server root {url}"
+    assert lines[1] == (f"warning: --baseline and --candidate are the same server ({url}): it "
+                        "can only agree with itself")  # fmt: skip

@@ -181,3 +181,16 @@ def old_spelling(old: str, new: str, dest: str, **option: Any) -> Callable[[F], 
         return click.option(old, hidden, hidden=True, default=None, **option)(wrapper)  # type: ignore[return-value]
 
     return decorate
+
+
+def server_url(url: str, flag: str = "--url") -> str:
+    """The server root of ``url`` given as ``flag`` (see
+    :func:`flashnext.validate.client.server_root`: ``.../v1`` and routes are dropped), with a
+    note on stderr when that changed it. Every command that takes a server URL reads it so."""
+    from flashnext.records import redact_url
+    from flashnext.validate.client import server_root
+
+    root = server_root(url, flag)
+    if root != url.rstrip("/"):
+        click.echo(f"note: {flag}: using the server root {redact_url(root)}", err=True)
+    return root

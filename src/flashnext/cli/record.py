@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, old_spelling, out_console, say
+from flashnext.cli._common import err_console, old_spelling, out_console, say, server_url
 from flashnext.cli._destination import check_output
 from flashnext.errors import FlashnextError
 from flashnext.records import DEPLOY_RECORD_DIFF
@@ -49,6 +49,7 @@ def capture(
 
     if container and pid:
         raise click.UsageError("give at most one of --container and --pid")
+    url = server_url(url)  # the root, as `validate --url` takes it: ".../v1" works too
     check_output(out, [model_dir, log], hint="--output", expect="file", owns=_is_record)
     rec = do_capture(
         url, pid=pid, container=container, model_dir=model_dir, log=log, api_key=api_key

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from flashnext.cli._common import OutputDir, err_console, old_spelling, out_console, show
+from flashnext.cli._common import (
+    OutputDir,
+    err_console,
+    old_spelling,
+    out_console,
+    server_url,
+    show,
+)
 from flashnext.cli._destination import check_output
 from flashnext.errors import ValidationError
 from flashnext.records import dumps
@@ -29,18 +36,6 @@ if TYPE_CHECKING:
     from flashnext.validate.deployment import DeploymentProbe
     from flashnext.validate.output import Written
     from flashnext.validate.stages import Config, ValidationResult
-
-
-def _parse_url(url: str) -> str:
-    """The server root of ``--url`` (see :func:`flashnext.validate.client.server_root`)."""
-    from flashnext.validate.client import server_root
-
-    root = server_root(url)
-    if root != url.rstrip("/"):
-        from flashnext.records import redact_url
-
-        click.echo(f"note: --url: using the server root {redact_url(root)}", err=True)
-    return root
 
 
 def _parse_stages(text: str) -> tuple[str, ...]:
@@ -216,7 +211,7 @@ def _config(opts: dict[str, Any]) -> Config:
 
     # Ranges are click types on the options (exit 2 before any work).
     return Config(
-        url=_parse_url(opts["url"]),
+        url=server_url(opts["url"]),
         model=opts["model"],
         api_key=opts["api_key"],
         stages=STAGES if opts["stages_text"] is None else _parse_stages(opts["stages_text"]),
@@ -389,7 +384,7 @@ def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
 # ---- flashnext validate ab: A/B equivalence of two deployments (flashnext.validate.ab) ----
 def _ab_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:
-        return _parse_url(value)
+        return server_url(value, f"--{param.name}")
     except ValidationError:
         raise click.BadParameter(
             f"{value!r}: expected a server root like http://127.0.0.1:8000"
@@ -502,6 +497,11 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     recorded = _recorded_baseline(ctx, o)
     if recorded and o["candidate"] is None:
         raise click.UsageError("--candidate: a recorded baseline needs a live candidate")
+    if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
+        err_console.print(
+            f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "
+            "can only agree with itself", markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
     answers_in = recorded.source if recorded else None
     check_output(o["out_dir"], [o["prompts_file"], answers_in], hint="--out")
     cfg = _ab_config(o, recorded)

@@ -58,9 +58,9 @@ allocated from them.
 from __future__ import annotations
 
 import json
-import shlex
 import os
 import re
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
