@@ -95,9 +95,11 @@ def test_missing_finish_reason_fails_short_and_concurrency(stub_url: str, tmp_pa
     assert conc["status"] == "fail"
     assert conc["evidence"]["rounds"][0]["errors"] == {"missing_finish_reason": 4}
     assert conc["key"]["completed"] == "0/4"
-    # /metrics is absent here: the probe says so instead of inventing restarts
+    # /metrics is absent here: the probe says so instead of inventing restarts, and so does
+    # the one-screen report
     assert report["probes"]["metrics"]["available"] is False
     assert report["probes"]["metrics"]["events"] == []
+    assert "No `/metrics` on this server: restarts" in (tmp_path / "report.md").read_text()
     # no request completed: the key numbers say "unknown", not 0 (which `compare` would
     # read as an improvement)
     assert conc["key"]["ttft_p90_s"] is None and conc["key"]["output_tok_s"] is None

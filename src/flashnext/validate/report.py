@@ -176,6 +176,13 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"Interrupted by {stop['signal']} at t={stop['t']:.1f}s: the stages before it are "
             "complete, the later ones were not run.",
         ]
+    metrics = (report.get("probes") or {}).get("metrics") or {}
+    if metrics and not metrics.get("available"):
+        lines += [
+            "",
+            "No `/metrics` on this server: restarts (process_start_time_seconds), KV cache use "
+            "and preemptions were not watched; a stage can pass here and still have restarted.",
+        ]
     lines += _failure_lines(report)
     lines += _deployment_lines(report)
     lines += ["", f"Command: `{' '.join(report['environment']['command'])}`", ""]
