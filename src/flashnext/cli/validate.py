@@ -497,17 +497,17 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     recorded = _recorded_baseline(ctx, o)
     if recorded and o["candidate"] is None:
         raise click.UsageError("--candidate: a recorded baseline needs a live candidate")
-    if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
-        err_console.print(
-            f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "
-            "can only agree with itself", markup=False, highlight=False, soft_wrap=True,
-        )  # fmt: skip
     answers_in = recorded.source if recorded else None
     check_output(o["out_dir"], [o["prompts_file"], answers_in], hint="--out")
     cfg = _ab_config(o, recorded)
     # Before the run: a report that cannot be written loses every prompt's evidence.
     names = [*AB_FILES[: 2 if o["no_png"] else 3], *([] if recorded else [ANSWERS_FILE])]
     check_writable(o["out_dir"], names if o["candidate"] else [ANSWERS_FILE])
+    if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
+        err_console.print(
+            f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "
+            "can only agree with itself", markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
     payload = _run_ab_with_progress(cfg)
     if o["candidate"] is None:
         _record_only(ctx, payload, o["out_dir"], o["as_json"])
