@@ -141,3 +141,49 @@ def test_secret_flags_never_reach_the_output() -> None:
     (event,) = read_log([line])
     assert event.values == {"model": "/m", "hf_token": "<redacted>", "max_model_len": 512}
     assert "hf_abcdef" not in event.text and "sk-live" not in event.text
+
+
+def test_graph_capture_failure_offers_eager_and_piecewise() -> None:
+    lines = [
+        "(EngineCore_DP0 pid=9) INFO [gpu_model_runner.py:4201] Capturing CUDA graphs (mixed "
+        "prefill-decode, PIECEWISE): 12%",
+        "(EngineCore_DP0 pid=9) ERROR [core.py:708] EngineCore failed to start.",
+        "  File \"/vllm/v1/worker/gpu_model_runner.py\", line 4250, in capture_model",
+        "RuntimeError: CUDA error: operation not permitted when stream is capturing",
+    ]
+    (failure,) = [e for e in explain(lines) if e.failure]
+    assert failure.kind == "graph_capture_failed" and failure.line == 4
+    changes = [o["change"] for o in failure.options]
+    assert changes[0] == "--enforce-eager" and "PIECEWISE" in changes[1]
+
+
+def test_a_log_that_stops_while_loading_weights_is_a_stall() -> None:
+    lines = [
+        "INFO [default_loader.py:267] Loading weights took 0.00 seconds",
+        "Loading safetensors checkpoint shards:   7% Completed | 3/41 [00:05<01:10, 1.8s/it]",
+    ]
+    (stall,) = explain(lines)
+    assert stall.kind == "stalled_while_loading" and stall.failure and stall.line == 2
+    assert stall.values == {"shards_loaded": 3, "shards": 41}
+    assert "iostat" in stall.options[0]["change"]
+    finished = [*lines, "Loading safetensors checkpoint shards: 100% Completed | 41/41 [01:10]"]
+    assert explain(finished) == []  # loaded (the rest of the boot is not in this log yet)
+
+
+def test_an_oom_while_allocating_the_kv_pool_is_about_the_pool() -> None:
+    lines = [
+        "INFO [gpu_worker.py:298] Available KV cache memory: 16.48 GiB",
+        "  File \"/vllm/v1/worker/gpu_model_runner.py\", line 5021, in _allocate_kv_cache_tensors",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.48 GiB. GPU 0 has a "
+        "total capacity of 79.19 GiB of which 11.02 GiB is free.",
+    ]
+    (oom,) = [e for e in explain(lines) if e.failure]
+    assert oom.kind == "kv_alloc_oom" and "KV pool could not be allocated" in oom.summary
+    assert "--gpu-memory-utilization" in oom.options[0]["change"]
+    # a plain OOM elsewhere keeps its advice, without the allocator flag the launch never set
+    (plain,) = [e for e in explain(lines[2:]) if e.failure]
+    assert plain.kind == "cuda_oom"
+    assert not any("expandable_segments" in o["change"] for o in plain.options)
+    with_flag = ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", *lines[2:]]
+    (flagged,) = [e for e in explain(with_flag) if e.failure]
+    assert any("expandable_segments" in o["change"] for o in flagged.options)

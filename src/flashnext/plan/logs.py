@@ -72,6 +72,13 @@ PATTERNS: tuple[Pattern, ...] = (
         "a GPU allocation failed",
     ),
     _p(
+        "graph_capture_failed",
+        r"(?:operation not permitted when stream is capturing|operation failed due to a "
+        r"previous error during capture|cudaErrorStreamCapture\w+|CUDA graph capture failed)",
+        True,
+        "CUDA graph capture failed: an operation ran that a graph cannot hold",
+    ),
+    _p(
         "host_oom",
         r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (?P<bytes>\d+) bytes",
         True,
@@ -363,6 +370,40 @@ _FIXED: dict[str, list[tuple[str, str, str]]] = {
     "no_kv_memory": [
         ("raise --gpu-memory-utilization or quantize weights", "margin / precision", ""),
     ],
+    "graph_capture_failed": [
+        ("--enforce-eager", "decode speed", "no graphs: confirms the cause and boots"),
+        (
+            "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'",
+            "some decode speed",
+            "attention (and custom ops beside it) run outside the graphs",
+        ),
+        (
+            "check plugins and custom ops for a host sync or copy inside the forward",
+            "none",
+            "a .item(), .cpu() or a synchronize cannot be captured",
+        ),
+    ],
+    "kv_alloc_oom": [
+        (
+            "lower --gpu-memory-utilization (or set --kv-cache-memory-bytes)",
+            "KV capacity",
+            "the pool was sized from memory that was no longer free when it was allocated",
+        ),
+        ("stop other processes on the GPU (nvidia-smi)", "none", "they took memory meanwhile"),
+    ],
+    "stalled_while_loading": [
+        (
+            "watch the disk (iostat -x 5; a network filesystem or a cold page cache reads slowly)",
+            "none",
+            "the shards stopped arriving",
+        ),
+        (
+            "copy the checkpoint to local NVMe, or warm it first (vmtouch / cat > /dev/null)",
+            "disk space / time",
+            "",
+        ),
+        ("flashnext checkpoint verify DIR", "a read of the checkpoint", "a truncated shard"),
+    ],
     "host_oom": [
         (
             "a quantized PLE table (flashnext ple quantize) served mmapped",
@@ -421,18 +462,58 @@ def _stall_after_graphs(lines: list[str], events: list[Event]) -> Event | None:
     )
 
 
+_SHARDS = re.compile(r"Loading (?:safetensors )?checkpoint shards:.*?\b(?P<done>\d+)/(?P<total>\d+)\b")
+
+
+def _stall_while_loading(lines: list[str], events: list[Event]) -> Event | None:
+    """A log whose last word is a weight-loading progress line short of its total, with no
+    failure: the load stopped (a stalled read, a hung process) or is still crawling."""
+    if any(e.failure for e in events) or any(e.kind == "model_loading" for e in events):
+        return None
+    for number in range(len(lines), 0, -1):
+        found = _SHARDS.search(lines[number - 1])
+        if found is None:
+            continue
+        done, total = int(found["done"]), int(found["total"])
+        if done >= total:
+            return None
+        return Event(
+            "stalled_while_loading", number, {"shards_loaded": done, "shards": total},
+            lines[number - 1].strip(), True,
+            f"the log ends while loading weights ({done} of {total} checkpoint shards) with no "
+            "error: the reads stalled, or are still crawling",
+        )  # fmt: skip
+    return None
+
+
+def _oom_in_kv_allocation(lines: list[str], events: list[Event]) -> None:
+    """A GPU OOM raised while the KV pool itself was allocated (its traceback names the
+    allocation) is about the pool's size, not transient buffers: relabel it."""
+    for e in events:
+        if e.kind != "cuda_oom":
+            continue
+        context = "\n".join(lines[max(0, e.line - 60) : e.line])
+        if "_allocate_kv_cache_tensors" in context or "initialize_kv_cache" in context:
+            e.kind = "kv_alloc_oom"
+            e.summary = "the KV pool could not be allocated: less memory was free than sized"
+
+
 def explain(text: Iterable[str]) -> list[Event]:
     """:func:`read_log` with :func:`static_options` filled in for every failure, plus a stall
-    after graph capture when the log ends there."""
+    after graph capture or during weight loading when the log ends there."""
     lines = list(text)
     events = read_log(lines)
-    stall = _stall_after_graphs(lines, events)
-    if stall is not None:
-        events.append(stall)
+    _oom_in_kv_allocation(lines, events)
+    for stall in (_stall_after_graphs(lines, events), _stall_while_loading(lines, events)):
+        if stall is not None:
+            events.append(stall)
     fixed_pool = logged_kv_memory_bytes(events)
+    allocator_set = any("expandable_segments" in line for line in lines)
     for e in events:
         if e.failure and not e.options:
             e.options = static_options(e, fixed_pool)
+        if not allocator_set:  # advice to unset what this launch never set is noise
+            e.options = [o for o in e.options if "expandable_segments" not in o["change"]]
     return events
 
 
