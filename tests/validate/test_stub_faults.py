@@ -369,3 +369,67 @@ def test_an_answer_from_another_model_or_with_impossible_usage_fails(tmp_path: P
     else:
         assert p.returncode == 1 and short["status"] == "fail", short
         assert short["reason"].startswith(f"request failed (bad_response): {reason}"), short
+
+
+class StubServerHung(StubServerMissingFinishReason):
+    """Answers /health and /v1/models but never a completion (an engine stuck mid-step)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        time.sleep(30)
+
+
+def test_a_hung_server_costs_one_round_of_timeouts_not_every_stage(tmp_path: Path) -> None:
+    server, url = _serve(StubServerHung)
+    t0 = time.monotonic()
+    try:
+        p = run("validate", "--url", url, "--stages", "ready,short,concurrency,sustained",
+                "--timeout", "2", "--rounds", "3", "--concurrency", "2", "--out", str(tmp_path),
+                "--no-png")  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    s = by_name(json.loads((tmp_path / "report.json").read_text()))
+    assert p.returncode == 1 and time.monotonic() - t0 < 60
+    assert s["short"]["reason"].startswith("request failed (timeout)"), s["short"]
+    conc = s["concurrency"]
+    assert conc["reason"].endswith(
+        "round 1: every request timed out (--timeout 2 s): the server is hung; remaining rounds "
+        "not run"), conc  # fmt: skip
+    assert len(conc["evidence"]["rounds"]) == 1
+    assert s["sustained"]["status"] == "skip"
+    assert s["sustained"]["reason"] == (
+        "server hung since stage concurrency (its requests timed out, --timeout 2 s)")
+
+
+def test_ab_counts_a_side_down_after_two_timeouts_in_a_row() -> None:
+    import asyncio
+
+    from flashnext.validate.ab_server import RequestFailed, Side
+    from flashnext.validate.client import Client
+
+    server, url = _serve(StubServerHung)
+
+    async def three() -> list[str]:
+        side = Side("candidate", Client(url, timeout_s=1.0))
+        kinds = []
+        try:
+            for _ in range(3):
+                try:
+                    await side.post("/v1/completions", {"prompt": [1, 2]})
+                except RequestFailed as exc:
+                    kinds.append(f"{exc.kind}: {exc.message}")
+        finally:
+            await side.aclose()
+        return kinds
+
+    t0 = time.monotonic()
+    try:
+        kinds = asyncio.run(three())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [k.split(":")[0] for k in kinds] == ["timeout", "timeout", "skipped"], kinds
+    assert kinds[0] == "timeout: POST /v1/completions: ReadTimeout: no answer within 1 s"
+    assert "2 requests in a row timed out (--timeout 1 s): hung" in kinds[2]
+    assert time.monotonic() - t0 < 10  # the third never waited

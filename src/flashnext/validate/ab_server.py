@@ -56,6 +56,7 @@ class Side:
     down: str | None = None
     tf_mode: str | None = None
     tf_note: str | None = None
+    timeouts_in_a_row: int = 0  # two: the server counts as down (each costs the whole --timeout)
     _tf_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def info(self) -> dict[str, Any]:
@@ -88,9 +89,12 @@ class Side:
             kind = self.client._kind(exc)
             if kind == "unreachable":
                 self.down = f"{type(exc).__name__} on POST {path}"
-            raise RequestFailed(
-                self.name, kind, f"POST {path}: {type(exc).__name__}: {exc}"
-            ) from None
+            self.timeouts_in_a_row = self.timeouts_in_a_row + 1 if kind == "timeout" else 0
+            if self.timeouts_in_a_row >= 2:
+                self.down = (f"{self.timeouts_in_a_row} requests in a row timed out (--timeout "
+                             f"{self.client.timeout_s:g} s): hung")  # fmt: skip
+            raise RequestFailed(self.name, kind, f"POST {path}: {self.client.describe(exc)}") from None
+        self.timeouts_in_a_row = 0
         if r.status_code != 200:
             raise RequestFailed(self.name, f"http_{r.status_code}", _error_message(r.content))
         try:

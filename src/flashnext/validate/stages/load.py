@@ -36,6 +36,12 @@ async def stage_concurrency(run: Run, res: StageResult) -> None:
         round_stats = stats.load_stats(results, time.monotonic() - t)
         round_stats["round"] = k + 1
         rounds.append(round_stats)
+        if round_stats["errors"].get("timeout", 0) == round_stats["requests"]:
+            res.fail(
+                f"round {k + 1}: every request timed out (--timeout {cfg.request_timeout_s:g} "
+                "s): the server is hung; remaining rounds not run"
+            )
+            break
         if round_stats["completed"] < round_stats["requests"]:
             res.fail(
                 f"round {k + 1}: {round_stats['completed']}/{round_stats['requests']} "

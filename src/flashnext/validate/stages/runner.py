@@ -37,6 +37,10 @@ from flashnext.validate.stages.single import (
     stage_short,
 )
 
+#: Requests in a row that timed out after which the server counts as hung: the later stages
+#: are skipped instead of each waiting out --timeout again.
+HUNG_AFTER_TIMEOUTS = 2
+
 StageFn = Callable[[Run, StageResult], Awaitable[None]]
 
 #: The stage functions by name; :data:`~flashnext.validate.stages.config.STAGES` gives the order.
@@ -74,6 +78,9 @@ def _skip_reason(run: Run, results: list[StageResult], caught: Interruption | No
         return "the server never became ready"
     if run.down_since:
         return f"server unreachable since stage {run.down_since}"
+    if run.hung_since:
+        return (f"server hung since stage {run.hung_since} (its requests timed out, --timeout "
+                f"{run.cfg.request_timeout_s:g} s)")  # fmt: skip
     return ""
 
 
@@ -126,6 +133,8 @@ async def _run_one(run: Run, res: StageResult, restarts: list[int | None]) -> No
         # (Not after `ready`: a server that never came up is not coming back.)
         if not run.metrics.reachable:
             await _wait_recovery(run, res)
+    if run.timeouts_in_a_row >= HUNG_AFTER_TIMEOUTS and name != "ready":
+        run.hung_since = name
     res.t_end = run.now()
     _attribute_events(run, res)
     if run.cfg.container:
