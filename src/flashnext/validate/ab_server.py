@@ -87,6 +87,8 @@ class Side:
             r = await self.client.http.post(path, json=payload)
         except Exception as exc:  # every transport failure is data for the report
             kind = self.client._kind(exc)
+            if kind == "disconnected" and (await self.client.get("/health", 5.0))[0] != 200:
+                kind = "unreachable"  # reset, and gone: a killed server, not one shedding load
             if kind == "unreachable":
                 self.down = f"{type(exc).__name__} on POST {path}"
             self.timeouts_in_a_row = self.timeouts_in_a_row + 1 if kind == "timeout" else 0

@@ -159,11 +159,16 @@ class Client:
         await self.http.aclose()
 
     def _kind(self, exc: BaseException) -> str:
+        """``timeout``; ``unreachable`` (no connection could be made); ``disconnected`` (a
+        connection made, then reset or closed mid-request: a server shedding load is still
+        there); else ``bad_response``."""
         httpx = self._httpx
         if isinstance(exc, httpx.TimeoutException):
             return "timeout"
-        if isinstance(exc, (httpx.TransportError, ConnectionError)):
+        if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)):
             return "unreachable"
+        if isinstance(exc, (httpx.TransportError, ConnectionError)):
+            return "disconnected"
         return "bad_response"
 
     def describe(self, exc: BaseException, timeout_s: float | None = None) -> str:
@@ -179,6 +184,10 @@ class Client:
         s): the request never reached it, and one retry on a fresh connection is the fix."""
         return isinstance(exc, self._httpx.RemoteProtocolError) and "disconnected" in str(exc)
 
+    def _retry_get(self, exc: BaseException) -> bool:
+        """A GET (idempotent) is retried once after a dropped or reset connection too."""
+        return self._stale_keepalive(exc) or isinstance(exc, self._httpx.ReadError)
+
     async def get(self, path: str, timeout_s: float = 10.0) -> tuple[int | None, str, str | None]:
         """GET ``path``: (status or None, body text, error kind or None). Never raises."""
         for attempt in (0, 1):
@@ -186,7 +195,7 @@ class Client:
                 r = await self.http.get(path, timeout=timeout_s)
                 break
             except Exception as exc:  # every failure is data for the report
-                if attempt == 0 and self._stale_keepalive(exc):
+                if attempt == 0 and self._retry_get(exc):
                     continue
                 return None, self.describe(exc, timeout_s), self._kind(exc)
         return r.status_code, r.text, None

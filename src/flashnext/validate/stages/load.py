@@ -47,7 +47,11 @@ async def stage_concurrency(run: Run, res: StageResult) -> None:
                 f"round {k + 1}: {round_stats['completed']}/{round_stats['requests']} "
                 f"completed; {stats.error_summary(round_stats)}"
             )
-        if "unreachable" in round_stats["errors"] or not run.metrics.reachable:
+        gone = "unreachable" in round_stats["errors"] or not run.metrics.reachable
+        if not gone and "disconnected" in round_stats["errors"]:
+            # connections reset: a server shedding load is still there, a killed one is not
+            gone = (await run.client.get("/health", 5.0))[0] != 200
+        if gone:
             res.fail(f"server unreachable in round {k + 1}; remaining rounds not run")
             break
     total = sum(r["requests"] for r in rounds)
@@ -81,7 +85,7 @@ async def _sustain(run: Run, res: StageResult, results: list[RequestResult]) -> 
             r = await run.chat(essay_prompt(w + i), cfg.sustained_max_tokens, cfg.temperature)
             results.append(r)
             i += 1
-            if r.error_kind == "unreachable":
+            if r.error_kind in ("unreachable", "disconnected") and not run.metrics.reachable:
                 return
 
     async def ticker() -> None:
