@@ -255,7 +255,15 @@ def test_compare_json_is_a_record(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert record["a"]["passed"] is True and record["b"]["interrupted"] is None
     rows = {r["name"]: r for r in record["stages"]}
     assert rows["concurrency"]["changed"]["output_tok_s"]["ratio"] == 2.0
-    assert record["server"] == {}
+    assert record["server"] == {} and record["regressions"] == []
+    # a stage that passed in A and fails in B: exit 1, named, for a CI gate
+    worse = build_report(make_result(failed=True), ARGV)
+    write_report(worse, tmp_path / "c", png=False)
+    argv = ["validate", "compare", tmp_path / "a/report.json", tmp_path / "c/report.json"]
+    code, out, _ = run_in_process(argv, capsys)
+    assert code == 1 and "REGRESSED (passed in A, failed in B): concurrency" in out
+    code, out, _ = run_in_process([*argv[:2], argv[3], argv[2], "--json"], capsys)  # B -> A
+    assert code == 0 and json.loads(out)["regressions"] == []
 
 
 def test_load_report_refuses_what_it_cannot_read(tmp_path: Path) -> None:

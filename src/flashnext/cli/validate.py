@@ -371,7 +371,8 @@ def _print_summary(report: dict[str, Any]) -> None:
 @click.argument("b", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
 def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
-    """Show what changed between two report.json files (A then B)."""
+    """Show what changed between two report.json files (A then B). Exits 1 when a stage that
+    passed in A fails in B, so CI can gate on it."""
     from flashnext.validate.report import compare, compare_record, load_report, render_compare
 
     diff = compare(load_report(a), load_report(b))
@@ -379,6 +380,8 @@ def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
         sys.stdout.write(dumps(compare_record(diff, sys.argv), indent=None))
     else:
         click.echo(render_compare(diff))
+    if diff["regressions"]:
+        raise SystemExit(1)
 
 
 # ---- flashnext validate ab: A/B equivalence of two deployments (flashnext.validate.ab) ----

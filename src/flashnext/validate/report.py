@@ -433,8 +433,9 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """What changed from report ``a`` to ``b`` (both as :func:`load_report` returns them).
 
     Returns ``a`` and ``b`` ({created, url, passed, interrupted}), ``server`` (changed facts:
-    {name: [a, b]}) and ``stages`` ([{name, status [a, b], changed {key: {a, b, ratio?}}}]);
-    the payload of a ``flashnext.validate.compare`` record.
+    {name: [a, b]}), ``stages`` ([{name, status [a, b], changed {key: {a, b, ratio?}}}]) and
+    ``regressions`` (the stages that passed in A and fail in B); the payload of a
+    ``flashnext.validate.compare`` record.
     """
     sa = {s["name"]: s for s in a["stages"]}
     sb = {s["name"]: s for s in b["stages"]}
@@ -448,7 +449,10 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                 "changed": _key_changes((x or {}).get("key", {}), (y or {}).get("key", {})),
             }
         )
-    return {"a": _side(a), "b": _side(b), "server": _server_changes(a, b), "stages": stages}
+    # a stage that passed in A and fails in B: what a CI gate on `compare` is for
+    regressions = [r["name"] for r in stages if r["status"] == ["pass", "fail"]]
+    return {"a": _side(a), "b": _side(b), "server": _server_changes(a, b), "stages": stages,
+            "regressions": regressions}  # fmt: skip
 
 
 def compare_record(diff: dict[str, Any], argv: list[str] | None = None) -> dict[str, Any]:
@@ -479,4 +483,6 @@ def render_compare(diff: dict[str, Any]) -> str:
         for k, e in row["changed"].items():
             ratio = f" (x{e['ratio']})" if "ratio" in e else ""
             lines.append(f"    {k}: {_fmt(e['a'])} -> {_fmt(e['b'])}{ratio}")
+    if diff.get("regressions"):
+        lines.append(f"REGRESSED (passed in A, failed in B): {', '.join(diff['regressions'])}")
     return "\n".join(lines)
