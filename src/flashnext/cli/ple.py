@@ -277,6 +277,15 @@ def _quantize_locked(
     bytes_in = source.width * 4
     with _bar(disable=as_json) as bar:
         task = bar.add_task(f"{fmt}", total=source.num_rows, bytes_per_unit=bytes_in, unit="rows")
+        todo = [source.num_rows]
+
+        def on_shard(res: Any, rows: int) -> None:
+            if res is None:  # kept from an earlier run: less to do, not rows done (the rate)
+                todo[0] -= rows
+                bar.update(task, total=todo[0])
+            else:
+                bar.advance(task, rows)
+
         result = quantize_table(
             source,
             dst,
@@ -284,7 +293,7 @@ def _quantize_locked(
             rows_per_shard,
             workers=workers,
             geometry=getattr(source, "geometry", None),
-            on_shard=lambda _res, rows: bar.advance(task, rows),
+            on_shard=on_shard,
             force=force,
             requantize=requantize,
             max_row_error=max_row_error,
