@@ -264,12 +264,13 @@ def test_sigkill_mid_round_fails_stage_and_names_restart(early_boots, tmp_path: 
     assert conc["status"] == "fail"
     text = "\n".join(conc["failures"])
     # the kill lands in round 1 as a rule, in a later one when round 1 finished before the
-    # killer saw the engine busy (a loaded machine): that round is the last one run
+    # killer saw the engine busy (a loaded machine), or between two rounds (the probe sees it
+    # before the next starts): either way that round is the last one run
     rounds = conc["evidence"]["rounds"]
     lost = ("unreachable", "disconnected")  # refused, or reset while in flight
     hit = [r["round"] for r in rounds if any(r["errors"].get(k, 0) for k in lost)]
-    assert hit and hit[0] == len(rounds), rounds
-    assert f"server unreachable in round {hit[0]}; remaining rounds not run" in text
+    assert hit in ([], [len(rounds)]), rounds
+    assert f"server unreachable in round {len(rounds)}; remaining rounds not run" in text
     assert "server unreachable at t=" in text and f"GET {server.url}/metrics" in text
     assert "server restarted at t=" in text and "process_start_time_seconds changed" in text
     kinds = [e["kind"] for e in report["probes"]["metrics"]["events"] if e["kind"] != "slow"]

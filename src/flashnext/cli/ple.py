@@ -32,7 +32,7 @@ from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import DestinationLock
 from flashnext.ple.formats import FORMATS, get_codec
-from flashnext.ple.inspect import checksum_bytes, inspect_sidecar, value_bytes
+from flashnext.ple.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
 from flashnext.ple.pageout import page_cache_pageout
 from flashnext.ple.preflight import (
     COMMAND_LINE,
@@ -109,56 +109,60 @@ def info(directory: Path, no_verify: bool, as_json: bool) -> None:
             sidecar, verify=not no_verify, progress=lambda n: bar.advance(task, n)
         )
     record = found.to_dict()
-    problems = found.problems
-    resident_bytes, memory = found.resident_bytes, found.memory
     if as_json:
         print_record(PLE_INFO, record)
     else:
-        table = Table(show_header=False, box=None)
-        for key in (
-            "path",
-            "format",
-            "num_rows",
-            "width",
-            "num_shards",
-            "rows_per_shard",
-            "bytes_per_row",
-            "checksums",
-            "values",
-        ):
-            value = record[key]
-            table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))
-        if record["rows_present"] is not None:
-            held = ", ".join(f"{lo:,}..{hi:,}" for lo, hi in record["rows_present"])
-            table.add_row("rows present", f"{held} (a slice: `flashnext ple slice`)")
-        table.add_row("size", human_bytes(record["size_bytes"]))
-        fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
-        table.add_row(
-            "resident copy",
-            cell(f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})"),
-        )
-        if record["rel_rmse"] is not None:
-            table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
-        rows_err = record["row_error"]
-        if rows_err is not None:
-            zeroed = rows_err["zeroed_rows"]
-            table.add_row(
-                "row error",
-                f"worst {rows_err['worst']:.4f} (row {rows_err['worst_row']:,}), p99.9 "
-                f"{rows_err['p99_9']:.4f}, {zeroed:,} rows zeroed"
-                + ("" if rows_err["ok"] else f": above {rows_err['max_row_error']:g}"),
-            )
-        if record["source_checksums_ignored"]:
-            table.add_row(
-                "source",
-                f"{len(record['source_checksums_ignored'])} shards failed their own checksum, "
-                "taken with --ignore-source-checksums",
-            )
-        show(table)
-        for line in problems:
-            note(line, style="red")
-    if problems:
+        _show_info(record, found)
+    if found.problems:
         raise SystemExit(1)
+
+
+def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
+    """The one-screen table of `ple info` (the --json record's fields), problems after it."""
+    resident_bytes, memory = found.resident_bytes, found.memory
+    table = Table(show_header=False, box=None)
+    for key in (
+        "path",
+        "format",
+        "num_rows",
+        "width",
+        "num_shards",
+        "rows_per_shard",
+        "bytes_per_row",
+        "checksums",
+        "values",
+    ):
+        value = record[key]
+        table.add_row(key, cell(f"{value:,}" if isinstance(value, int) else value))
+    if record["rows_present"] is not None:
+        held = ", ".join(f"{lo:,}..{hi:,}" for lo, hi in record["rows_present"])
+        table.add_row("rows present", f"{held} (a slice: `flashnext ple slice`)")
+    table.add_row("size", human_bytes(record["size_bytes"]))
+    fits = "fits" if record["resident_fits"] else "does NOT fit (serve it mmapped)"
+    table.add_row(
+        "resident copy",
+        cell(f"{resident_bytes / GIB:.1f} GiB: {fits} ({memory.explain()})"),
+    )
+    if record["rel_rmse"] is not None:
+        table.add_row("rel. RMSE", f"{record['rel_rmse']:.5f}")
+    rows_err = record["row_error"]
+    if rows_err is not None:
+        zeroed = rows_err["zeroed_rows"]
+        table.add_row(
+            "row error",
+            f"worst {rows_err['worst']:.4f} (row {rows_err['worst_row']:,}), p99.9 "
+            f"{rows_err['p99_9']:.4f}, {zeroed:,} rows zeroed"
+            + ("" if rows_err["ok"] else f": above {rows_err['max_row_error']:g}"),
+        )
+    if record["source_checksums_ignored"]:
+        table.add_row(
+            "source",
+            f"{len(record['source_checksums_ignored'])} shards failed their own checksum, "
+            "taken with --ignore-source-checksums",
+        )
+    show(table)
+    for line in found.problems:
+        note(line, style="red")
 
 
 @ple.command()
@@ -304,15 +308,20 @@ def _quantize_locked(
         print_record(PLE_QUANTIZE, summary)
     else:
         _show_quantize_summary(summary)
-    lossy = summary["source"].get("format") in ("fp8", "int4", "nvfp4")
-    if lossy and summary["conversion"] == "quantize":
-        note(
-            f"the errors above are against SRC, whose rows are {summary['source']['format']} "
-            "(lossy) already: against the original rows they are larger (quantize from the "
-            "checkpoint or a bf16 sidecar to measure them)"
-        )
+    _note_lossy_source(summary)
     if not result.row_error["ok"]:
         raise SidecarError(_row_error_refusal(result.row_error, fmt, dst))
+
+
+def _note_lossy_source(summary: dict[str, Any]) -> None:
+    """Say that a quantized SRC's errors are against its own lossy rows, not the original."""
+    fmt = summary["source"].get("format")
+    if fmt in ("fp8", "int4", "nvfp4") and summary["conversion"] == "quantize":
+        note(
+            f"the errors above are against SRC, whose rows are {fmt} (lossy) already: against "
+            "the original rows they are larger (quantize from the checkpoint or a bf16 sidecar "
+            "to measure them)"
+        )
 
 
 def _row_error_refusal(found: dict[str, Any], fmt: str, dst: Path) -> str:

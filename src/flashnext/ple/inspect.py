@@ -128,20 +128,7 @@ def inspect_sidecar(
     ``progress(nbytes)`` is called while hashing and scanning; ``memory`` defaults to this
     host's.
     """
-    expected = sidecar.expected_checksums()
-    mismatched = sidecar.verify_checksums(progress) if verify and expected else []
-    bad_values = scan_values(sidecar, progress) if verify else []
-    if not expected:
-        checks = "not recorded (no META.json checksums)"
-    elif not verify:
-        checks = "not checked (--no-verify)"
-    else:
-        checks = "ok" if not mismatched else f"{len(mismatched)} mismatched"
-    n_bad = len(bad_values)
-    values = f"{n_bad} tensor{'s' if n_bad > 1 else ''} with inf/NaN" if bad_values else "ok"
-    if not verify:
-        values = "not checked (--no-verify)"
-    problems = mismatched + bad_values
+    checks, values, problems = _verify(sidecar, verify, progress)
     memory = memory or host_memory()
     bytes_per_row = sidecar.codec.bytes_per_row(sidecar.width)
     present = sidecar.rows_present or ((0, sidecar.num_rows),)
@@ -150,13 +137,7 @@ def inspect_sidecar(
     rmse = quant.get("rel_rmse") if isinstance(quant, dict) else None
     rows_err = _row_error(sidecar.meta, quant)
     if rows_err is not None and not rows_err["ok"]:
-        zeroed = rows_err["zeroed_rows"]
-        problems.append(
-            f"row {rows_err['worst_row']:,} has relative error {rows_err['worst']:.3g}, above "
-            f"the --max-row-error {rows_err['max_row_error']:g} this table was made with"
-            + (f"; {zeroed:,} rows quantized to all-zero from non-zero rows" if zeroed else "")
-            + ": it does not hold the source's rows (re-create it in another format)"
-        )
+        problems.append(_row_error_problem(rows_err))
     source = sidecar.meta.get("source")
     ignored = source.get("checksum_mismatch_accepted") if isinstance(source, dict) else None
     geometry = sidecar.geometry
@@ -182,6 +163,37 @@ def inspect_sidecar(
         rows_present=[list(r) for r in sidecar.rows_present] if sidecar.rows_present else None,
         row_error=rows_err,
         source_checksums_ignored=list(ignored) if isinstance(ignored, list) and ignored else None,
+    )
+
+
+def _verify(
+    sidecar: Sidecar, verify: bool, progress: Callable[[int], None] | None
+) -> tuple[str, str, list[str]]:
+    """The checksum and value statuses and their problem lines (nothing read without
+    ``verify``)."""
+    expected = sidecar.expected_checksums()
+    mismatched = sidecar.verify_checksums(progress) if verify and expected else []
+    bad_values = scan_values(sidecar, progress) if verify else []
+    if not expected:
+        checks = "not recorded (no META.json checksums)"
+    elif not verify:
+        checks = "not checked (--no-verify)"
+    else:
+        checks = "ok" if not mismatched else f"{len(mismatched)} mismatched"
+    n_bad = len(bad_values)
+    values = f"{n_bad} tensor{'s' if n_bad > 1 else ''} with inf/NaN" if bad_values else "ok"
+    if not verify:
+        values = "not checked (--no-verify)"
+    return checks, values, mismatched + bad_values
+
+
+def _row_error_problem(rows_err: dict[str, Any]) -> str:
+    zeroed = rows_err["zeroed_rows"]
+    return (
+        f"row {rows_err['worst_row']:,} has relative error {rows_err['worst']:.3g}, above "
+        f"the --max-row-error {rows_err['max_row_error']:g} this table was made with"
+        + (f"; {zeroed:,} rows quantized to all-zero from non-zero rows" if zeroed else "")
+        + ": it does not hold the source's rows (re-create it in another format)"
     )
 
 

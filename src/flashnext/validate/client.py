@@ -232,6 +232,23 @@ class Client:
             count = len(data["tokens"])
         return int(count) if count is not None else None
 
+    async def _stream(
+        self, payload: dict[str, Any], res: RequestResult, parts: list[str], marks: list[float]
+    ) -> None:
+        """POST a streamed chat completion and fold its answer into ``res`` (see ``chat``)."""
+        async with self.http.stream("POST", "/v1/chat/completions", json=payload) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                res.error_kind = f"http_{r.status_code}"
+                res.error = _error_message(await r.aread())
+            elif not r.headers.get("content-type", "").startswith("text/event-stream"):
+                res.error_kind = "bad_response"
+                res.error = (f"asked to stream, the server answered "
+                             f"{r.headers.get('content-type') or 'no content type'}, not an "
+                             "event stream")  # fmt: skip
+            else:
+                await _read_stream(r.aiter_bytes(), res, parts, marks)
+
     async def chat(
         self,
         model: str,
@@ -255,24 +272,9 @@ class Client:
         res = RequestResult(ok=False, started=t0)
         parts: list[str] = []
         marks: list[float] = []  # arrival time of each content piece
-
-        async def stream() -> None:
-            async with self.http.stream("POST", "/v1/chat/completions", json=payload) as r:
-                res.status = r.status_code
-                if r.status_code != 200:
-                    res.error_kind = f"http_{r.status_code}"
-                    res.error = _error_message(await r.aread())
-                elif not r.headers.get("content-type", "").startswith("text/event-stream"):
-                    res.error_kind = "bad_response"
-                    res.error = (f"asked to stream, the server answered "
-                                 f"{r.headers.get('content-type') or 'no content type'}, not an "
-                                 "event stream")  # fmt: skip
-                else:
-                    await _read_stream(r.aiter_bytes(), res, parts, marks)
-
         for attempt in (0, 1):
             try:  # --timeout bounds the whole request, not each read of a trickling stream
-                await asyncio.wait_for(stream(), self.timeout_s)
+                await asyncio.wait_for(self._stream(payload, res, parts, marks), self.timeout_s)
             except ValueError as exc:
                 res.error_kind, res.error = "bad_response", f"undecodable stream chunk: {exc}"
             except asyncio.TimeoutError:
