@@ -433,3 +433,35 @@ def test_ab_counts_a_side_down_after_two_timeouts_in_a_row() -> None:
     assert kinds[0] == "timeout: POST /v1/completions: ReadTimeout: no answer within 1 s"
     assert "2 requests in a row timed out (--timeout 1 s): hung" in kinds[2]
     assert time.monotonic() - t0 < 10  # the third never waited
+
+
+class StubServerUsageVsTokenize(StubServerLyingAnswer):
+    """/tokenize counts 40 tokens for any prompt; the chat answer's usage says ``LIE``'s
+    prompt_tokens (a server whose usage its own tokenizer contradicts)."""
+
+    def do_POST(self) -> None:
+        if self.path == "/tokenize":
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(200, b'{"count": 40}')
+        else:
+            super().do_POST()
+
+
+@pytest.mark.parametrize("prompt_tokens, ok", [(41, True), (5, False)])
+def test_long_checks_usage_against_the_servers_tokenize(tmp_path: Path, prompt_tokens, ok):
+    StubServerLyingAnswer.LIE = {"prompt_tokens": prompt_tokens}
+    server, url = _serve(StubServerUsageVsTokenize)
+    try:
+        p = run("validate", "--url", url, "--stages", "ready,long", "--out", str(tmp_path),
+                "--no-png")  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    long = by_name(json.loads((tmp_path / "report.json").read_text()))["long"]
+    assert long["key"]["counted_with"] == "tokenize", long
+    if ok:
+        assert p.returncode == 0 and long["status"] == "pass", long
+    else:
+        assert p.returncode == 1 and long["reason"] == (
+            "usage.prompt_tokens is 5, but the server's /tokenize counted 40 for the same "
+            "prompt: its usage counts are wrong"), long  # fmt: skip

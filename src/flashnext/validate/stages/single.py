@@ -119,6 +119,13 @@ async def stage_long(run: Run, res: StageResult) -> None:
     if not r.ok:
         tokens = r.prompt_tokens or counted or "unknown"
         res.fail(f"long request ({tokens} prompt tokens) failed ({r.error_kind}): {r.error}")
+    elif counted and r.prompt_tokens and abs(r.prompt_tokens - counted) > 16 + counted // 10:
+        # fill and every throughput figure come from usage: a count the server's own
+        # tokenizer contradicts makes them fiction
+        res.fail(
+            f"usage.prompt_tokens is {r.prompt_tokens}, but the server's /tokenize counted "
+            f"{counted} for the same prompt: its usage counts are wrong"
+        )
 
 
 async def stage_multimodal(run: Run, res: StageResult) -> None:
