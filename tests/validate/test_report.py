@@ -327,3 +327,15 @@ def test_compare_refuses_a_stage_status_it_cannot_read(
         ["validate", "compare", tmp_path / "a.json", tmp_path / "a.json"], capsys
     )
     assert (code, out, err) == (1, "", f"error: {line}\n")
+
+
+def test_a_deployment_captured_after_a_restart_says_which_process_it_is() -> None:
+    report = build_report(make_result(failed=True), ARGV)
+    report["deployment"] = {"server": {"version": "0.32.0"}}
+    report["deployment_summary"] = "server 0.32.0, launch from port"
+    md = render_markdown(report)
+    assert "Deployment: server 0.32.0, launch from port" in md and "captured after" not in md
+    restart = {"t": 7.0, "kind": "restart", "detail": "process_start_time_seconds 1 -> 2"}
+    report["probes"]["metrics"]["events"].append(restart)
+    assert ("(captured after the run: it describes the process that started at t=7.0s, not "
+            "the one before that restart)") in render_markdown(report)  # fmt: skip

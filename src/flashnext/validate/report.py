@@ -195,7 +195,14 @@ def _deployment_lines(report: dict[str, Any]) -> list[str]:
     if not record or not summary:
         return []
     label = "Deployment record" if "error" in record else "Deployment"
-    return ["", f"{label}: {summary}"]
+    lines = ["", f"{label}: {summary}"]
+    restarts = [e for e in report["probes"]["metrics"]["events"] if e["kind"] == "restart"]
+    if restarts and "error" not in record:  # captured after the run: the process since then
+        lines.append(
+            f"(captured after the run: it describes the process that started at "
+            f"t={restarts[-1]['t']:.1f}s, not the one before that restart)"
+        )
+    return lines
 
 
 def _failure_lines(report: dict[str, Any]) -> list[str]:
