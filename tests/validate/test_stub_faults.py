@@ -7,6 +7,7 @@ the OpenAI API to be validated, but streams completions that never carry a finis
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -202,6 +203,20 @@ def _serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, 
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def _validate(
+    handler: type[BaseHTTPRequestHandler], out: Path, *args: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, dict]]:
+    """``flashnext validate --url STUB *args --out OUT --no-png`` against a fresh ``handler``
+    server: the process and the report's stages by name."""
+    server, url = _serve(handler)
+    try:
+        p = run("validate", "--url", url, *args, "--out", str(out), "--no-png")
+    finally:
+        server.shutdown()
+        server.server_close()
+    return p, by_name(json.loads((out / "report.json").read_text()))
+
+
 class StubServerNotARoot(StubServerMissingFinishReason):
     """Any HTTP service that is not an OpenAI server root: 404 on every route."""
 
@@ -210,14 +225,8 @@ class StubServerNotARoot(StubServerMissingFinishReason):
 
 
 def test_a_url_that_is_no_server_root_fails_ready_in_seconds(tmp_path: Path) -> None:
-    server, url = _serve(StubServerNotARoot)
-    try:
-        p = run("validate", "--url", url, "--stages", "ready", "--out", str(tmp_path),
-                "--no-png")  # fmt: skip  (the default --ready-timeout is 600 s)
-    finally:
-        server.shutdown()
-        server.server_close()
-    ready = by_name(json.loads((tmp_path / "report.json").read_text()))["ready"]
+    p, stages = _validate(StubServerNotARoot, tmp_path, "--stages", "ready")
+    ready = stages["ready"]
     assert p.returncode == 1 and ready["status"] == "fail" and ready["duration_s"] < 30, ready
     assert "HTTP 404 on /health and on /v1/models for 10 s: not an OpenAI-compatible server " \
            "root" in ready["reason"]  # fmt: skip
@@ -260,15 +269,9 @@ class StubServerAnswersJson(StubServerMissingFinishReason):
     ],
 )  # fmt: skip
 def test_a_stream_that_never_ends_or_is_no_stream_fails_short(tmp_path: Path, handler, reason):
-    server, url = _serve(handler)
     t0 = time.monotonic()
-    try:
-        p = run("validate", "--url", url, "--stages", "ready,short", "--timeout", "3",
-                "--out", str(tmp_path), "--no-png")  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
-    short = by_name(json.loads((tmp_path / "report.json").read_text()))["short"]
+    p, stages = _validate(handler, tmp_path, "--stages", "ready,short", "--timeout", "3")
+    short = stages["short"]
     assert p.returncode == 1 and short["status"] == "fail" and short["reason"] == reason, short
     assert time.monotonic() - t0 < 90
 
@@ -356,14 +359,8 @@ class StubServerLyingAnswer(StubServerMissingFinishReason):
 def test_an_answer_from_another_model_or_with_impossible_usage_fails(tmp_path: Path, lie,
                                                                      reason) -> None:  # fmt: skip
     StubServerLyingAnswer.LIE = lie
-    server, url = _serve(StubServerLyingAnswer)
-    try:
-        p = run("validate", "--url", url, "--stages", "ready,short", "--out", str(tmp_path),
-                "--no-png")  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
-    short = by_name(json.loads((tmp_path / "report.json").read_text()))["short"]
+    p, stages = _validate(StubServerLyingAnswer, tmp_path, "--stages", "ready,short")
+    short = stages["short"]
     if reason is None:  # the same stub telling the truth passes: the check is the lie's
         assert p.returncode == 0 and short["status"] == "pass", short
     else:
@@ -380,16 +377,9 @@ class StubServerHung(StubServerMissingFinishReason):
 
 
 def test_a_hung_server_costs_one_round_of_timeouts_not_every_stage(tmp_path: Path) -> None:
-    server, url = _serve(StubServerHung)
     t0 = time.monotonic()
-    try:
-        p = run("validate", "--url", url, "--stages", "ready,short,concurrency,sustained",
-                "--timeout", "2", "--rounds", "3", "--concurrency", "2", "--out", str(tmp_path),
-                "--no-png")  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
-    s = by_name(json.loads((tmp_path / "report.json").read_text()))
+    p, s = _validate(StubServerHung, tmp_path, "--stages", "ready,short,concurrency,sustained",
+                     "--timeout", "2", "--rounds", "3", "--concurrency", "2")  # fmt: skip
     assert p.returncode == 1 and time.monotonic() - t0 < 60
     assert s["short"]["reason"].startswith("request failed (timeout)"), s["short"]
     conc = s["concurrency"]
@@ -450,14 +440,8 @@ class StubServerUsageVsTokenize(StubServerLyingAnswer):
 @pytest.mark.parametrize("prompt_tokens, ok", [(41, True), (5, False)])
 def test_long_checks_usage_against_the_servers_tokenize(tmp_path: Path, prompt_tokens, ok):
     StubServerLyingAnswer.LIE = {"prompt_tokens": prompt_tokens}
-    server, url = _serve(StubServerUsageVsTokenize)
-    try:
-        p = run("validate", "--url", url, "--stages", "ready,long", "--out", str(tmp_path),
-                "--no-png")  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
-    long = by_name(json.loads((tmp_path / "report.json").read_text()))["long"]
+    p, stages = _validate(StubServerUsageVsTokenize, tmp_path, "--stages", "ready,long")
+    long = stages["long"]
     assert long["key"]["counted_with"] == "tokenize", long
     if ok:
         assert p.returncode == 0 and long["status"] == "pass", long
