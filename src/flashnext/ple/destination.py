@@ -54,7 +54,6 @@ from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
     FORMAT_VERSION,
     META_NAME,
-    STATE_KIND,
     STATE_NAME,
     Sidecar,
     open_sidecar,
@@ -63,8 +62,9 @@ from flashnext.ple.sidecar import (
     shard_index,
     shard_name,
     write_shard_file,
+    write_state,
 )
-from flashnext.records import make_record, to_jsonable
+from flashnext.records import to_jsonable
 from flashnext.safetensors_file import sha256_file
 
 __all__ = [
@@ -317,18 +317,7 @@ class SidecarWriter:
         self._started = True
 
     def _save_state(self) -> None:
-        # Rewritten after every shard, so each shard's record is converted once (adopt) and
-        # the file is compact JSON (json's C encoder): else a save costs Python work for every
-        # shard so far, and a 128-shard table spent most of its quantizing time here.
-        payload = {
-            "directory": str(self.path),
-            "num_shards": self.num_shards,
-            "params": self.params,
-            "shards": {},
-        }
-        record = make_record(STATE_KIND, payload)
-        record["shards"] = {str(k): v for k, v in sorted(self._state_records.items())}
-        write_json(self.path / STATE_NAME, record, indent=None)
+        write_state(self.path, self.num_shards, self.params, self._state_records)
 
     def write_shard(
         self, index: int, tensors: Mapping[str, np.ndarray], **extra: Any

@@ -35,14 +35,13 @@ from flashnext.ple.profile import PROFILE_NAME, default_profile_path
 from flashnext.ple.sidecar import (
     FORMAT_VERSION,
     META_NAME,
-    STATE_KIND,
     STATE_NAME,
     Shard,
     Sidecar,
     read_state,
     shard_name,
+    write_state,
 )
-from flashnext.records import make_record
 from flashnext.safetensors_file import sha256_file
 
 _CHUNK = 8 << 20  # bytes per read while copying
@@ -145,7 +144,7 @@ def write_slice(
     params = slice_params(sidecar, plan)
     done = _resumable(out, params)
     records: dict[int, dict[str, Any]] = {}
-    _save_state(out, params, len(plan.shards), records)  # unfinished from here on
+    write_state(out, len(plan.shards), params, records)  # unfinished from here on
     for sh in plan.shards:
         name = shard_name(sh.index)
         kept = done.get(sh.index)
@@ -156,7 +155,7 @@ def write_slice(
         else:
             digest = copy_checked(sh.path, out / name, expected.get(sh.index), progress)
         records[sh.index] = {"file": name, "rows": sh.rows, "sha256": digest}
-        _save_state(out, params, len(plan.shards), records)
+        write_state(out, len(plan.shards), params, records)
     profile = source_profile(sidecar)
     if profile is not None:  # inside the slice: the destination holds everything it writes
         copy_checked(profile, out / PROFILE_NAME, None, progress)
@@ -182,22 +181,18 @@ def slice_owns(dst: Path, params: dict[str, Any]) -> bool:
 
 def _resumable(out: Path, params: dict[str, Any]) -> dict[int, str]:
     """Shard index -> sha256 of the copies an interrupted run of the same slice recorded."""
-    if not slice_owns(out, params):
+    try:
+        state = read_state(out)
+    except SidecarError:
         return {}
-    state = read_state(out) or {}
+    if state is None or state.get("params") != params:
+        return {}
     shards = state.get("shards")
     return {
         int(k): v["sha256"]
         for k, v in (shards.items() if isinstance(shards, dict) else ())
         if isinstance(v, dict) and isinstance(v.get("sha256"), str)
     }
-
-
-def _save_state(out: Path, params: dict[str, Any], total: int, done: dict[int, Any]) -> None:
-    record = make_record(STATE_KIND, {"directory": str(out), "num_shards": total,
-                                      "params": params, "shards": {}})  # fmt: skip
-    record["shards"] = {str(k): v for k, v in sorted(done.items())}
-    write_json(out / STATE_NAME, record, indent=None)
 
 
 def copy_checked(
