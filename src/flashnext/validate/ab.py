@@ -393,12 +393,16 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tv = [v for t in tf for v in t["per_position"]["tv"]]
     same = [s for t in tf for s in t["per_position"]["top1_same"]]
     firsts = [r["first_difference"] for r in ok if r["first_difference"] is not None]
-    finish = [r for r in ok if _finish(r, "baseline") != _finish(r, "candidate")]
+    alike = [_finish(r, "baseline") == _finish(r, "candidate") for r in ok]
+    finish = [r for r, same_end in zip(ok, alike, strict=True) if not same_end]
     return {
         "prompts": len(rows),
         "compared": len(ok),
         "errors": len(rows) - len(ok),
-        "identical": sum(1 for r in ok if r["first_difference"] is None and r not in finish),
+        "identical": sum(
+            1 for r, same_end in zip(ok, alike, strict=True)
+            if same_end and r["first_difference"] is None
+        ),
         "differing": len(firsts),
         # the same tokens can still end differently (a stop the other side did not see)
         "finish_reason_differs": [

@@ -56,7 +56,6 @@ class Side:
     down: str | None = None
     tf_mode: str | None = None
     tf_note: str | None = None
-    timeouts_in_a_row: int = 0  # two: the server counts as down (each costs the whole --timeout)
     _tf_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def info(self) -> dict[str, Any]:
@@ -87,16 +86,16 @@ class Side:
             r = await self.client.http.post(path, json=payload)
         except Exception as exc:  # every transport failure is data for the report
             kind = self.client._kind(exc)
-            if kind == "disconnected" and (await self.client.get("/health", 5.0))[0] != 200:
+            if kind == "disconnected" and await self.client.gone():
                 kind = "unreachable"  # reset, and gone: a killed server, not one shedding load
             if kind == "unreachable":
                 self.down = f"{type(exc).__name__} on POST {path}"
-            self.timeouts_in_a_row = self.timeouts_in_a_row + 1 if kind == "timeout" else 0
-            if self.timeouts_in_a_row >= 2:
-                self.down = (f"{self.timeouts_in_a_row} requests in a row timed out (--timeout "
-                             f"{self.client.timeout_s:g} s): hung")  # fmt: skip
+            self.client.count(kind)
+            if self.client.hung:
+                self.down = (f"{self.client.timeouts_in_a_row} requests in a row timed out "
+                             f"(--timeout {self.client.timeout_s:g} s): hung")  # fmt: skip
             raise RequestFailed(self.name, kind, f"POST {path}: {self.client.describe(exc)}") from None
-        self.timeouts_in_a_row = 0
+        self.client.count(None)
         if r.status_code != 200:
             raise RequestFailed(self.name, f"http_{r.status_code}", _error_message(r.content))
         try:

@@ -70,6 +70,10 @@ def server_root(url: str, flag: str = "--url") -> str:
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
+#: Completion requests in a row that time out after which a server counts as hung.
+HUNG_AFTER_TIMEOUTS = 2
+
+
 @dataclass
 class RequestResult:
     """The outcome and client-side timings of one chat completion (seconds throughout)."""
@@ -147,6 +151,8 @@ class Client:
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        #: Completion requests that timed out since the last one that did not (see ``hung``).
+        self.timeouts_in_a_row = 0
         self.http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -170,6 +176,21 @@ class Client:
         if isinstance(exc, (httpx.TransportError, ConnectionError)):
             return "disconnected"
         return "bad_response"
+
+    def count(self, error_kind: str | None) -> None:
+        """Count one completion request's outcome (``error_kind`` None: it was answered)."""
+        self.timeouts_in_a_row = self.timeouts_in_a_row + 1 if error_kind == "timeout" else 0
+
+    @property
+    def hung(self) -> bool:
+        """:data:`HUNG_AFTER_TIMEOUTS` completion requests in a row timed out: the server
+        answers none, and every later request would cost the whole timeout again."""
+        return self.timeouts_in_a_row >= HUNG_AFTER_TIMEOUTS
+
+    async def gone(self) -> bool:
+        """After a connection reset: whether ``/health`` is gone too (a killed server) rather
+        than the server shedding load."""
+        return (await self.get("/health", 5.0))[0] != 200
 
     def describe(self, exc: BaseException, timeout_s: float | None = None) -> str:
         """``Type: message`` of a failed request, never with nothing after the type (httpx's
@@ -298,6 +319,7 @@ class Client:
             if wrong:
                 res.error_kind, res.error = "bad_response", wrong
         res.ok = res.error_kind is None
+        self.count(res.error_kind)
         return res
 
 

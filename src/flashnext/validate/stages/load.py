@@ -50,7 +50,7 @@ async def stage_concurrency(run: Run, res: StageResult) -> None:
         gone = "unreachable" in round_stats["errors"] or not run.metrics.reachable
         if not gone and "disconnected" in round_stats["errors"]:
             # connections reset: a server shedding load is still there, a killed one is not
-            gone = (await run.client.get("/health", 5.0))[0] != 200
+            gone = await run.client.gone()
         if gone:
             res.fail(f"server unreachable in round {k + 1}; remaining rounds not run")
             break

@@ -46,9 +46,6 @@ class Run:
         self.max_model_len: int | None = None
         self.models_payload: Any = None
         self.down_since: str | None = None  # stage during which the server was lost for good
-        #: Requests that timed out since the last one that did not: a hung server answers
-        #: none, and each later request would cost the whole --timeout again.
-        self.timeouts_in_a_row = 0
         self.hung_since: str | None = None  # stage after which it counted as hung
         self.server_version: str | None = None  # read while the server is up, not at the end
         self.event_cursor = 0  # probe events up to here belong to stages already reported
@@ -115,9 +112,7 @@ class Run:
         """One streamed chat completion against the served model."""
         if self.model is None:  # discover() runs before any stage; this is a programming error
             raise RuntimeError("no served model known: /v1/models was not read")
-        res = await self.client.chat(self.model, messages, max_tokens, temperature)
-        self.timeouts_in_a_row = self.timeouts_in_a_row + 1 if res.error_kind == "timeout" else 0
-        return res
+        return await self.client.chat(self.model, messages, max_tokens, temperature)
 
     async def wait_healthy(self, deadline_s: float, stage: str) -> tuple[bool, str]:
         """Poll ``/health`` until HTTP 200 or the deadline: (healthy, last observation).

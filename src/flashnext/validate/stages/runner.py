@@ -37,10 +37,6 @@ from flashnext.validate.stages.single import (
     stage_short,
 )
 
-#: Requests in a row that timed out after which the server counts as hung: the later stages
-#: are skipped instead of each waiting out --timeout again.
-HUNG_AFTER_TIMEOUTS = 2
-
 StageFn = Callable[[Run, StageResult], Awaitable[None]]
 
 #: The stage functions by name; :data:`~flashnext.validate.stages.config.STAGES` gives the order.
@@ -133,7 +129,7 @@ async def _run_one(run: Run, res: StageResult, restarts: list[int | None]) -> No
         # (Not after `ready`: a server that never came up is not coming back.)
         if not run.metrics.reachable:
             await _wait_recovery(run, res)
-    if run.timeouts_in_a_row >= HUNG_AFTER_TIMEOUTS and name != "ready":
+    if run.client.hung and name != "ready":  # later stages skipped, not each timing out
         run.hung_since = name
     res.t_end = run.now()
     _attribute_events(run, res)
