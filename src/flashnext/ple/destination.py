@@ -648,8 +648,7 @@ def _not_a_table(directory: Path) -> str | None:
     if subdirs:
         more = f" and {len(subdirs) - 3} more" if len(subdirs) > 3 else ""
         return f"holds directories ({', '.join(subdirs[:3])}{more}), which a sidecar never has"
-    finals = [final_name(n) if is_temp_name(n) else n for n in names]
-    if not any(n in (META_NAME, STATE_NAME) or shard_index(n) is not None for n in finals):
+    if not any(SidecarDestination._ours(n, 1 << 20) for n in names):  # no table file at all
         more = " ..." if len(names) > 3 else ""
         return f"holds {', '.join(names[:3])}{more} but no shard_N.safetensors or {META_NAME}"
     return None

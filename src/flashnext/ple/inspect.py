@@ -82,9 +82,7 @@ def scan_values(sidecar: Sidecar, progress: Callable[[int], None] | None = None)
     problems = []
     for shard in sidecar.shards:
         for entry in shard.tensors.values():
-            if entry.dtype not in _NON_FINITE:
-                continue
-            if entry.nbytes == 0:
+            if entry.dtype not in _NON_FINITE or entry.nbytes == 0:
                 continue
             bits, mask = _NON_FINITE[entry.dtype]
             count, first = 0, -1
