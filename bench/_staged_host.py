@@ -142,15 +142,17 @@ def resolved(stager: HostStager, host: np.ndarray, n_ids: int, n_unique: int) ->
 
 def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count: int,
                   checks: list[np.ndarray]) -> dict[str, list[float]]:  # fmt: skip
-    """Microseconds per step of each variant (``name -> fill(ids) -> (slot, n_unique)``), each
-    on ``count`` fresh steps of its own (``draw(k)``: k id sets), in turns; no step twice, so
-    rows are as cold as a served model's (only the hot ones recur, as in the text). Then every
-    variant stages each of ``checks``, and every id must get the same row as from the first."""
+    """Microseconds per step of each variant (``name -> fill(ids) -> (slot, n_unique)``; a
+    ``fill.prepare()``, where there is one, runs untimed before each step), each on ``count``
+    fresh steps of its own (``draw(k)``: k id sets), in turns; no step twice, so rows are as
+    cold as a served model's (only the hot ones recur, as in the text). Then every variant
+    stages each of ``checks``, and every id must get the same row as from the first."""
     own = {name: draw(count + 1) for name in variants}
     times: dict[str, list[float]] = {name: [] for name in variants}
     times["unique_rows"] = []
     for i in range(count + 1):  # step 0 warms up (numba compiles on first use)
         for name, fill in variants.items():
+            _prepare(fill)
             t0 = time.perf_counter()
             _, n = fill(own[name][i])
             if i:
@@ -160,6 +162,7 @@ def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count
     for ids in checks:
         first = None
         for name, fill in variants.items():
+            _prepare(fill)
             slot, n = fill(ids)
             got = resolved(stager, slot, ids.size, n)
             if first is None:
@@ -169,6 +172,12 @@ def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count
                                  f"{next(iter(variants))} for a step of {ids.shape[0]} "
                                  "tokens")  # fmt: skip
     return times
+
+
+def _prepare(fill: Any) -> None:
+    prepare = getattr(fill, "prepare", None)
+    if prepare is not None:
+        prepare()
 
 
 def parts(stager: HostStager, draw: Any, count: int) -> dict[str, list[float]]:
@@ -221,8 +230,10 @@ def staged_host(bench: Any, root: Any) -> None:
     cache of the profile's hot rows (``--repeats`` x 16 steps, x 4 at T = 8192, for each).
     At T <= 512 this version also with every step on one thread (``serial``), every step on
     numba's threads (``threads``), for ``serial_rows``, the misses deduplicated through the
-    slot map instead of a hash table (``slot_map``, for ``hash_ids``), and prefetching 16 or
-    all rows ahead (``depth16``, ``depth_all``); at 8192
+    slot map instead of a hash table (``slot_map``, for ``hash_ids``), classified through the
+    hit index alone, without the group memo (``index_only``: a second stager sharing the
+    cache, for ``memo_lines``), and prefetching 16 or all rows ahead (``depth16``,
+    ``depth_all``); at 8192
     with the hit index read on one thread (``one_pass``, for ``parallel_ids``), 16 rows ahead
     and 16 gather threads (``w16``). ``parts``: the dedup and the gather alone."""
     from flashnext.kernels._staging import flat_ids
@@ -232,8 +243,7 @@ def staged_host(bench: Any, root: Any) -> None:
           f"{numba.config.NUMBA_NUM_THREADS} threads, seed {args.seed}", flush=True)  # fmt: skip
     table = open_table_mmap(bench.staged_sidecar(root))
     sizes = [t for t in bench.sizes if t <= 8192]
-    stager = HostStager(table.stored(), record_layout(table.codec, table.width), table.row_range,
-                        max(sizes) * heads)  # fmt: skip
+    stager = HostStager(table.stored(), stager_layout(table), table.row_range, max(sizes) * heads)
     new_slot = np.zeros(stager.slot_bytes, np.uint8)
     old_slot = np.zeros(stager.slot_bytes, np.uint8)
     stager.add_slot(new_slot)
@@ -246,17 +256,27 @@ def staged_host(bench: Any, root: Any) -> None:
 
     def ours(**change: int) -> Any:
         """This version's fill with some of ``knobs`` changed (the rest at their defaults)."""
-        def fill(ids: np.ndarray) -> tuple[np.ndarray, int]:
+        def prepare() -> None:
             for k, v in {**defaults, **change}.items():
-                setattr(stager, k, v)
+                if getattr(stager, k) != v:
+                    setattr(stager, k, v)
+            stager._context(0)  # a changed setting rebuilds the step context: here, untimed
+
+        def fill(ids: np.ndarray) -> tuple[np.ndarray, int]:
             return new_slot, stager.fill(0, flat_ids(ids))
 
+        fill.prepare = prepare  # type: ignore[attr-defined]
         return fill
 
     variants = {"previous_us": lambda ids: (old_slot, prev.fill(old_slot, ids)), "us": ours()}
+    plain = HostStager(table.stored(), stager_layout(table), table.row_range, stager.max_ids)
+    plain_slot = np.zeros(plain.slot_bytes, np.uint8)
+    plain.add_slot(plain_slot)
     for gb in (0, 2):
         t0 = time.perf_counter()
         stager.cache_rows(bench.text.hot_rows % args.staged_rows, gb << 30)
+        plain.share(stager)
+        plain.memo_lines = 0  # the hit index alone (a memo of no lines)
         cached = 0 if stager.slot_map is None else int((stager.slot_map >= 0).sum())
         print(f"staged-host cache {gb} GB: {cached:,} rows (built in "
               f"{time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
@@ -279,13 +299,15 @@ def staged_host(bench: Any, root: Any) -> None:
                             "depth16_us": ours(depth=16), "depth_all_us": ours(depth=1 << 20)}
                     if gb:
                         more["slot_map_us"] = ours(hash_ids=0)
+                        more["index_only_us"] = lambda ids: (plain_slot,
+                                                             plain.fill(0, flat_ids(ids)))
                 else:  # parallel_ids, all 16 cores, depth
                     more = {"one_pass_us": ours(parallel_ids=1 << 30)} if gb else {}
                     more["depth16_us"] = ours(depth=16)
                     if (os.cpu_count() or 1) >= 16:
                         more["w16_us"] = ours(workers=16)
                 times = time_variants(stager, {**variants, **more}, draw, n, checks)
-                ours()(checks[0])  # the defaults back
+                _prepare(ours())  # the defaults back
                 times |= parts(stager, draw, max(4, n // 4))
                 row = {"case": "staged-host", "cache_GB": gb, "ids": kind, "T": t,
                        "hit_rate": hit, "cached_rows": cached,
@@ -302,6 +324,10 @@ def staged_host(bench: Any, root: Any) -> None:
                       flush=True)  # fmt: skip
     stager.cache_rows(np.empty(0, np.int64), 0)
     print(f"staged-host: numba threading layer {numba.threading_layer()}", flush=True)
+
+
+def stager_layout(table: Any) -> Any:
+    return record_layout(table.codec, table.width)
 
 
 def open_table_mmap(path: Any) -> Any:

@@ -204,3 +204,42 @@ def test_a_setting_changed_between_steps_takes_effect(tables, rng):
     second = np.full(stager.slot_bytes, 0xCD, np.uint8)
     assert stager.add_slot(second) == 1
     assert stager._context(1)[_staging._WORDS] == second.ctypes.data
+
+
+@pytest.mark.parametrize("memo_lines", [1 << 20, 4, 2], ids=["big", "colliding", "two-lines"])
+def test_the_group_memo_changes_no_result(tables, memo_lines, rng):
+    """Small steps behind a cache resolve a token's 8 ids of one n-gram order through a memo
+    of whole groups (``classify_grouped``) before the hit index. Steps that repeat earlier
+    groups (in other tokens' places), groups with ids outside the served rows, a memo so small
+    that every group evicts another, a tail of ids that fills no group, a new cache (whose
+    memo starts empty) and a second stager sharing the cache all resolve every id exactly as
+    the table and the cache say."""
+    from flashnext.kernels._staging import GROUP
+
+    table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS)
+    stager.memo_lines = memo_lines
+    other = HostStager(table.stored(), layout, table.row_range, 300 * HEADS, workers=2)
+    other_slot = np.full(other.slot_bytes, 0xEF, np.uint8)
+    other.add_slot(other_slot)
+    for _ in range(2):  # a second cache: a new memo
+        stager.cache_rows(rng.permutation(ROWS), int(rng.integers(50, 600)) * layout.record_bytes)
+        cached = {int(r): j for j, r in enumerate(np.flatnonzero(stager.slot_map >= 0) + LO)}
+        assert stager._memo.shape == (memo_lines, 2 * GROUP)
+        assert (stager._memo[:, :GROUP] == -2).all()  # a new cache's memo holds nothing yet
+        other.share(stager)
+        seen = rng.integers(-1, ROWS + 40, size=(40, HEADS))
+        seen[0, :GROUP] = [-1, LO - 1, HI, HI + 7, *rng.integers(LO, HI, GROUP - 4)]
+        for step in range(6):
+            ids = seen[rng.integers(0, seen.shape[0], size=int(rng.integers(1, 40)))].copy()
+            ids[rng.random(ids.shape) < 0.1] = rng.integers(0, ROWS)  # some groups are new
+            who, its_slot = (stager, slot) if step % 2 else (other, other_slot)
+            _check_step(table, layout, who, its_slot, ids, cached)
+            tail = np.concatenate([ids.reshape(-1), rng.integers(0, ROWS, GROUP - 3)])
+            _check_step(table, layout, who, its_slot, tail.reshape(1, -1), cached)
+        assert (stager._memo[:, :GROUP] != -2).any() and other._memo is stager._memo
+    stager.memo_lines = 0  # no memo: the same results through the hit index alone
+    assert stager._memo.shape[0] == 0
+    _check_step(table, layout, stager, slot, seen, cached)
+    for bad in (3, 1):
+        with pytest.raises(KernelError, match=f"memo_lines is {bad}, expected a power of two"):
+            stager.memo_lines = bad

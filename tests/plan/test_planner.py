@@ -266,7 +266,8 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
     model = _qwen4()
     base = PlanRequest(96 * GIB, 0.92, max_model_len=32768, ple_format="int4", tp=2)
     layers = len(make_plan(model, base).shape.ple_layers)
-    rows = sum(PLEGeometry.from_config(model.config, d).num_rows for d in range(layers))
+    per_layer = [PLEGeometry.from_config(model.config, d).num_rows for d in range(layers)]
+    rows = sum(per_layer)
     for placement, slot_map in (("pinned", 4 * rows // 2), ("staged", 0)):
         req = dataclasses.replace(base, ple_placement=placement)
         cached = dataclasses.replace(req, ple_cache=GIB)
@@ -275,9 +276,10 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
         )
         assert lost == layers * GIB + slot_map, placement
         host = {i.name: i.bytes for i in make_plan(model, cached).host_items}
-        # int32 slot map + the hit index's 64-byte line per 384 rows
+        # per layer: int32 slot map + the hit index's 64-byte line per 384 rows + a 64 MiB memo
+        staged = sum(4 * r + 64 * -(-r // 384) + (64 << 20) for r in per_layer)
         assert host.get("PLE hot-row cache slot map (staged)") == (
-            4 * rows + 64 * -(-rows // 384) if placement == "staged" else None
+            staged if placement == "staged" else None
         )
     argv = ["plan", "--model", QWEN4, "--gpu-memory", "96GiB", "--ple-format", "int4"]
     code, out, _ = run_in_process(

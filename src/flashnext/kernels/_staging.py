@@ -10,7 +10,10 @@ layout). Two ways to dedup, both exact:
   step of at most ``HASH_IDS`` ids deduplicates its misses in a small open-addressing table
   (:func:`dedup_hashed`: it stays in L1, where the slot map's entries are DRAM and TLB misses;
   a T = 32 step's dedup 8.9 -> 5.7 us at 320M rows on a 2-vCPU VM, within noise on the H200's
-  host). A bigger step deduplicates them through the cache's slot map (int32 per served row,
+  host), after a group memo (:func:`classify_grouped`) answered the groups of 8 ids (a token's
+  heads of one n-gram order) that an earlier step resolved: one memo line instead of 8 index
+  lines (on the H200's host a T = 32 fill 1.2-3.5 us shorter once ~60% of groups repeat,
+  BENCHMARKS.md "Tenth pass"). A bigger step deduplicates them through the cache's slot map (int32 per served row,
   -1 = not cached): a row's first miss writes ``-(index + 2)`` into its entry for the rest of
   the step, later ids read their index back, and the entries are reset to -1 before the call
   returns. No sort, one pass, and only misses touch the big
@@ -54,7 +57,11 @@ import numba
 import numpy as np
 
 from flashnext.errors import KernelError
-from flashnext.kernels.cache_plan import HIT_BLOCK  # 6 words of bits after 2 of counts
+from flashnext.kernels.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2 of counts
+    HIT_BLOCK,
+    MEMO_LINE_BYTES,
+    MEMO_LINES,
+)
 from flashnext.kernels.records import RecordLayout
 
 # the address intrinsics of the CPU lookup kernels (one definition for both)
@@ -75,6 +82,11 @@ PARALLEL_IDS = 32768
 #: Steps of at most this many ids dedup their cache misses in a hash table (32 KB), not the
 #: slot map.
 HASH_IDS = 4096
+#: Ids a group memo line holds: a token's heads of one n-gram order (8 per order in the
+#: released config), whose rows hit or miss the cache together when the n-gram repeats.
+GROUP = 8
+_MEMO_AHEAD = 8  # groups whose memo line is prefetched ahead
+_GROUPS_AHEAD = 2  # groups the memo missed whose ids' hit-index lines are prefetched ahead
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: multiplicative hashing
 
 
@@ -228,6 +240,12 @@ def dedup_hashed(ids, lo, hi, index, table, inverse, uniq, pos):  # type: ignore
     order), the misses deduplicated in ``table`` (int32 ``[>= 2 * ids.size]``, any content:
     cleared here) by linear probing instead of the slot map. Returns the unique count."""
     k = _classify(ids, 0, ids.size, lo, hi, index, inverse, pos, 0)
+    return _hash_misses(ids, k, table, inverse, uniq, pos)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _hash_misses(ids, k, table, inverse, uniq, pos):  # type: ignore[no-untyped-def]
+    """The missed ids ``pos[:k]`` deduplicated in ``table`` (see :func:`dedup_hashed`)."""
     bits = 4
     while (1 << bits) < 2 * k:
         bits += 1
@@ -252,6 +270,140 @@ def dedup_hashed(ids, lo, hi, index, table, inverse, uniq, pos):  # type: ignore
                 break
             h = (h + 1) & mask
     return n_unique
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _memo_line(ids, i, shift):  # type: ignore[no-untyped-def]
+    """The memo line of the group of ids starting at ``i`` (its first two ids, hashed)."""
+    key = np.uint64(ids[i]) ^ (np.uint64(ids[i + 1]) << np.uint64(32))
+    return np.int64((key * _FIBONACCI) >> shift)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _memo_key(row, lo, hi):  # type: ignore[no-untyped-def]
+    """An id as a memo line stores it: its local row, or -1 for every id outside ``[lo, hi)``
+    (they all resolve alike)."""
+    if row < lo or row >= hi:
+        return np.int32(-1)
+    return np.int32(row - lo)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _prefetch_group(ids, a, lo, ibase):  # type: ignore[no-untyped-def]
+    for j in range(a, a + GROUP):
+        _prefetch(ibase + 64 * ((ids[j] - lo) // HIT_BLOCK))  # a prefetch never faults
+
+
+@numba.njit(nogil=True, cache=True)
+def classify_grouped(  # type: ignore[no-untyped-def]
+    ids, lo, hi, index, memo, shift, inverse, pos, scratch
+):
+    """:func:`_classify` of all ``ids`` (the same ``inverse`` for hits and ids outside, the
+    misses' positions into ``pos`` in id order; returns their count), through a memo of
+    whole groups first.
+
+    Ids come in groups of ``GROUP`` (a token's heads of one n-gram order); a line of ``memo``
+    (int32 ``[2 ** (64 - shift), 2 * GROUP]``, 64 bytes, one cache line) holds one group's
+    ids (:func:`_memo_key`) and what each resolved to (-1 outside, ``-(slot + 2)`` cached, 0
+    missed). A group found there costs one line instead of one hit-index line per id; one
+    that is not is looked up in the index and replaces the line (a direct-mapped cache of
+    n-grams: on real text 40-60% of a decode step's groups repeat an earlier step's, 80% of a
+    single stream's). The memo is only ever filled from the index it was made with
+    (``HostStager.cache_rows`` makes a new one with each index), so it changes no result.
+    ``scratch`` int64 ``[>= 2 * (n // GROUP)]``."""
+    n = ids.size
+    groups = n // GROUP
+    todo = _memo_pass(ids, groups, lo, hi, memo, shift, inverse, scratch)
+    ibase = np.int64(index.ctypes.data)
+    for q in range(min(todo, _GROUPS_AHEAD)):
+        _prefetch_group(ids, scratch[groups + q] * GROUP, lo, ibase)
+    k = 0  # pass two, in id order: the misses' positions, the other groups through the index
+    q = 0
+    for g in range(groups):
+        a = g * GROUP
+        if scratch[g] >= 0:  # the memo's answer, in inverse since pass one
+            for j in range(GROUP):
+                if inverse[a + j] == 0:
+                    pos[k] = a + j
+                    k += 1
+            continue
+        if q + _GROUPS_AHEAD < todo:
+            _prefetch_group(ids, scratch[groups + q + _GROUPS_AHEAD] * GROUP, lo, ibase)
+        q += 1
+        k = _index_group(ids, a, lo, hi, index, memo, -scratch[g] - 1, inverse, pos, k)
+    return _classify(ids, groups * GROUP, n, lo, hi, index, inverse, pos, k)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _memo_pass(ids, groups, lo, hi, memo, shift, inverse, scratch):  # type: ignore[no-untyped-def]
+    """Pass one of :func:`classify_grouped`: each group the memo holds gets its ``inverse``
+    now (a group the memo missed may take its line in pass two) and ``scratch[g] = 0``; each
+    other one ``scratch[g] = -(line + 1)`` and a place in the list ``scratch[groups:]``.
+    Returns the length of that list."""
+    mbase = np.int64(memo.ctypes.data)
+    for g in range(min(groups, _MEMO_AHEAD)):
+        _prefetch(mbase + MEMO_LINE_BYTES * _memo_line(ids, g * GROUP, shift))
+    todo = 0
+    for g in range(groups):
+        if g + _MEMO_AHEAD < groups:
+            _prefetch(mbase + MEMO_LINE_BYTES * _memo_line(ids, (g + _MEMO_AHEAD) * GROUP, shift))
+        a = g * GROUP
+        h = _memo_line(ids, a, shift)
+        same = True
+        for j in range(GROUP):
+            if memo[h, j] != _memo_key(ids[a + j], lo, hi):
+                same = False
+                break
+        if same:
+            for j in range(GROUP):
+                inverse[a + j] = memo[h, GROUP + j]
+            scratch[g] = 0
+        else:
+            scratch[g] = -(h + 1)
+            scratch[groups + todo] = g
+            todo += 1
+    return todo
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _index_group(ids, a, lo, hi, index, memo, h, inverse, pos, k):  # type: ignore[no-untyped-def]
+    """The group of ids at ``a`` through the hit index, remembered in memo line ``h``; its
+    misses' positions go to ``pos[k:]``. Returns the next free place in ``pos``."""
+    for j in range(GROUP):
+        row = ids[a + j]
+        c = np.int32(-1)
+        if row >= lo and row < hi:
+            s = _hit_slot(row - lo, index)
+            c = np.int32(-(s + 2)) if s >= 0 else np.int32(0)
+        memo[h, j] = _memo_key(row, lo, hi)
+        memo[h, GROUP + j] = c
+        inverse[a + j] = c
+        if c == 0:
+            pos[k] = a + j
+            k += 1
+    return k
+
+
+def checked_memo_lines(lines: int) -> int:
+    """``lines`` when it is 0 (no memo) or a power of two >= 2.
+
+    Raises:
+        KernelError: any other number.
+    """
+    if lines != 0 and (lines < 2 or lines & (lines - 1)):
+        raise KernelError(f"memo_lines is {lines}, expected a power of two >= 2 (or 0: no memo)")
+    return int(lines)
+
+
+def new_memo(lines: int, rows: int) -> np.ndarray:
+    """An empty group memo for :func:`classify_grouped` (int32 ``[lines, 2 * GROUP]``, each
+    line 64-byte aligned, no id stored), or a ``[0, 2 * GROUP]`` array (no memo) when
+    ``lines`` is 0 or a table's local rows do not fit an int32."""
+    if checked_memo_lines(lines) == 0 or rows >= 1 << 31:
+        return np.empty((0, 2 * GROUP), np.int32)
+    raw = np.full(lines * 2 * GROUP + 16, -2, np.int32)  # -2: no id is stored so
+    skip = (-raw.ctypes.data % 64) // 4
+    return raw[skip : skip + lines * 2 * GROUP].reshape(lines, 2 * GROUP)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -393,15 +545,19 @@ def gather_parallel(  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True)
 def stage_cached(  # type: ignore[no-untyped-def]
-    ids, lo, hi, index, slot_map, table, uniq, pos, words, fwords, s2_at, rec_at, rec_bytes,
-    seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, shard_starts, scalars,
-    serial_rows, depth=AHEAD,
+    ids, lo, hi, index, slot_map, table, memo, memo_shift, scratch, uniq, pos, words, fwords,
+    s2_at, rec_at, rec_bytes, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off,
+    shard_starts, scalars, serial_rows, depth=AHEAD,
 ):  # fmt: skip
     """One step behind a device cache: :func:`dedup_hashed` (at most ``table.size // 2``
-    ids) or :func:`dedup_misses` into ``words[:ids.size]``, then, with at most
+    ids; classified through the group ``memo`` first, :func:`classify_grouped`, unless it has
+    no line) or :func:`dedup_misses` into ``words[:ids.size]``, then, with at most
     ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the unique count
     ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
-    if 2 * ids.size <= table.size:
+    if 2 * ids.size <= table.size and memo.shape[0]:
+        k = classify_grouped(ids, lo, hi, index, memo, memo_shift, words, pos, scratch)
+        n = _hash_misses(ids, k, table, words, uniq, pos)
+    elif 2 * ids.size <= table.size:
         n = dedup_hashed(ids, lo, hi, index, table, words, uniq, pos)
     else:
         n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
@@ -442,7 +598,8 @@ def stage_sorted(  # type: ignore[no-untyped-def]
 (_LO, _HI, _CACHED, _HASH_IDS, _SERIAL_ROWS, _DEPTH, _REC_BYTES, _INDEX, _BLOCKS, _SLOT_MAP,
  _MAP_ROWS, _HASH, _HASH_SIZE, _KEYS, _UNIQ, _POS, _MAX_IDS, _WORDS, _SLOT_WORDS, _SEG_START,
  _SEGMENTS, _SEG_DIR, _DIR_SIZE, _SEG_SHIFT, _BASES, _FIELDS, _ROW_BYTES, _FIELD_OFF,
- _SHARD_STARTS, _SHARDS, _SCALARS, _N_SCALARS, CONTEXT_WORDS) = range(33)  # fmt: skip
+ _SHARD_STARTS, _SHARDS, _SCALARS, _N_SCALARS, _MEMO, _MEMO_LINES, _MEMO_SHIFT, _SCRATCH,
+ _SCRATCH_SIZE, CONTEXT_WORDS) = range(38)  # fmt: skip
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -476,7 +633,10 @@ def stage_step(ids, ctx):  # type: ignore[no-untyped-def]
         hashed = ctx[_HASH_SIZE] if n <= ctx[_HASH_IDS] else 0
         table = numba.carray(_ptr(ctx[_HASH]), hashed, np.int32)
         pos = numba.carray(_ptr(ctx[_POS]), ctx[_MAX_IDS], np.int64)
-        return stage_cached(ids, lo, hi, index, slot_map, table, uniq, pos, words, fwords,
+        memo = numba.carray(_ptr(ctx[_MEMO]), (ctx[_MEMO_LINES], 2 * GROUP), np.int32)
+        scratch = numba.carray(_ptr(ctx[_SCRATCH]), ctx[_SCRATCH_SIZE], np.int64)
+        return stage_cached(ids, lo, hi, index, slot_map, table, memo,
+                            np.uint64(ctx[_MEMO_SHIFT]), scratch, uniq, pos, words, fwords,
                             s2_at >> 2, rec_at, ctx[_REC_BYTES], seg_start, seg_dir,
                             ctx[_SEG_SHIFT], bases, row_bytes, field_off, shard_starts, scalars,
                             ctx[_SERIAL_ROWS], ctx[_DEPTH])  # fmt: skip
@@ -622,22 +782,34 @@ class HostStager:
         self.hash_ids = HASH_IDS
         self.chunk_rows = CHUNK_ROWS
         self.depth = AHEAD
+        self.memo_lines = MEMO_LINES  # the group memo of the next cache (0: none)
         self.slot_map: np.ndarray | None = None  # int32 [hi - lo]: cache slot or -1
+        self._memo = new_memo(0, 0)  # classify_grouped's, made with each hit index
         self._keys = np.empty(self.max_ids, np.int64)
         self._uniq = np.empty(self.max_ids, np.int64)
         self._pos = np.empty(self.max_ids, np.int64)  # a step's missed ids (by chunk)
         self._counts = np.empty(64, np.int64)
         self._index = np.empty((0, 8), np.uint64)  # build_hit_index's, with the slot map
         self._hash = np.empty(2 * min(self.max_ids, HASH_IDS), np.int32)  # dedup_hashed's
+        self._scratch = np.empty(2 * (min(self.max_ids, HASH_IDS) // GROUP) + 2, np.int64)
         self._rows, self._shards = self.src.rows, self.src.shards  # built once, not per step
         self._slots: list[tuple[np.ndarray, np.ndarray, int]] = []
 
     #: What a step context holds besides addresses that never change: setting one rebuilds
     #: the contexts at the next step (benchmarks change the knobs between steps).
-    _CONTEXT_INPUTS = frozenset({"slot_map", "_index", "serial_rows", "hash_ids", "depth"})
+    _CONTEXT_INPUTS = frozenset(
+        {"slot_map", "_index", "_memo", "serial_rows", "hash_ids", "depth"}
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
+        renew = False
+        if name == "memo_lines":
+            value = checked_memo_lines(value)
+            cached = getattr(self, "slot_map", None) is not None
+            renew = cached and value != getattr(self, name, value)
         object.__setattr__(self, name, value)
+        if renew:  # another size: a new memo for the cache in use
+            self._memo = new_memo(value, self.row_range[1] - self.row_range[0])
         if name in HostStager._CONTEXT_INPUTS:
             object.__setattr__(self, "_contexts", None)
 
@@ -669,6 +841,9 @@ class HostStager:
             (_FIELD_OFF, src.field_off.ctypes.data),
             (_SHARD_STARTS, src.shard_starts.ctypes.data), (_SHARDS, src.shard_starts.size),
             (_SCALARS, src.scalars.ctypes.data), (_N_SCALARS, src.scalars.size),
+            (_MEMO, self._memo.ctypes.data), (_MEMO_LINES, self._memo.shape[0]),
+            (_MEMO_SHIFT, 65 - max(1, self._memo.shape[0]).bit_length()),
+            (_SCRATCH, self._scratch.ctypes.data), (_SCRATCH_SIZE, self._scratch.size),
         ):  # fmt: skip
             ctx[at] = value
         return ctx
@@ -751,6 +926,7 @@ class HostStager:
         s2 = np.empty(rows.size if src.scalars.size else 0, np.float32)
         if rows.size == 0:
             self.slot_map, self._index = None, np.empty((0, 8), np.uint64)
+            self._memo = new_memo(0, 0)
             return records, s2
         gather_records(rows, 0, rows.size, *src.rows, records, *src.shards, s2)
         slot_map = np.full(hi - lo, -1, np.int32)
@@ -761,8 +937,10 @@ class HostStager:
         index = raw[skip : skip + 8 * blocks].reshape(blocks, 8)
         build_hit_index(rows, lo, index)
         self.slot_map, self._index = slot_map, index
+        self._memo = new_memo(self.memo_lines, hi - lo)  # memos what this index says
         return records, s2
 
     def share(self, other: HostStager) -> None:
-        """Serve from ``other``'s device cache: its slot map and hit index (same row range)."""
-        self.slot_map, self._index = other.slot_map, other._index
+        """Serve from ``other``'s device cache: its slot map, hit index and group memo (same
+        row range; the two must not stage at the same time)."""
+        self.slot_map, self._index, self._memo = other.slot_map, other._index, other._memo

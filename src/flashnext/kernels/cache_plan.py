@@ -40,12 +40,18 @@ SLOT_MAP_BYTES = 4
 #: Rows per 64-byte line of the staged path's hit index (``_staging.build_hit_index``).
 HIT_BLOCK = 384
 HIT_LINE_BYTES = 64
+#: Lines of the staged path's group memo (``_staging.classify_grouped``), 64 bytes each: a
+#: fixed 64 MiB per cache, whatever the table's size.
+MEMO_LINES = 1 << 20
+MEMO_LINE_BYTES = 64
 
 
 def staged_cache_host_bytes(rows: int) -> int:
     """Host RAM of a device cache in front of a staged table serving ``rows`` rows: the int32
-    slot map and the hit index (0.17 bytes per row), committed, not reclaimable."""
-    return SLOT_MAP_BYTES * rows + HIT_LINE_BYTES * -(-rows // HIT_BLOCK)
+    slot map, the hit index (0.17 bytes per row) and the group memo (64 MiB), committed, not
+    reclaimable."""
+    return (SLOT_MAP_BYTES * rows + HIT_LINE_BYTES * -(-rows // HIT_BLOCK)
+            + MEMO_LINES * MEMO_LINE_BYTES)  # fmt: skip
 
 
 #: Placements a device cache can stand in front of (``device`` is all on the GPU already).

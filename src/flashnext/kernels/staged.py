@@ -16,7 +16,8 @@ served row, host RAM, not pinned); a hit is written into the inverse index as ``
 and never gathered, so only the misses are deduplicated (through the slot map itself: no sort),
 gathered and copied, and the one kernel reads hits from the cache and misses from the staged
 slot. Tables that share a cache (:meth:`StagedTable.share_cache`) must not stage at the same
-time: a step marks its misses in the shared slot map while it runs.
+time: a step marks its misses in the shared slot map, and records what its groups of ids
+resolved to in the shared group memo, while it runs.
 
 :class:`StagedTable` runs outside CUDA graphs (the copy's size is known only after the gather);
 :mod:`flashnext.kernels.graph_staged` is the variant that lives inside one.
