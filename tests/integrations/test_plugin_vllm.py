@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from devtools.vllm_cpu import free_port, numba_cache_env
+from devtools.vllm_cpu import free_port, venv_child_env
 from flashnext.ple.destination import write_sidecar
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
@@ -93,19 +92,18 @@ def probes(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     full = open_sidecar(sidecars["bf16"])
     for r in (0, 1):
         write_slice(full, root / f"slice_rank{r}", plan_slice(full, 2, [r]))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(_entry_point_dir(root / "ep")), str(SRC)]),
+    env = venv_child_env(
+        _entry_point_dir(root / "ep"),
+        SRC,
         # flashnext's core deps the vllm-cpu venv lacks (ml_dtypes): read from this venv, after
         # the vllm venv's own packages (same Python: that venv was made by this interpreter).
-        "FLASHNEXT_PROBE_FALLBACK_PATH": str(
+        FLASHNEXT_PROBE_FALLBACK_PATH=str(
             Path(importlib.util.find_spec("ml_dtypes").origin).parents[1]
         ),
-        "VLLM_TARGET_DEVICE": "cpu",
-        **numba_cache_env(),
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-    }
+        VLLM_TARGET_DEVICE="cpu",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_HOST_IP="127.0.0.1",
+    )
     for var in ("FLASHNEXT_PLE_SIDECAR", "FLASHNEXT_MOE_GUARD", "FLASHNEXT_PLE_LOADER_FIX"):
         env.pop(var, None)
     out = root / "out"

@@ -7,7 +7,6 @@ import this checkout's flashnext next to the real vLLM.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from devtools.vllm_cpu import (  # noqa: F401  (free_port: re-exported)
     ensure_vllm_venv,
     free_port,
-    numba_cache_env,
+    venv_child_env,
 )
 
 HERE = Path(__file__).parent
@@ -38,9 +37,7 @@ def vllm_python_or_skip() -> Path:
 
 
 def child_env() -> dict[str, str]:
-    env = {**os.environ, **CHILD_ENV, **numba_cache_env(), "PYTHONPATH": str(SRC)}
-    env.pop("PYTHONHOME", None)
-    return env
+    return venv_child_env(SRC, **CHILD_ENV)
 
 
 def start_child(python: Path, script: Path, *args: str) -> subprocess.Popen[str]:
