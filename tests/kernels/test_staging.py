@@ -219,6 +219,7 @@ def test_the_group_memo_changes_no_result(tables, memo_lines, rng):
     table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS)
     stager.memo_lines = memo_lines
     other = HostStager(table.stored(), layout, table.row_range, 300 * HEADS, workers=2)
+    other.memo_lines = memo_lines  # of one size: the two share one memo
     other_slot = np.full(other.slot_bytes, 0xEF, np.uint8)
     other.add_slot(other_slot)
     for _ in range(2):  # a second cache: a new memo
@@ -243,3 +244,29 @@ def test_the_group_memo_changes_no_result(tables, memo_lines, rng):
     for bad in (3, 1):
         with pytest.raises(KernelError, match=f"memo_lines is {bad}, expected a power of two"):
             stager.memo_lines = bad
+
+
+def test_a_stagers_memo_follows_its_own_memo_lines(tables, rng):
+    """``memo_lines`` says the memo a stager classifies through, whatever ``share`` brought:
+    a stager without a memo keeps none when it shares a cache with one that has one (set
+    before or after the share, with caches coming and going), and one of another size gets
+    its own memo; the shared memo is shared only between stagers of one size."""
+    table, layout, stager, _slot = _stager(tables, "int4", 64 * HEADS)
+    plain = HostStager(table.stored(), layout, table.row_range, 64 * HEADS)
+    small = HostStager(table.stored(), layout, table.row_range, 64 * HEADS)
+    plain.memo_lines, small.memo_lines = 0, 4
+    for cache_rows in (0, 300, 0, 200):
+        stager.cache_rows(rng.permutation(ROWS), cache_rows * layout.record_bytes)
+        plain.share(stager)
+        small.share(stager)
+        plain.memo_lines = 0  # set again: still no memo
+        assert plain._memo.shape[0] == 0
+        if cache_rows:
+            assert small._memo.shape[0] == 4 and small._memo is not stager._memo
+            assert stager._memo.shape[0] == stager.memo_lines
+    twin = HostStager(table.stored(), layout, table.row_range, 64 * HEADS)
+    twin.share(stager)
+    assert twin._memo is stager._memo  # same size: one memo
+    for bad in (2.0, True, "4"):
+        with pytest.raises(KernelError, match="memo_lines is"):
+            twin.memo_lines = bad

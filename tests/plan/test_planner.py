@@ -276,9 +276,10 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
         )
         assert lost == layers * GIB + slot_map, placement
         host = {i.name: i.bytes for i in make_plan(model, cached).host_items}
-        # per layer: int32 slot map + the hit index's 64-byte line per 384 rows + a 64 MiB memo
-        staged = sum(4 * r + 64 * -(-r // 384) + (64 << 20) for r in per_layer)
-        assert host.get("PLE hot-row cache slot map (staged)") == (
+        # per layer: int32 slot map + the hit index's 64-byte line per 384 rows, and a 64 MiB
+        # memo per rank (tp = 2)
+        staged = sum(4 * r + 64 * -(-r // 384) + 2 * (64 << 20) for r in per_layer)
+        assert host.get("PLE hot-row cache host index (staged)") == (
             staged if placement == "staged" else None
         )
     argv = ["plan", "--model", QWEN4, "--gpu-memory", "96GiB", "--ple-format", "int4"]

@@ -390,16 +390,24 @@ def checked_memo_lines(lines: int) -> int:
     Raises:
         KernelError: any other number.
     """
-    if lines != 0 and (lines < 2 or lines & (lines - 1)):
-        raise KernelError(f"memo_lines is {lines}, expected a power of two >= 2 (or 0: no memo)")
+    whole = isinstance(lines, (int, np.integer)) and not isinstance(lines, bool)
+    if not whole or (lines != 0 and (lines < 2 or lines & (lines - 1))):
+        raise KernelError(f"memo_lines is {lines!r}, expected a power of two >= 2 (or 0: no memo)")
     return int(lines)
+
+
+def new_memo_lines(lines: int, rows: int) -> int:
+    """How many lines :func:`new_memo` gives a table of ``rows`` served rows: ``lines``, or 0
+    where its local rows do not fit an int32."""
+    return 0 if rows >= 1 << 31 else checked_memo_lines(lines)
 
 
 def new_memo(lines: int, rows: int) -> np.ndarray:
     """An empty group memo for :func:`classify_grouped` (int32 ``[lines, 2 * GROUP]``, each
     line 64-byte aligned, no id stored), or a ``[0, 2 * GROUP]`` array (no memo) when
     ``lines`` is 0 or a table's local rows do not fit an int32."""
-    if checked_memo_lines(lines) == 0 or rows >= 1 << 31:
+    lines = new_memo_lines(lines, rows)
+    if lines == 0:
         return np.empty((0, 2 * GROUP), np.int32)
     raw = np.full(lines * 2 * GROUP + 16, -2, np.int32)  # -2: no id is stored so
     skip = (-raw.ctypes.data % 64) // 4
@@ -802,14 +810,11 @@ class HostStager:
     )
 
     def __setattr__(self, name: str, value: Any) -> None:
-        renew = False
         if name == "memo_lines":
             value = checked_memo_lines(value)
-            cached = getattr(self, "slot_map", None) is not None
-            renew = cached and value != getattr(self, name, value)
         object.__setattr__(self, name, value)
-        if renew:  # another size: a new memo for the cache in use
-            self._memo = new_memo(value, self.row_range[1] - self.row_range[0])
+        if name == "memo_lines" and getattr(self, "slot_map", None) is not None:
+            self._fit_memo()
         if name in HostStager._CONTEXT_INPUTS:
             object.__setattr__(self, "_contexts", None)
 
@@ -942,5 +947,13 @@ class HostStager:
 
     def share(self, other: HostStager) -> None:
         """Serve from ``other``'s device cache: its slot map, hit index and group memo (same
-        row range; the two must not stage at the same time)."""
+        row range; the two must not stage at the same time). A stager whose ``memo_lines``
+        differs from ``other``'s gets a memo of its own size instead."""
         self.slot_map, self._index, self._memo = other.slot_map, other._index, other._memo
+        self._fit_memo()
+
+    def _fit_memo(self) -> None:
+        """A new memo for the cache in use when the one held is not ``memo_lines`` long."""
+        rows = self.row_range[1] - self.row_range[0]
+        if self.slot_map is not None and self._memo.shape[0] != new_memo_lines(self.memo_lines, rows):
+            self._memo = new_memo(self.memo_lines, rows)

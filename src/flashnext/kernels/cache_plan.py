@@ -46,12 +46,12 @@ MEMO_LINES = 1 << 20
 MEMO_LINE_BYTES = 64
 
 
-def staged_cache_host_bytes(rows: int) -> int:
-    """Host RAM of a device cache in front of a staged table serving ``rows`` rows: the int32
-    slot map, the hit index (0.17 bytes per row) and the group memo (64 MiB), committed, not
-    reclaimable."""
+def staged_cache_host_bytes(rows: int, ranks: int = 1) -> int:
+    """Host RAM of the device caches in front of a staged table whose ``rows`` rows ``ranks``
+    ranks serve, one cache each: the int32 slot maps and hit indexes (4.17 bytes per row) and a
+    group memo per cache (64 MiB), committed, not reclaimable."""
     return (SLOT_MAP_BYTES * rows + HIT_LINE_BYTES * -(-rows // HIT_BLOCK)
-            + MEMO_LINES * MEMO_LINE_BYTES)  # fmt: skip
+            + ranks * MEMO_LINES * MEMO_LINE_BYTES)  # fmt: skip
 
 
 #: Placements a device cache can stand in front of (``device`` is all on the GPU already).

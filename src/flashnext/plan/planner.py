@@ -262,13 +262,13 @@ def _host_items(
     if table and req.ple_placement == "staged" and req.ple_residency == "mmap":
         items.append(Item(f"PLE table ({fmt}, staged, mmap)", table, "page cache, reclaimable"))
     if table and req.ple_cache and not slot_map_on_device(req.ple_placement):
-        # StagedTable keeps its cache's slot map, hit index and group memo in host RAM, one set
-        # per layer: every rank's rows.
+        # StagedTable keeps its cache's slot map, hit index and group memo in host RAM, one
+        # cache per layer and rank: every rank's rows, a memo each.
         slots = sum(
-            staged_cache_host_bytes(PLEGeometry.from_config(model.config, d).num_rows)
+            staged_cache_host_bytes(PLEGeometry.from_config(model.config, d).num_rows, req.tp)
             for d in range(len(shape.ple_layers))
         )
-        items.append(Item("PLE hot-row cache slot map (staged)", slots, "committed RAM"))
+        items.append(Item("PLE hot-row cache host index (staged)", slots, "committed RAM"))
     streamed = weights.total(exclude=("ple_table",))
     items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
     return items
