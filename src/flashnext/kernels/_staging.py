@@ -12,13 +12,13 @@ layout). Two ways to dedup, both exact:
   a T = 32 step's dedup 8.9 -> 5.7 us at 320M rows on a 2-vCPU VM, within noise on the H200's
   host), after a group memo (:func:`classify_grouped`) answered the groups of 8 ids (a token's
   heads of one n-gram order) that an earlier step resolved: one memo line instead of 8 index
-  lines (on the H200's host a T = 32 fill 1.2-3.5 us shorter once ~60% of groups repeat,
-  BENCHMARKS.md "Tenth pass"). A bigger step deduplicates them through the cache's slot map (int32 per served row,
-  -1 = not cached): a row's first miss writes ``-(index + 2)`` into its entry for the rest of
-  the step, later ids read their index back, and the entries are reset to -1 before the call
-  returns. No sort, one pass, and only misses touch the big
-  map; big steps of sharing tables must not run at the same time (the plugin and the
-  benchmarks stage one step at a time). A step of ``PARALLEL_IDS`` or more looks its ids up in
+  lines (on the H200's host a T = 32 fill 1.2-3.5 us shorter once 54-61% of its groups
+  repeat, BENCHMARKS.md "Tenth pass"). A bigger step deduplicates them through the cache's
+  slot map (int32 per served row, -1 = not cached): a row's first miss writes
+  ``-(index + 2)`` into its entry for the rest of the step, later ids read their index back,
+  and the entries are reset to -1 before the call returns. No sort, one pass, and only misses
+  touch the big map. Tables sharing a cache (its slot map and memo) must not stage at the same
+  time (the plugin and the benchmarks stage one step at a time). A step of ``PARALLEL_IDS`` or more looks its ids up in
   the hit index on numba's threads first (:func:`classify`), then dedups the misses
   (:func:`dedup_positions`).
 - **without one** (:func:`stage_sorted`): each in-range id with its position packs into one
@@ -290,6 +290,7 @@ def _memo_key(row, lo, hi):  # type: ignore[no-untyped-def]
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _prefetch_group(ids, a, lo, ibase):  # type: ignore[no-untyped-def]
+    """Hint the CPU to load the hit-index lines (at ``ibase``) of the group of ids at ``a``."""
     for j in range(a, a + GROUP):
         _prefetch(ibase + 64 * ((ids[j] - lo) // HIT_BLOCK))  # a prefetch never faults
 
