@@ -106,9 +106,15 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
         assert r["itl_s"]["p50"] >= 0 and r["itl_s"]["mean"] > 0
         assert r["output_tokens_per_s"] > 0
         assert r["errors"] == {}
+    # Each stage carries the /metrics readings taken while it ran. The server answers /metrics
+    # on the event loop that streams the answers, so on two busy vCPUs a short stage's readings
+    # may all land between its rounds (seen twice: six readings over the 5.5 s concurrency
+    # stage, all after a round had ended): the running gauge is checked over the whole run.
     window = (c["t_start"], c["t_end"])
     samples = report["probes"]["metrics"]["samples"]
-    assert c["evidence"]["probes"]["server"]["peak_running"] >= 1, (window, samples)
+    assert c["evidence"]["probes"]["server"]["samples"] >= 1, (window, samples)
+    peaks = {x["name"]: x["evidence"]["probes"]["server"]["peak_running"] for x in report["stages"]}
+    assert max(peaks.values()) >= 1, (peaks, samples)
     # prefix cache: the warm requests hit the shared prefix
     assert s["prefix-cache"]["key"]["hit_tokens"] > 0
     assert s["prefix-cache"]["key"]["ttft_cold_s"] > 0
