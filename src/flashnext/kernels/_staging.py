@@ -18,9 +18,9 @@ layout). Two ways to dedup, both exact:
   ``-(index + 2)`` into its entry for the rest of the step, later ids read their index back,
   and the entries are reset to -1 before the call returns. No sort, one pass, and only misses
   touch the big map. Tables sharing a cache (its slot map and memo) must not stage at the same
-  time (the plugin and the benchmarks stage one step at a time). A step of ``PARALLEL_IDS`` or more looks its ids up in
-  the hit index on numba's threads first (:func:`classify`), then dedups the misses
-  (:func:`dedup_positions`).
+  time (the plugin and the benchmarks stage one step at a time). A step of ``PARALLEL_IDS`` or
+  more looks its ids up in the hit index on numba's threads first (:func:`classify`), then
+  dedups the misses (:func:`dedup_positions`).
 - **without one** (:func:`stage_sorted`): each in-range id with its position packs into one
   int64 key (``(row << POS_BITS) | i``), the keys are sorted (numba's sort for small steps,
   numpy's by the caller for big ones: measured 10x faster than a hash table for a prefill's
@@ -185,21 +185,34 @@ def _classify(ids, a, b, lo, hi, index, inverse, pos, k):  # type: ignore[no-unt
     the next free place in ``pos``."""
     base = np.int64(index.ctypes.data)
     for i in range(a, min(b, a + _MAP_AHEAD)):
-        _prefetch(base + 64 * ((ids[i] - lo) // HIT_BLOCK))  # a prefetch never faults
+        _prefetch(_index_line(base, ids[i], lo))
     for i in range(a, b):
         if i + _MAP_AHEAD < b:
-            _prefetch(base + 64 * ((ids[i + _MAP_AHEAD] - lo) // HIT_BLOCK))
-        row = ids[i]
-        if row < lo or row >= hi:
-            inverse[i] = -1
-            continue
-        s = _hit_slot(row - lo, index)
-        if s >= 0:
-            inverse[i] = -(s + 2)
-        else:
+            _prefetch(_index_line(base, ids[i + _MAP_AHEAD], lo))
+        c = _resolve(ids[i], lo, hi, index)
+        if c == 0:
             pos[k] = i
             k += 1
+        else:
+            inverse[i] = c
     return k
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _index_line(base, row, lo):  # type: ignore[no-untyped-def]
+    """The address of row ``row``'s line of the hit index at ``base`` (any row: only ever
+    prefetched, and a prefetch never faults)."""
+    return base + 64 * ((row - lo) // HIT_BLOCK)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _resolve(row, lo, hi, index):  # type: ignore[no-untyped-def]
+    """What the hit ``index`` says of global row ``row``, as an int32 inverse code: -1 outside
+    ``[lo, hi)``, ``-(slot + 2)`` cached, 0 missed."""
+    if row < lo or row >= hi:
+        return np.int32(-1)
+    s = _hit_slot(row - lo, index)
+    return np.int32(-(s + 2)) if s >= 0 else np.int32(0)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -292,7 +305,7 @@ def _memo_key(row, lo, hi):  # type: ignore[no-untyped-def]
 def _prefetch_group(ids, a, lo, ibase):  # type: ignore[no-untyped-def]
     """Hint the CPU to load the hit-index lines (at ``ibase``) of the group of ids at ``a``."""
     for j in range(a, a + GROUP):
-        _prefetch(ibase + 64 * ((ids[j] - lo) // HIT_BLOCK))  # a prefetch never faults
+        _prefetch(_index_line(ibase, ids[j], lo))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -372,10 +385,7 @@ def _index_group(ids, a, lo, hi, index, memo, h, inverse, pos, k):  # type: igno
     misses' positions go to ``pos[k:]``. Returns the next free place in ``pos``."""
     for j in range(GROUP):
         row = ids[a + j]
-        c = np.int32(-1)
-        if row >= lo and row < hi:
-            s = _hit_slot(row - lo, index)
-            c = np.int32(-(s + 2)) if s >= 0 else np.int32(0)
+        c = _resolve(row, lo, hi, index)
         memo[h, j] = _memo_key(row, lo, hi)
         memo[h, GROUP + j] = c
         inverse[a + j] = c
@@ -563,11 +573,12 @@ def stage_cached(  # type: ignore[no-untyped-def]
     no line) or :func:`dedup_misses` into ``words[:ids.size]``, then, with at most
     ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the unique count
     ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
-    if 2 * ids.size <= table.size and memo.shape[0]:
-        k = classify_grouped(ids, lo, hi, index, memo, memo_shift, words, pos, scratch)
+    if 2 * ids.size <= table.size:
+        if memo.shape[0]:
+            k = classify_grouped(ids, lo, hi, index, memo, memo_shift, words, pos, scratch)
+        else:
+            k = _classify(ids, 0, ids.size, lo, hi, index, words, pos, 0)
         n = _hash_misses(ids, k, table, words, uniq, pos)
-    elif 2 * ids.size <= table.size:
-        n = dedup_hashed(ids, lo, hi, index, table, words, uniq, pos)
     else:
         n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
     if n > serial_rows:
