@@ -273,7 +273,7 @@ def test_vllm_versions_are_the_plugins_list(tmp_path):
     rows, _ = checks_for(root, [], version="0.32.1")
     row = rows["vllm-version"]
     assert row.status == "warn" and not row.blocking
-    assert "(0.32.0, 0.33.0)" in row.why and "0.32.," not in row.why
+    assert "(0.32.0, 0.33.0, 0.34.0)" in row.why and "0.32.," not in row.why
     on = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path)}
     rows, _ = checks_for(root, [], env=on, version="0.32.1")
     row = rows["vllm-version"]

@@ -101,14 +101,14 @@ def test_same_value_in_both_sources_is_fine(tmp_path):
 
 
 def test_versions_checked_and_refused():
-    assert set(CHECKED) == {"0.32.0", "0.33.0"}
+    assert set(CHECKED) == {"0.32.0", "0.33.0", "0.34.0"}
     assert not is_checked("0.32.1")  # a patch release is another release
     assert release("0.32.0+cpu") == "0.32.0" and is_checked("0.32.0+cpu")
-    assert not is_checked("0.34.0")
-    require_checked("0.33.0", allow_untested=False)
-    require_checked("0.34.0", allow_untested=True)
-    with pytest.raises(PluginError, match=r"vLLM 0\.34\.0 is not a version .* nothing was applied"):
-        require_checked("0.34.0", allow_untested=False)
+    assert is_checked("0.34.0") and not is_checked("0.35.0")
+    require_checked("0.34.0", allow_untested=False)
+    require_checked("0.35.0", allow_untested=True)
+    with pytest.raises(PluginError, match=r"vLLM 0\.35\.0 is not a version .* nothing was applied"):
+        require_checked("0.35.0", allow_untested=False)
 
 
 def test_cache_and_profile_switches_from_either_source(tmp_path):

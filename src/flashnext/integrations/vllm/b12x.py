@@ -48,7 +48,7 @@ SHARED_PARAMS = ("shared_static_workspace", "shared_dynamic_workspace", "shared_
 #: Where a FlashInfer-built wrapper keeps the buffers we share (flashinfer/fused_moe/cute_dsl/
 #: b12x_moe.py ``_allocate_buffers``).
 WRAPPER_BUFFERS = ("_static_workspace", "_dynamic_workspace", "_moe_output")
-#: vLLM 0.32/0.33 ``FlashInferB12xExperts.apply`` parameters, in order (the wrapper mirrors them).
+#: vLLM 0.32-0.34 ``FlashInferB12xExperts.apply`` parameters, in order (the wrapper mirrors them).
 APPLY_PARAMS = [
     "self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
     "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13", "workspace2",

