@@ -105,6 +105,26 @@ def _ple_options() -> list[Callable[[Any], Any]]:
     ]
 
 
+def _host_options() -> list[Callable[[Any], Any]]:
+    """Host RAM: given, or read from the memory cgroup the server will run in; the worker's own."""
+    return [
+        click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
+        click.option(
+            "--memory-cgroup",
+            type=click.Path(exists=True, file_okay=False),
+            help="Host RAM: what this memory cgroup's directory (v1 or v2), where the server will "
+            "run, leaves (its limit less usage plus reclaimable page cache; vLLM does not read "
+            "it). Instead of --host-memory.",
+        ),
+        click.option(
+            "--worker-host-memory",
+            callback=_size,
+            help="The vLLM worker's own host memory besides the PLE table, e.g. 1GiB "
+            "(default 8GiB, a large model's; measure a small one's).",
+        ),
+    ]
+
+
 def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The flags that describe a deployment (shared by ``plan`` and ``explain``)."""
     opts = [
@@ -130,20 +150,7 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True
         ),
         click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
-        click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
-        click.option(
-            "--memory-cgroup",
-            type=click.Path(exists=True, file_okay=False),
-            help="Host RAM: what this memory cgroup's directory (v1 or v2), where the server will "
-            "run, leaves (its limit less usage plus reclaimable page cache; vLLM does not read "
-            "it). Instead of --host-memory.",
-        ),
-        click.option(
-            "--worker-host-memory",
-            callback=_size,
-            help="The vLLM worker's own host memory besides the PLE table, e.g. 1GiB "
-            "(default 8GiB, a large model's; measure a small one's).",
-        ),
+        *_host_options(),
         *_ple_options(),
         click.option("--headroom", callback=_size, help="Non-KV, non-weight device memory."),
         click.option(
