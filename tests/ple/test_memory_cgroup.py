@@ -48,9 +48,18 @@ def test_a_named_cgroup_is_read_with_its_ancestors(tmp_path: Path, version: str)
     assert mine.path == "/" + level.relative_to("/").as_posix()
 
 
-def test_a_directory_that_is_no_cgroup_is_named(tmp_path: Path) -> None:
+def test_a_directory_that_is_no_cgroup_is_named(tmp_path: Path, cli_inputs) -> None:
     with pytest.raises(PreflightError, match=rf"--memory-cgroup {tmp_path}: not a memory cgroup"):
         named_cgroup_levels(tmp_path)
+    for argv in (
+        ["ple", "preflight", cli_inputs.sidecar],
+        ["plan", "--model", QWEN4, "--gpu-memory", "96GiB"],
+    ):
+        done = run(*argv, "--memory-cgroup", tmp_path)
+        assert done.returncode == 1 and done.stderr == (
+            f"error: --memory-cgroup {tmp_path}: not a memory cgroup (expected memory.max, v2, "
+            "or memory.limit_in_bytes, v1)\n"
+        )
 
 
 @needs_root
