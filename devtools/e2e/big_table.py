@@ -58,16 +58,23 @@ def table_geometry(config: dict[str, Any], base: int) -> tuple[list[int], int, i
     return sizes, padded // parts, parts, config["ple_embed_dim"] // heads
 
 
+def bf16_bits(x: Any) -> Any:
+    """float32 array ``x`` as bf16 bit patterns (uint16), rounded to nearest even as torch's
+    float->bfloat16 conversion rounds (finite inputs; ``x`` is overwritten)."""
+    import numpy as np
+
+    u = x.view(np.uint32)
+    u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return (u >> np.uint32(16)).astype(np.uint16)
+
+
 def _bf16_rows(rng: Any, rows: int, width: int, std: float) -> Any:
-    """``rows`` x ``width`` N(0, std) values as bf16 bit patterns (uint16), rounded to nearest
-    even, as torch's float->bfloat16 conversion rounds."""
+    """``rows`` x ``width`` N(0, std) values from ``rng`` as bf16 bit patterns."""
     import numpy as np
 
     x = rng.standard_normal(rows * width, dtype=np.float32)
     x *= np.float32(std)
-    u = x.view(np.uint32)
-    u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-    return (u >> np.uint32(16)).astype(np.uint16)
+    return bf16_bits(x)
 
 
 def write_table(path: Path, names: list[str], rows: int, width: int, seed: int, std: float) -> int:
