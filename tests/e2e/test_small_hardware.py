@@ -34,6 +34,7 @@ from devtools.vllm_cpu import VllmServer
 
 from ..cli.runner import run
 from .conftest import validate_ab
+from .test_ab_identity import PLUGIN_LINE
 
 GIB = 1 << 30
 #: The limit both capped servers get: under a third of the 5.12 GB bf16 table.
@@ -175,10 +176,12 @@ def _watch(
         _sample(cg, seen[name])
         row = rows.setdefault(name, {})
         row.update(limit=cg.limit, peak=cg.peak(), oom_kills=cg.oom_kills(), processes=seen[name])
-        row["log_tail"] = log_text(servers[name])[-1500:]
-        print(
-            f"\nSMALL-HARDWARE {name} {json.dumps({k: v for k, v in row.items() if k != 'log_tail'})}"
-        )
+        log = log_text(servers[name])
+        row["log_tail"] = log[-1500:]
+        sidecar = servers[name].env.get("FLASHNEXT_PLE_SIDECAR")
+        row["int4_line"] = f"{PLUGIN_LINE}{sidecar} (int4" in log
+        shown = {k: v for k, v in row.items() if k != "log_tail"}
+        print(f"\nSMALL-HARDWARE {name} {json.dumps(shown)}")
     return {"rows": rows, "ab": ab, "pending": sorted(pending)}
 
 
@@ -195,7 +198,7 @@ def _healthy(server: VllmServer) -> bool:
 def test_stock_in_a_limit_below_its_table_is_killed_as_predicted(outcome: dict[str, Any]) -> None:
     row = outcome["rows"]["stock"]
     assert "stock" not in outcome["pending"], f"stock still up after {KILL_TIMEOUT_S} s"
-    assert row["oom_kills"] >= 1, row
+    assert row["oom_kills"] >= 1 and row["peak"] == LIMIT, row
     assert "exit" in row and row["exit"] != 0, row
     assert "{'EngineCore': -9}" in row["log_tail"], row["log_tail"]
     assert row["preflight"]["ok"] is False and "resident copy" in row["preflight"]["refusals"][0]
@@ -205,7 +208,7 @@ def test_stock_in_a_limit_below_its_table_is_killed_as_predicted(outcome: dict[s
 def test_the_plugin_serves_int4_in_the_same_limit_as_predicted(outcome: dict[str, Any]) -> None:
     row = outcome["rows"]["capped"]
     assert "boot_s" in row, row["log_tail"]
-    assert row["oom_kills"] == 0 and row["peak"] is not None and row["peak"] <= LIMIT, row
+    assert row["int4_line"] and row["oom_kills"] == 0, row
     assert row["preflight"]["ok"] is True, row["preflight"]
     assert row["plan"] == {"host_fits": True, "exit": 0}, row["plan"]
 
@@ -213,5 +216,6 @@ def test_the_plugin_serves_int4_in_the_same_limit_as_predicted(outcome: dict[str
 def test_capped_answers_equal_the_unconstrained_server(outcome: dict[str, Any]) -> None:
     ab = outcome["ab"]
     assert ab, "no A/B: a plugin server did not come up"
+    assert outcome["rows"]["free"]["int4_line"], outcome["rows"]["free"]["log_tail"]
     s = ab["summary"]
     assert ab["exit"] == 0 and s["identical"] == s["prompts"] and s["errors"] == 0, json.dumps(s)
