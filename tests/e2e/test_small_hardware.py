@@ -200,7 +200,9 @@ def test_stock_in_a_limit_below_its_table_is_killed_as_predicted(outcome: dict[s
     assert "stock" not in outcome["pending"], f"stock still up after {KILL_TIMEOUT_S} s"
     assert row["oom_kills"] >= 1 and row["peak"] == LIMIT, row
     assert "exit" in row and row["exit"] != 0, row
-    assert "{'EngineCore': -9}" in row["log_tail"], row["log_tail"]
+    # The reason is the cgroup's OOM kill; vLLM names the engine's -9 only when it has reaped
+    # the engine in time (seen once: "Failed core proc(s): {}"), so the log must say it failed.
+    assert "Engine core initialization failed" in row["log_tail"], row["log_tail"]
     assert row["preflight"]["ok"] is False and "resident copy" in row["preflight"]["refusals"][0]
     assert row["plan"] == {"host_fits": False, "exit": 3}, row["plan"]
 
