@@ -163,8 +163,8 @@ def cache_dir(base: int, seed: int) -> Path:
 
 
 def ensure_big_table(runtime: E2eRuntime, base: int = E2E_BASE, seed: int = 0) -> BigTable:
-    """The cached build, made on first use (5.12 GB at :data:`E2E_BASE`: about 40 s to write
-    and 50 s to quantize on 2 cores); progress on stderr."""
+    """The cached build, made on first use (5.12 GB at :data:`E2E_BASE`: 87 s to write and
+    128 s to quantize on 2 busy vCPUs, 0.66 GB peak RSS each); progress on stderr."""
     from devtools.vllm_cpu import install_lock
 
     target = cache_dir(base, seed)
