@@ -53,7 +53,9 @@ def one_limit(limit: int, timeout_s: float, logs: Path) -> dict[str, object]:
                 "limit": limit,
                 "at_wall_s": at_wall,
                 "ended_s": ended,
-                "wall_to_end_s": None if ended is None or at_wall is None else ended - at_wall,
+                "wall_to_end_s": None
+                if ended is None or at_wall is None
+                else round(ended - at_wall, 1),
                 "exit": server.proc.returncode,
                 "oom_kills": cg.oom_kills(),
                 "peak": cg.peak(),

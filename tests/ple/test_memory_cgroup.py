@@ -74,6 +74,7 @@ def test_preflight_checks_the_named_cgroup(cli_inputs, one_gib: MemoryCgroup) ->
     assert capped.returncode == 1 and not record["ok"]
     assert record["memory"]["cgroup"]["limit"] == GIB
     assert str(one_gib.path) in record["refusals"][0] and "checkpoint" in record["what"]
+    assert "ple quantize it to a sidecar" in record["refusals"][0]  # not "--residency mmap"
     side = run("ple", "preflight", cli_inputs.sidecar, "--memory-cgroup", one_gib.path, "--json")
     assert side.returncode == 0 and json.loads(side.stdout)["warnings"], side.stdout
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import Iterator
@@ -546,6 +547,10 @@ def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]
     return min(len(profile), num_rows), str(path)
 
 
+#: A checkpoint's way to a memory-mapped table: the plugin serving a sidecar of it.
+CHECKPOINT_MMAP = "flashnext ple quantize it to a sidecar for the plugin to map"
+
+
 def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
     """(bytes, format) of every PLE table in checkpoint ``directory``, as stored."""
     from flashnext.checkpoint.ple_tensors import find_ple_tables
@@ -612,6 +617,7 @@ def preflight(
             )
         table_bytes, fmt = _checkpoint_table_bytes(directory)
         hot, profile_path, per_row, residency = 0, None, 0, "resident"
+        fixes = dataclasses.replace(COMMAND_LINE, mmap=CHECKPOINT_MMAP)
     else:
         sidecar = open_sidecar(directory)
         residency, fmt = residency or "mmap", sidecar.format
@@ -622,13 +628,14 @@ def preflight(
         per_row = sidecar.codec.bytes_per_row(sidecar.width)
         table_bytes = sidecar.num_rows * per_row
         hot, profile_path = _hot_rows_option(hot_rows, sidecar.num_rows)
+        fixes = COMMAND_LINE
     verdict = preflight_table(
         table_bytes,
         residency,  # type: ignore[arg-type]
         f"{directory} ({fmt}{', checkpoint' if checkpoint else ''})",
         hot_bytes=hot * per_row,
         memory=host_memory(host_root, COMMAND_LINE, memory_cgroup),
-        fixes=COMMAND_LINE,
+        fixes=fixes,
     )
     if as_json:
         extra = {"format": fmt, "hot_rows": hot, "hot_rows_profile": profile_path}
@@ -715,11 +722,7 @@ def profile(
     target = out or default_profile_path(sidecar_dir)
     tokenizer_file = Path(tokenizer) if tokenizer and Path(tokenizer).exists() else None
     check_output(
-        target,
-        [sidecar_dir, *texts, tokenizer_file],
-        hint="--output",
-        expect="file",
-        owns=_is_profile,
+        target, [sidecar_dir, *texts, tokenizer_file], hint="--output", expect="file", owns=_is_profile
     )
     with terminate_cleanly():
         _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json)
