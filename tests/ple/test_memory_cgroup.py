@@ -123,3 +123,19 @@ def test_the_helper_owns_a_cgroup_life(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert cg.pids() == [sleeper.pid]
     assert sleeper.wait(timeout=10) == -9 and not cg.path.exists()
+
+
+def test_the_helper_speaks_v2_files(tmp_path: Path) -> None:
+    """The v2 spelling, on a tree of plain files (this host's kernel offers v1): the memory
+    controller is enabled for children, the limit goes to memory.max, and peak and OOM kills
+    come from memory.peak and memory.events."""
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("cpu\n")
+    cg = MemoryCgroup("server", 3 << 30, root=tmp_path)
+    assert cg.version == "v2" and cg.path == tmp_path / "server"
+    cg.create()
+    assert (tmp_path / "cgroup.subtree_control").read_text() == "+memory"
+    assert (cg.path / "memory.max").read_text() == str(3 << 30)
+    (cg.path / "memory.peak").write_text("123456\n")
+    (cg.path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 2\noom_kill 1\n")
+    assert (cg.peak(), cg.oom_kills(), cg.pids()) == (123456, 1, [])
