@@ -39,11 +39,12 @@ from .test_ab_identity import PLUGIN_LINE
 GIB = 1 << 30
 #: The limit both capped servers get: under a third of the 5.12 GB bf16 table.
 LIMIT = int(1.25 * GIB)
-#: ``plan --worker-host-memory``: the tiny model's vLLM besides its table (measured: the plugin
-#: server's cgroup peaks near 1.2 GB with the table's pages counted).
+#: ``plan --worker-host-memory``: the tiny model's vLLM besides its table, under the limit as the
+#: plugin server's measured cgroup peak (1.13-1.17 GB, the sidecar's page cache included) is;
+#: stock's prediction does not hang on it (its 5.12 GB table alone exceeds the limit).
 WORKER = "768MiB"
 #: How long stock may take to be killed and the plugin servers to boot, from the first launch
-#: (measured: killed at 80 s, booted in 82 s, three boots side by side; BENCHMARKS.md).
+#: (measured: stock ended 36-80 s after launch, capped booted in 37-82 s; BENCHMARKS.md).
 KILL_TIMEOUT_S = 420.0
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="memory cgroups need root")
@@ -111,7 +112,7 @@ def outcome(
     cgroups: dict[str, MemoryCgroup],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
-    """Predictions, then the three boots side by side; rows and the A/B record by name."""
+    """Predictions, then the three boots (:func:`_watch`); rows by name and the A/B record."""
     rows: dict[str, Any] = {
         "stock": {"preflight": _preflight(big.model, cgroups["stock"]),
                   "plan": _plan(big.model, cgroups["stock"], plugin=False)},
