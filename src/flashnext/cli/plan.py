@@ -27,7 +27,12 @@ from flashnext.placement import (
 from flashnext.plan.advice import plan_with_options
 from flashnext.plan.logs import log_lines, logged_kv_pool, read_log
 from flashnext.plan.model import PlanError
-from flashnext.plan.planner import PlanRequest, calibrate_headroom, load_model
+from flashnext.plan.planner import (
+    WORKER_HOST_BYTES,
+    PlanRequest,
+    calibrate_headroom,
+    load_model,
+)
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
 
@@ -100,6 +105,26 @@ def _ple_options() -> list[Callable[[Any], Any]]:
     ]
 
 
+def _host_options() -> list[Callable[[Any], Any]]:
+    """Host RAM: given, or read from the memory cgroup the server will run in; the worker's own."""
+    return [
+        click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
+        click.option(
+            "--memory-cgroup",
+            type=click.Path(exists=True, file_okay=False),
+            help="Host RAM: what this memory cgroup's directory (v1 or v2), where the server will "
+            "run, leaves (its limit less usage plus reclaimable page cache; vLLM does not read "
+            "it). Instead of --host-memory.",
+        ),
+        click.option(
+            "--worker-host-memory",
+            callback=_size,
+            help="The vLLM worker's own host memory besides the PLE table, e.g. 1GiB "
+            "(default 8GiB, a large model's; measure a small one's).",
+        ),
+    ]
+
+
 def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The flags that describe a deployment (shared by ``plan`` and ``explain``)."""
     opts = [
@@ -125,7 +150,7 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--num-speculative-tokens", type=click.IntRange(min=0), default=0, show_default=True
         ),
         click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True),
-        click.option("--host-memory", callback=_size, help="Host RAM, e.g. 64GB."),
+        *_host_options(),
         *_ple_options(),
         click.option("--headroom", callback=_size, help="Non-KV, non-weight device memory."),
         click.option(
@@ -155,6 +180,22 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def _host_memory(kw: dict[str, Any]) -> int | None:
+    """--host-memory, or the room --memory-cgroup leaves (the tightest of it and its ancestors)."""
+    if kw["memory_cgroup"] is None:
+        return kw["host_memory"]  # type: ignore[no-any-return]
+    if kw["host_memory"] is not None:
+        raise click.UsageError("give --host-memory or --memory-cgroup, not both")
+    from pathlib import Path
+
+    from flashnext.ple.preflight import named_cgroup_levels
+
+    levels = named_cgroup_levels(Path(kw["memory_cgroup"]))
+    if not levels:
+        raise PlanError(f"--memory-cgroup {kw['memory_cgroup']}: no memory limit set there")
+    return min(level.available for level in levels)
+
+
 def build_request(kw: dict[str, Any]) -> PlanRequest:
     """A :class:`PlanRequest` from the parsed deployment flags."""
     gpu = kw["gpu_memory"]
@@ -170,7 +211,8 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         kv_cache_dtype=kw["kv_cache_dtype"],
         num_speculative_tokens=kw["num_speculative_tokens"],
         tp=kw["tp"],
-        host_memory=kw["host_memory"],
+        host_memory=_host_memory(kw),
+        worker_host_bytes=kw["worker_host_memory"] or WORKER_HOST_BYTES,
         ple_format=kw["ple_format"],
         ple_placement=as_placement(kw["ple_placement"][0]),
         ple_residency=as_residency(_residency(kw)),

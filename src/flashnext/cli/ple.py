@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import Iterator
@@ -546,9 +547,28 @@ def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]
     return min(len(profile), num_rows), str(path)
 
 
+#: A checkpoint's way to a memory-mapped table: the plugin serving a sidecar of it.
+CHECKPOINT_MMAP = "flashnext ple quantize it to a sidecar for the plugin to map"
+
+
+def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
+    """(bytes, format) of every PLE table in checkpoint ``directory``, as stored."""
+    from flashnext.checkpoint.ple_tensors import find_ple_tables
+
+    tables = find_ple_tables(directory)
+    total = sum(t.geometry.num_rows * t.codec.bytes_per_row(t.geometry.width) for t in tables)
+    return total, "/".join(sorted({t.format for t in tables}))
+
+
 @ple.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--residency", type=click.Choice(RESIDENCIES), default="mmap", show_default=True)
+@click.option(
+    "--residency",
+    type=click.Choice(RESIDENCIES),
+    default=None,
+    help="How the table is held: mmap (a sidecar's default) or resident (a checkpoint's: stock "
+    "vLLM copies its table into the weights).",
+)
 @click.option(
     "--hot-rows",
     metavar="N|PROFILE",
@@ -562,32 +582,63 @@ def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]
     show_default=True,
     help="Read proc/ and sys/ under this directory (a copy of another host's files).",
 )
+@click.option(
+    "--memory-cgroup",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Check against this memory cgroup's directory (v1 or v2), where the server will run, "
+    "instead of this process's own cgroup; vLLM itself does not read the limit.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
 def preflight(
-    directory: Path, residency: str, hot_rows: str | None, host_root: Path, as_json: bool
+    directory: Path,
+    residency: str | None,
+    hot_rows: str | None,
+    host_root: Path,
+    memory_cgroup: Path | None,
+    as_json: bool,
 ) -> None:
-    """Will the sidecar DIRECTORY fit in this host's memory when served with --residency?
+    """Will the table of DIRECTORY fit in this host's memory when served with --residency?
 
-    Resident: the whole table is anonymous memory (MemAvailable, the memory cgroup's limit less
-    its usage plus reclaimable page cache, the commit limit under vm.overcommit_memory=2).
-    Memory-mapped: the hot tier is, and the table itself should stay in page cache (a warning
-    when it cannot). Exits 1 when the table would be refused.
+    DIRECTORY is a sidecar, or a checkpoint (config.json, no META.json): the table stock vLLM
+    would copy into its weights, always resident. Resident: the whole table is anonymous memory
+    (MemAvailable, the memory cgroup's limit less its usage plus reclaimable page cache, the
+    commit limit under vm.overcommit_memory=2). Memory-mapped: the hot tier is, and the table
+    itself should stay in page cache (a warning when it cannot). Exits 1 when the table would
+    be refused.
     """
-    sidecar = open_sidecar(directory)
-    if residency == "resident" and hot_rows is not None:
-        raise click.BadParameter("a hot tier applies to --residency mmap", param_hint="--hot-rows")
-    per_row = sidecar.codec.bytes_per_row(sidecar.width)
-    hot, profile_path = _hot_rows_option(hot_rows, sidecar.num_rows)
+    checkpoint = (directory / "config.json").exists() and not (directory / "META.json").exists()
+    if checkpoint:
+        if residency == "mmap" or hot_rows is not None:
+            raise click.BadParameter(
+                "a checkpoint's table is copied into vLLM's weights: it is served resident "
+                "(quantize it to a sidecar to serve it memory-mapped)",
+                param_hint="--residency/--hot-rows",
+            )
+        table_bytes, fmt = _checkpoint_table_bytes(directory)
+        hot, profile_path, per_row, residency = 0, None, 0, "resident"
+        fixes = dataclasses.replace(COMMAND_LINE, mmap=CHECKPOINT_MMAP)
+    else:
+        sidecar = open_sidecar(directory)
+        residency, fmt = residency or "mmap", sidecar.format
+        if residency == "resident" and hot_rows is not None:
+            raise click.BadParameter(
+                "a hot tier applies to --residency mmap", param_hint="--hot-rows"
+            )
+        per_row = sidecar.codec.bytes_per_row(sidecar.width)
+        table_bytes = sidecar.num_rows * per_row
+        hot, profile_path = _hot_rows_option(hot_rows, sidecar.num_rows)
+        fixes = COMMAND_LINE
     verdict = preflight_table(
-        sidecar.num_rows * per_row,
+        table_bytes,
         residency,  # type: ignore[arg-type]
-        f"{directory} ({sidecar.format})",
+        f"{directory} ({fmt}{', checkpoint' if checkpoint else ''})",
         hot_bytes=hot * per_row,
-        memory=host_memory(host_root, COMMAND_LINE),
-        fixes=COMMAND_LINE,
+        memory=host_memory(host_root, COMMAND_LINE, memory_cgroup),
+        fixes=fixes,
     )
     if as_json:
-        extra = {"format": sidecar.format, "hot_rows": hot, "hot_rows_profile": profile_path}
+        extra = {"format": fmt, "hot_rows": hot, "hot_rows_profile": profile_path}
         print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra})
     else:
         _show_preflight(verdict, hot)

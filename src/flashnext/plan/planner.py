@@ -51,6 +51,7 @@ class PlanRequest:
     num_speculative_tokens: int = 0
     tp: int = 1
     host_memory: int | None = None
+    worker_host_bytes: int = WORKER_HOST_BYTES  # the worker's own host memory besides the table
     ple_format: str | None = None  # None: as stored (headers) or bf16 (estimate)
     ple_placement: Placement = "pinned"  # flashnext.placement's words
     ple_residency: Residency = "mmap"  # how a staged table's host copy holds rows
@@ -254,7 +255,9 @@ def _host_items(
     model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights
 ) -> list[Item]:
     table, _row, fmt = _ple_bytes(model, shape, req)
-    items = [Item("vLLM worker process", WORKER_HOST_BYTES, "assumed (seed 004)")]
+    given = req.worker_host_bytes != WORKER_HOST_BYTES
+    source = "given (--worker-host-memory)" if given else "assumed (seed 004)"
+    items = [Item("vLLM worker process", req.worker_host_bytes, source)]
     if table and req.ple_placement == "pinned":
         items.append(Item(f"PLE table ({fmt}, pinned)", table, "committed RAM"))
     if table and req.ple_placement == "staged" and req.ple_residency == "resident":

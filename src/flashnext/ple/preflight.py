@@ -16,7 +16,9 @@ Everything is read from a root directory (``/`` on a live host; a fixture tree i
   ``memory.stat`` ``inactive_file``) or v1 (``memory/memory.limit_in_bytes``,
   ``memory.usage_in_bytes``, ``memory.stat`` ``total_inactive_file``). A level's room is its
   limit less its usage plus its reclaimable page cache (a cgroup's usage counts page cache,
-  which the kernel drops under pressure); the tightest level binds.
+  which the kernel drops under pressure); the tightest level binds. A server started in another
+  cgroup (vLLM itself reads no cgroup limit) is checked against that cgroup's directory instead
+  (:func:`named_cgroup_levels`: ``--memory-cgroup``).
 """
 
 from __future__ import annotations
@@ -250,11 +252,41 @@ def _cgroup_levels(root: Path) -> list[CgroupLevel]:
     return []
 
 
-def host_memory(root: str | Path = "/", fixes: Fixes = LIBRARY) -> HostMemory:
-    """Read the memory this process may still allocate from the tree at ``root``.
+def named_cgroup_levels(directory: Path) -> list[CgroupLevel]:
+    """The limiting levels of the memory cgroup ``directory`` (v2 when it has ``memory.max``,
+    v1 when it has ``memory.limit_in_bytes``) and of its ancestors that are cgroups too.
 
     Raises:
-        PreflightError: ``proc/meminfo`` cannot be read or has no MemAvailable line.
+        PreflightError: ``directory`` is not a memory cgroup.
+    """
+    version = "v2" if (directory / "memory.max").exists() else "v1"
+    limit_file = "memory.max" if version == "v2" else "memory.limit_in_bytes"
+    if not (directory / limit_file).exists():
+        raise PreflightError(
+            f"--memory-cgroup {directory}: not a memory cgroup (expected memory.max, v2, or "
+            "memory.limit_in_bytes, v1)"
+        )
+    levels, level_dir = [], directory.resolve()
+    # up to the hierarchy's root: the last directory with the limit file (v2's root has none)
+    while (level_dir / limit_file).exists():
+        level = _level(level_dir, version, Path(level_dir.anchor))
+        if level is not None:
+            levels.append(level)
+        if level_dir.parent == level_dir:
+            break
+        level_dir = level_dir.parent
+    return levels
+
+
+def host_memory(
+    root: str | Path = "/", fixes: Fixes = LIBRARY, cgroup: Path | None = None
+) -> HostMemory:
+    """Read the memory this process may still allocate from the tree at ``root``; with
+    ``cgroup`` (a memory cgroup's directory), what a process started in that cgroup may.
+
+    Raises:
+        PreflightError: ``proc/meminfo`` cannot be read or has no MemAvailable line, or
+            ``cgroup`` is not a memory cgroup.
     """
     base = Path(root)
     meminfo_path = base / "proc/meminfo"
@@ -264,7 +296,7 @@ def host_memory(root: str | Path = "/", fixes: Fixes = LIBRARY) -> HostMemory:
             f"{meminfo_path}: no MemAvailable line (Linux >= 3.14 has one); cannot check host "
             f"memory.{fixes.skip}"
         )
-    levels = _cgroup_levels(base)
+    levels = _cgroup_levels(base) if cgroup is None else named_cgroup_levels(cgroup)
     return HostMemory(
         mem_available=meminfo["MemAvailable"],
         cgroup=min(levels, key=lambda lv: lv.available) if levels else None,
