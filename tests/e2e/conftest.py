@@ -116,7 +116,7 @@ def off_answers(
 
 
 @pytest.fixture(scope="session")
-def e2e_runtime(pytestconfig: pytest.Config) -> E2eRuntime:
+def e2e_runtime(pytestconfig: pytest.Config, vllm_venv: Path) -> E2eRuntime:
     """The e2e runtime, installed on first use with progress on stderr."""
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
