@@ -41,7 +41,7 @@ SERVER_ENV = {
 # Without the KV cap vLLM's CPU backend takes ~92% of RAM.
 #: Set (to the test's id) by the tests while a test outside the server tier runs
 #: (tests/conftest.py): the runtime refuses to start there, so no such test lands in the fast tier.
-NOT_SERVER_TIER_ENV = "FLASHNEXT_TEST_NOT_SERVER_TIER"
+NOT_SERVER_TIER_ENV = "NOT_SERVER_TIER_TEST"
 SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]
 
 

@@ -15,8 +15,8 @@ from devtools.vllm_cpu import NOT_SERVER_TIER_ENV, ensure_vllm_venv
 from .conftest import SERVER, VLLM_CPU_FIXTURES
 from .early_boots import MARKER
 
-#: Fixtures that start or hold vLLM (besides tests/conftest.py's), wherever they are defined.
-RUNTIME_FIXTURES = VLLM_CPU_FIXTURES | {"e2e_runtime", "pool", "servers", "vllm_venv"}
+#: Fixtures that start or hold vLLM (tests/e2e's hold its server pool).
+RUNTIME_FIXTURES = VLLM_CPU_FIXTURES | {"e2e_runtime", "vllm_venv"}
 
 
 def test_tests_that_use_the_runtime_are_in_the_server_tier(request: pytest.FixtureRequest):
