@@ -38,10 +38,10 @@ SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
 }
-# Without the KV cap vLLM's CPU backend takes ~92% of RAM.
 #: Set (to the test's id) by the tests while a test outside the server tier runs
 #: (tests/conftest.py): the runtime refuses to start there, so no such test lands in the fast tier.
 NOT_SERVER_TIER_ENV = "NOT_SERVER_TIER_TEST"
+# Without the KV cap vLLM's CPU backend takes ~92% of RAM.
 SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]
 
 
