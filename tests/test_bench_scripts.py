@@ -177,7 +177,9 @@ def torch_python() -> tuple[str, dict[str, str]]:
     return str(python), {"PYTHONPATH": str(extras), **numba_cache_env()}
 
 
-def test_gpu_lookup_under_interpreter(tmp_path: Path, rng: np.random.Generator) -> None:
+def test_gpu_lookup_under_interpreter(
+    tmp_path: Path, rng: np.random.Generator, vllm_venv: Path
+) -> None:
     """The GPU sections and staged-host at a tiny size on CPU tensors; what the interpreter
     cannot run is skipped with its reason printed."""
     python, env = torch_python()

@@ -28,7 +28,7 @@ TORCH_SUITES = [
 ]
 
 
-def test_torch_suites_pass_on_cpu_torch(tmp_path: Path) -> None:
+def test_torch_suites_pass_on_cpu_torch(tmp_path: Path, vllm_venv: Path) -> None:
     inline = all(importlib.util.find_spec(m) for m in ("torch", "triton"))
     if inline and os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("torch and triton are here and TRITON_INTERPRET=1: the suites ran inline")

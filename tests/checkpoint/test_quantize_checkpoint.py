@@ -196,11 +196,12 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 
-from flashnext.ple.quantize_kernels import compiled_matches_reference
+from flashnext.ple.quantize_kernels import compiled_matches_reference, load_kernels
 
 src = open_table_source(sys.argv[1])
 src.read_rows(0, 4096)  # warm up numpy/ml_dtypes allocations
-compiled_matches_reference()  # load the compiled kernels (code, not data)
+compiled_matches_reference()
+load_kernels()  # code, not data
 base = status("VmRSS:")
 quantize_table(src, sys.argv[2], "bf16", src.rows_per_shard, block_rows=4096)
 print(base, status("VmHWM:"))

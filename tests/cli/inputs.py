@@ -17,7 +17,7 @@ from flashnext.cli import cli
 from flashnext.ple import write_sidecar
 
 from ..checkpoint.builder import build_checkpoint
-from .runner import run
+from .runner import run_here as run
 
 PLAN_FIXTURES = Path(__file__).parent.parent / "plan" / "fixtures"
 

@@ -14,7 +14,9 @@ from flashnext.ple import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..seeding import seeded_rng
-from .runner import BASE_ENV, run, run_ok
+from .runner import BASE_ENV
+from .runner import run_here as run
+from .runner import run_ok_here as run_ok
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from flashnext.ple import open_sidecar, open_table, write_sidecar
 from flashnext.ple.destination import SidecarWriter
 from flashnext.synthetic import embedding_rows
 
-from .runner import assert_one_line_error, drop_file_permission_override, popen, run
+from .runner import assert_one_line_error, drop_file_permission_override, popen
+from .runner import run_here as run
 
 LINUX = sys.platform.startswith("linux")
 

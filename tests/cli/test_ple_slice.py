@@ -18,7 +18,8 @@ from flashnext.ple import write_sidecar
 from flashnext.ple.sidecar import open_sidecar
 from flashnext.ple.table import open_table
 
-from .runner import run, run_in_process
+from .runner import run_here as run
+from .runner import run_in_process
 
 ROWS, PER_SHARD, TP = 1000, 128, 4  # rank r: rows [250 r, 250 (r + 1)); shards of 128 rows
 

@@ -28,7 +28,8 @@ from flashnext.ple.profile import load_profile
 from flashnext.synthetic import embedding_rows
 
 from .inputs import ProfileInputs, build_profile_inputs
-from .runner import popen, run_in_process, run_ok
+from .runner import popen, run_in_process
+from .runner import run_ok_here as run_ok
 
 LINUX = sys.platform.startswith("linux")
 

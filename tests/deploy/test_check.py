@@ -31,7 +31,7 @@ from tests.checkpoint.builder import (
 )
 from tests.seeding import current_test_rng
 
-from ..cli.runner import run
+from ..cli.runner import run_here as run
 
 SM120 = parse_gpu("sm120,96GiB,cuda13.0")
 PUBLISHED = Path(__file__).parents[1] / "plan" / "fixtures" / "qwen4exp-published.config.json"

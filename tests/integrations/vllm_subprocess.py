@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from devtools.vllm_cpu import (  # noqa: F401  (free_port: re-exported)
-    ensure_vllm_venv,
     free_port,
     venv_child_env,
 )
@@ -29,11 +28,6 @@ CHILD_ENV = {
     "GLOO_SOCKET_IFNAME": "lo",
     "OMP_NUM_THREADS": "1",
 }
-
-
-def vllm_python_or_skip() -> Path:
-    """The vllm-cpu venv's python (installed on first use, as for the validator tests)."""
-    return ensure_vllm_venv()
 
 
 def child_env() -> dict[str, str]:

@@ -7,7 +7,10 @@ the roundings, every clip ratio, NaN/inf handling.
 
 from __future__ import annotations
 
+import json
+
 import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
@@ -61,6 +64,43 @@ def _scalars(codec: F.Codec, x: np.ndarray):
 def test_the_compiled_path_is_used_here():
     # CI's numpy sums like this machine's; if this fails, the quantizer silently runs numpy
     assert K.compiled_matches_reference()
+
+
+def test_the_self_check_verdict_is_cached_per_key(tmp_path, monkeypatch):
+    """A verdict is stored per key; a changed key runs the self-check again; a stored "differs"
+    is honoured; a corrupt or foreign entry is ignored and replaced."""
+    runs: list[bool] = []
+    real = K._self_check
+    monkeypatch.setattr(K, "_self_check", lambda: runs.append(real()) or runs[-1])
+    key = K.verdict_key()
+    assert key["numba"] == numba.__version__ and "+" in key["cpu_features"]
+    assert K.cached_verdict(key, tmp_path) is True and runs == [True]
+    (entry,) = tmp_path.iterdir()
+    assert json.loads(entry.read_text()) == {"key": key, "matches": True}
+    assert K.cached_verdict(key, tmp_path) is True and len(runs) == 1
+    for field in ("sources", "numba", "numpy", "cpu_features", "NUMBA_CPU_NAME"):
+        assert K.cached_verdict({**key, field: key[field] + "-other"}, tmp_path) is True
+    assert len(runs) == 6 and len(list(tmp_path.iterdir())) == 6
+    entry.write_text(json.dumps({"key": key, "matches": False}))
+    assert K.cached_verdict(key, tmp_path) is False and len(runs) == 6
+    corrupt = ["", "{half", "[]", json.dumps({"key": key, "matches": "yes"}),
+               json.dumps({"key": {**key, "numba": "0"}, "matches": False})]  # fmt: skip
+    for n, text in enumerate(corrupt, start=7):
+        entry.write_text(text)
+        assert K.cached_verdict(key, tmp_path) is True and len(runs) == n, text
+        assert json.loads(entry.read_text()) == {"key": key, "matches": True}
+    entry.write_bytes(b"\xff\xfe\x00")
+    assert K.cached_verdict(key, tmp_path) is True and len(runs) == 12
+
+
+def test_the_verdict_key_names_the_environment_and_the_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMBA_CPU_NAME", "generic")
+    assert K.verdict_key()["NUMBA_CPU_NAME"] == "generic"
+    monkeypatch.setenv(K.CACHE_DIR_ENV, str(tmp_path))
+    assert K.verdict_dir() == tmp_path / "quantize-self-check"
+    monkeypatch.delenv(K.CACHE_DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert K.verdict_dir() == tmp_path / "xdg" / "flashnext" / "quantize-self-check"
 
 
 @pytest.mark.parametrize("fmt", F.FORMATS)

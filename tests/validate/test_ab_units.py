@@ -256,7 +256,7 @@ def test_bad_answers_files_are_named(tmp_path: Path, rng, mutate, message):
 def test_recorded_baseline_flags_are_checked_before_any_request(tmp_path: Path, rng):
     """The recorded settings are replayed; a flag that would ask the candidate something else
     is refused (exit 2, naming it), and --out may not hold the recording."""
-    from ..cli.runner import run
+    from ..cli.runner import run_here as run
 
     path, _ = _answers_file(tmp_path, rng)
     cand = ["--candidate", "http://127.0.0.1:9"]  # nothing listens there: never reached
@@ -280,7 +280,7 @@ def test_recording_an_unreachable_server_is_one_error_line(tmp_path: Path):
     """Record-only (no --candidate) against a port nothing listens on: exit 1, one error line
     naming the baseline, nothing on stdout, no answers file."""
     from ..cli.inputs import closed_port
-    from ..cli.runner import run
+    from ..cli.runner import run_here as run
 
     url = f"http://127.0.0.1:{closed_port()}"
     done = run("validate", "ab", "--baseline", url, "--out", tmp_path / "rec")

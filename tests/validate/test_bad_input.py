@@ -16,7 +16,7 @@ import pytest
 
 from devtools.vllm_cpu import free_port
 
-from ..cli.runner import run
+from ..cli.runner import run_here as run
 
 
 @pytest.fixture

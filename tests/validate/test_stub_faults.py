@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import pytest
 
-from ..cli.runner import run
+from ..cli.runner import run_here as run
 from .test_live_server import by_name
 
 

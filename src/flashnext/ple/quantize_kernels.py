@@ -19,23 +19,29 @@ input's squared sum, in float64 (what a sidecar records as ``rel_rmse``); only t
 those float64 sums differs from the numpy path, so recorded errors agree to ~1e-15, not bitwise.
 
 Whether the platform's numpy sums in that order (it depends on numpy's SIMD build) is checked
-once per process by :func:`compiled_matches_reference`: a fixed block with edge rows is
-quantized both ways and compared byte for byte; the quantizer falls back to the numpy codecs
-when it differs. The constants (group size, clip ratios, e4m3 limit, int4 bias, the e2m1 code
+by :func:`compiled_matches_reference`: a fixed block with edge rows is quantized both ways and
+compared byte for byte, once per platform and version (the verdict is cached on disk); the
+quantizer falls back to the numpy codecs when it differs. The constants (group size, clip ratios, e4m3 limit, int4 bias, the e2m1 code
 values) come from :mod:`flashnext.ple.formats` through the caller.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
+import platform
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 
 import numba
 import numpy as np
 
 from flashnext.ple import formats as F
 
-__all__ = ["block_absmax", "compiled_matches_reference", "quantize_block"]
+__all__ = ["block_absmax", "compiled_matches_reference", "load_kernels", "quantize_block"]
 
 _F32 = np.float32
 _INT4, _NVFP4 = 0, 1  # kinds of group codec, for the one group kernel
@@ -433,13 +439,96 @@ def _reference_sums(
     return float((diff * diff).sum()), float(np.square(x, dtype=np.float64).sum())
 
 
+#: Where :func:`compiled_matches_reference` keeps its verdicts (else ``$XDG_CACHE_HOME/flashnext``,
+#: else ``~/.cache/flashnext``).
+CACHE_DIR_ENV = "FLASHNEXT_CACHE_DIR"
+#: What, besides the versions and CPU, could change how numba's or numpy's arithmetic comes out.
+_VERDICT_ENV = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "NUMBA_OPT", "NPY_DISABLE_CPU_FEATURES")
+
+
 @functools.cache
 def compiled_matches_reference() -> bool:
     """Whether the kernels reproduce the numpy codecs byte for byte on this platform.
 
     Quantizes a fixed block (rows from 2^-30 to 2^12 in size, all-zero, tiny, signed zeros) with
-    every codec both ways, once per process (also compiles the kernels).
+    every codec both ways (also compiling the kernels), once per :func:`verdict_key`: the
+    verdict is kept under :func:`verdict_dir`, so each small ``ple quantize`` does not pay again.
     """
+    return cached_verdict(verdict_key(), verdict_dir())
+
+
+def verdict_dir() -> Path:
+    """The user cache directory for self-check verdicts (see :data:`CACHE_DIR_ENV`)."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = os.path.join(xdg, "flashnext") if xdg else os.path.expanduser("~/.cache/flashnext")
+    return Path(root) / "quantize-self-check"
+
+
+def verdict_key() -> dict[str, str]:
+    """Everything the self-check's outcome depends on: flashnext's version and the source of the
+    kernels and the reference codecs, numba / llvmlite / numpy / ml_dtypes versions, Python,
+    the CPU (name and features, as numba compiles for them) and the environment that overrides
+    either."""
+    import llvmlite
+    import llvmlite.binding as llvm
+    import ml_dtypes
+
+    from flashnext import __version__
+
+    sources = hashlib.sha256()
+    for module in (__file__, F.__file__):
+        sources.update(Path(module).read_bytes())
+    key = {
+        "flashnext": __version__,
+        "sources": sources.hexdigest(),
+        "numba": numba.__version__,
+        "llvmlite": llvmlite.__version__,
+        "numpy": np.__version__,
+        "ml_dtypes": ml_dtypes.__version__,
+        "python": sys.version,
+        "machine": platform.machine(),
+        "cpu": llvm.get_host_cpu_name(),
+        "cpu_features": llvm.get_host_cpu_features().flatten(),
+    }
+    key.update({name: os.environ.get(name, "") for name in _VERDICT_ENV})
+    return key
+
+
+def cached_verdict(key: Mapping[str, str], directory: Path) -> bool:
+    """The verdict stored for ``key`` in ``directory``, else the self-check's, then stored
+    (temp name + rename). An entry that does not parse, or holds another key, is ignored; a
+    directory that cannot be written only costs the next run its self-check."""
+    blob = json.dumps(dict(key), sort_keys=True)
+    path = directory / f"{hashlib.sha256(blob.encode()).hexdigest()[:32]}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if entry["key"] == dict(key) and isinstance(entry["matches"], bool):
+            return bool(entry["matches"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    matches = _self_check()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": dict(key), "matches": matches}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return matches
+
+
+def load_kernels() -> None:
+    """Compile (or load from numba's cache) every kernel, so that a timing or a memory reading
+    taken next holds none of it (a cached :func:`compiled_matches_reference` loads nothing)."""
+    block = _probe_block()[:16]
+    block_absmax(block)
+    for codec in F.CODECS.values():
+        quantize_block(codec, block, codec.shard_scalars(float(np.abs(block).max())) or None)
+
+
+def _self_check() -> bool:
     x = _probe_block()
     for codec in F.CODECS.values():
         scalars = codec.shard_scalars(float(np.abs(x).max())) or None
