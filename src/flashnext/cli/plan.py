@@ -7,8 +7,6 @@ to stdout (``--json``: a ``flashnext.plan`` record), nothing else.
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +29,7 @@ from flashnext.plan.model import PlanError
 from flashnext.plan.planner import PlanRequest, calibrate_headroom, load_model
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
+from flashnext.user_files import open_user_file
 
 GIB = 1 << 30
 
@@ -212,9 +211,7 @@ def read_lines(path: str) -> list[str]:
     if path == "-":
         return log_lines(sys.stdin.buffer.read(MAX_LOG_BYTES), "stdin")
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise PlanError(f"{path}: not a regular file; pass the log file, or - for stdin")
-        with open(path, "rb") as fh:
+        with open_user_file(path, "the log file, or - for stdin,") as fh:
             return log_lines(fh.read(MAX_LOG_BYTES), path)
     except OSError as exc:
         raise PlanError(f"{path}: cannot read the log ({exc.strerror})") from None

@@ -488,6 +488,8 @@ def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> t
 
     prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
     geometry = serving.layer_geometry(config, prefix)
+    if geometry is None:
+        raise PluginError(f"{prefix}: config.json describes no PLE geometry for this layer")
     sidecar = open_sidecar(serving.sidecar_dir_for(root, prefix))
     serving.check_geometry(sidecar, prefix, geometry.num_rows, geometry.width, geometry)
     return prefix, sidecar

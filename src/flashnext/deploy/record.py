@@ -17,7 +17,6 @@ import base64
 import json
 import os
 import re
-import stat
 import subprocess
 import urllib.error
 import urllib.parse
@@ -45,6 +44,7 @@ from flashnext.records import (
     redact_text,
     redact_url,
 )
+from flashnext.user_files import UserFileError, open_user_file
 
 KIND = DEPLOY_RECORD
 SCHEMA_VERSION = 1
@@ -238,13 +238,12 @@ def read_bounded(path: str | Path, head: int = HEAD_BYTES, tail: int = TAIL_BYTE
         OSError: the file cannot be opened or read.
         RecordCaptureError: ``path`` is not a regular file.
     """
-    _require_regular(path, os.stat(path))  # a socket cannot even be opened: say what it is
-    # O_NONBLOCK: a FIFO swapped in after the stat would otherwise hang open(); fstat then tells.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with open(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        _require_regular(path, st)
-        size = st.st_size
+    try:
+        fh = open_user_file(path, "the file the server's log is written to")
+    except UserFileError as exc:
+        raise RecordCaptureError(str(exc)) from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
         if size <= head + tail:
             return fh.read(size).decode(errors="replace")
         first = fh.read(head)
@@ -253,14 +252,6 @@ def read_bounded(path: str | Path, head: int = HEAD_BYTES, tail: int = TAIL_BYTE
     first = first[: first.rfind(b"\n") + 1]
     last = last[last.find(b"\n") + 1 :]
     return (first + last).decode(errors="replace")
-
-
-def _require_regular(path: str | Path, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise RecordCaptureError(
-            f"{path}: not a regular file (a FIFO, device, socket or directory); "
-            "pass the file the server's log is written to"
-        )
 
 
 def plugin_lines(text: str) -> list[str]:
