@@ -343,3 +343,25 @@ def test_max_model_len_is_read_as_vllm_and_check_read_it(
     assert code == 0 and 0 < one < 262_144, lengths  # native does not fit in 72 GiB; auto does
     code, out, _ = run_in_process([*argv, "--max-model-len", "262144"], capsys)
     assert code == 3
+
+
+@pytest.mark.parametrize("command", ["plan", "explain"])
+def test_config_only_plan_beside_other_safetensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """`--model DIR/config.json` plans from the config alone, whatever *.safetensors sits
+    beside it (a profile, a sidecar shard, a partial download), as it does in a bare dir."""
+    (tmp_path / "config.json").write_text(QWEN4.read_text())
+    for name in (
+        "ple.hot_rows.safetensors",
+        "shard_0.safetensors",
+        "model-00001-of-00009.safetensors",
+    ):
+        (tmp_path / name).write_bytes(b"\x08" + bytes(15))
+    log = FIXTURES / "vllm-cpu-tiny-qwen2-startup.log"
+    argv = {"plan": ["plan"], "explain": ["explain", log]}[command] + ["--gpu-memory", "96GiB"]
+    code, out, err = run_in_process([*argv, "--model", tmp_path / "config.json"], capsys)
+    assert code in (0, 3) and "error" not in err, (code, err)
+    code_bare, out_bare, _ = run_in_process([*argv, "--model", QWEN4], capsys)
+    assert (code, out.replace(str(tmp_path / "config.json"), "M")) == (
+        code_bare, out_bare.replace(str(QWEN4), "M"))  # fmt: skip

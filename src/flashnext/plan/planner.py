@@ -180,16 +180,17 @@ class ModelInput:
 
 
 def load_model(path: str | Path) -> ModelInput:
-    """Read config.json (a directory or the file) and, when present, the safetensors headers.
+    """Read config.json and, for a checkpoint directory holding weights, their safetensors
+    headers. A config.json path is the config alone (weights estimated from it): whatever
+    else sits beside it (a profile, a sidecar's shards, part of a download) is not read.
 
     Raises:
         CheckpointError: config.json missing or invalid; a weight file is truncated.
     """
     p = Path(path)
     config = read_config(p)
-    root = p if p.is_dir() else p.parent
-    has_weights = any(root.glob("*.safetensors"))
-    return ModelInput(str(p), config, from_headers(root) if has_weights else None)
+    has_weights = p.is_dir() and any(p.glob("*.safetensors"))
+    return ModelInput(str(p), config, from_headers(p) if has_weights else None)
 
 
 def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[int, int, str]:
