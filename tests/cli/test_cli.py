@@ -168,3 +168,19 @@ def test_readme_demo_command_runs_as_written(tmp_path):
     assert table == ["bf16", "fp8", "int4", "nvfp4"], proc.stdout
     assert "base 20,000" in proc.stdout  # the default geometry, not a test's smaller one
     assert list(tmp.iterdir()) == []  # the default output directory is gone
+
+
+@pytest.mark.parametrize("argv", [[], ["ple"], ["record"], ["checkpoint"]])
+def test_a_group_alone_prints_its_help_laid_out(argv, capsys):
+    """`flashnext` (or a group) with nothing after it: the help as --help lays it out, on
+    stderr, exit 2 (issue 42: it was squashed into one `error:` line)."""
+    from .inputs import leaf_commands
+    from .runner import run_in_process
+
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 2 and out == "" and "error:" not in err, (code, out, err)
+    lines = err.splitlines()
+    assert lines[0].startswith(" ".join(["Usage: flashnext", *argv])), lines[:2]
+    words = {n.split()[len(argv)] for n in leaf_commands() if n.split()[: len(argv)] == argv}
+    missing = [w for w in words if not any(line.startswith(f"  {w} ") for line in lines)]
+    assert words and not missing, (missing, err)
