@@ -197,7 +197,7 @@ def test_explain_with_model_replans(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_in_process(["plan", "--model", QWEN4, "--gpu-memory", "96 gigs"], capsys)
-    assert code == 1
+    assert code == 2
     assert err.startswith("error: --gpu-memory '96 gigs': expected a number with a unit")
     assert err.count("\n") == 1
 
@@ -293,7 +293,7 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
         (["--ple-cache", "1GiB", "--ple-gpu-cache-rows", "5"], "both size the cache"),
     ):
         code, _, err = run_in_process([*argv, *bad], capsys)
-        assert code == 1 and named in err and err.count("\n") == 1, err
+        assert code == 2 and named in err and err.count("\n") == 1, err
 
 
 def test_cpu_keeps_the_gdn_state_in_float32_as_vllm_cpu_does() -> None:

@@ -125,7 +125,8 @@ def _command_path(args: list[str]) -> str:
 
 #: Click 8.2+'s "no arguments, so help" (a UsageError); older clicks print help and exit 0.
 _NO_ARGS: tuple[type[click.UsageError], ...] = tuple(
-    getattr(click.exceptions, name) for name in ("NoArgsIsHelpError",)
+    getattr(click.exceptions, name)
+    for name in ("NoArgsIsHelpError",)
     if hasattr(click.exceptions, name)
 )
 

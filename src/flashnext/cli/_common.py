@@ -202,10 +202,14 @@ def server_url(url: str, flag: str = "--url") -> str:
     """The server root of ``url`` given as ``flag`` (see
     :func:`flashnext.validate.client.server_root`: ``.../v1`` and routes are dropped), with a
     note on stderr when that changed it. Every command that takes a server URL reads it so."""
+    from flashnext.errors import ValidationError
     from flashnext.records import redact_url
     from flashnext.validate.client import server_root
 
-    root = server_root(url, flag)
+    try:
+        root = server_root(url, flag)
+    except ValidationError as exc:  # a flag's value, before any work: usage (exit 2)
+        raise click.UsageError(str(exc)) from None
     if root != url.rstrip("/"):
         click.echo(f"note: {flag}: using the server root {redact_url(root)}", err=True)
     return root

@@ -25,17 +25,21 @@ from flashnext.placement import (
 )
 from flashnext.plan.advice import plan_with_options
 from flashnext.plan.logs import log_lines, logged_kv_pool, read_log
-from flashnext.plan.model import PlanError
+from flashnext.plan.model import PlanError, dtype_bytes
 from flashnext.plan.planner import PlanRequest, calibrate_headroom, load_model
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
+from flashnext.plan.weights import FORMAT_BYTES
 from flashnext.user_files import open_user_file
 
 GIB = 1 << 30
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+    try:
+        return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+    except PlanError as exc:  # a flag's value, before any work: usage (exit 2)
+        raise click.UsageError(str(exc)) from None
 
 
 def _placement(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, str | None]:
@@ -158,6 +162,7 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--weights-format",
+            type=click.Choice(sorted(FORMAT_BYTES)),
             default="nvfp4",
             show_default=True,
             help="Experts' format when only a config is given: bf16, fp8, nvfp4, int4.",
@@ -175,7 +180,7 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         if kw["kv_cache_memory"] is None:
             raise click.UsageError("give --gpu-memory (e.g. 96GiB) or --kv-cache-memory")
         gpu = kw["kv_cache_memory"]
-    return PlanRequest(
+    req = PlanRequest(
         gpu_memory=gpu,
         gpu_memory_utilization=kw["gpu_memory_utilization"],
         max_model_len=None if kw["max_model_len"] == "auto" else kw["max_model_len"],
@@ -199,6 +204,16 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         weights_format=kw["weights_format"],
         mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"],
     )
+    try:  # every flag's value and combination before any work: usage errors (exit 2)
+        req.check()
+    except PlanError as exc:
+        raise click.UsageError(str(exc)) from None
+    for flag in ("kv_cache_dtype", "mamba_ssm_cache_dtype"):
+        try:
+            _ = kw[flag] == "auto" or dtype_bytes(kw[flag])
+        except PlanError as exc:
+            raise click.BadParameter(str(exc), param_hint=f"--{flag.replace('_', '-')}") from None
+    return req
 
 
 #: The most of a log that is read: vLLM's memory lines come at start-up; 1 GiB is far past them.

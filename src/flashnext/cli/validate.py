@@ -45,7 +45,7 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(","))
     unknown = [n or "(an empty item)" for n in names if n not in STAGES]
     if not any(names) or unknown:
-        raise ValidationError(
+        raise click.UsageError(
             f"--stages {text!r}: unknown stage(s) {unknown or '(none given)'}; "
             f"expected a comma-separated subset of {','.join(STAGES)}"
         )
