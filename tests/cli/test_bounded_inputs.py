@@ -133,6 +133,7 @@ def _commands(tmp_path, cli_inputs, kind, x):
         "validate ab --prompts": ["validate", "ab", "--baseline", url, "--candidate", url,
                                   "--prompts", x, "--out", out / "ab"],
         "explain": ["explain", x],
+        "checkpoint plan INDEX": ["checkpoint", "plan", x],
         "plan --from-log": ["plan", "--model", ck, "--gpu-memory", "96GiB", "--from-log", x],
         "plan --model config.json": ["plan", "--model", x, "--gpu-memory", "96GiB"],
     }  # fmt: skip
@@ -145,7 +146,7 @@ def _commands(tmp_path, cli_inputs, kind, x):
     ):  # fmt: skip
         cmds[name], named[name] = argv, model / path if path == "config.json" else path
     if kind == "directory":  # a directory is where these look for their file: not refused
-        del cmds["plan --model config.json"]
+        del cmds["plan --model config.json"], cmds["checkpoint plan INDEX"]
     else:
         cmds["validate ab --baseline ANSWERS"] = [
             "validate",
