@@ -5,6 +5,7 @@ own middle literals) finish within a bound a quadratic pattern misses by hours."
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -85,10 +86,11 @@ def test_colour_codes_read_as_the_plain_log():
     --kv-cache-memory-bytes (now 0) to about 0" when the codes hid the numbers)."""
     for name in ("vllm-cpu-tiny-qwen2-kv-capacity-error.log", "vllm-cpu-tiny-qwen2-startup.log"):
         plain = (FIXTURES / name).read_text().splitlines()
-        coloured = [
-            "\x1b[1;36m(EngineCore pid=7)\x1b[0;0m " + line.replace(": ", ": \x1b[32m", 1)
-            + "\x1b[0m" for line in plain
-        ]  # fmt: skip
+        coloured = [  # a prefix in colour, and every number too (where "now 0" came from)
+            "\x1b[1;36m(EngineCore pid=7)\x1b[0;0m "
+            + re.sub(r"(\d[\d.,]*)", "\x1b[1;32m\\1\x1b[0m", line)
+            for line in plain
+        ]
         want = [(e.kind, e.values) for e in logs.explain(plain)]
         assert want, name
         assert [(e.kind, e.values) for e in logs.explain(coloured)] == want
