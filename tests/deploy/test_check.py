@@ -282,6 +282,10 @@ def test_vllm_versions_are_the_plugins_list(tmp_path):
     allowed = {**on, "FLASHNEXT_ALLOW_UNTESTED_VLLM": "1"}
     rows, _ = checks_for(root, [], env=allowed, version="0.32.1")
     assert rows["vllm-version"].status == "warn"
+    # the plugin's other source: a part switched on only in --additional-config counts too
+    argv = ["--additional-config", json.dumps({"flashnext": {"moe_guard": True}})]
+    rows, _ = checks_for(root, argv, version="0.32.1")
+    assert rows["vllm-version"].status == "fail" and "moe_guard" in rows["vllm-version"].why
 
 
 def test_bad_inputs_are_named():

@@ -138,7 +138,7 @@ def check_vllm_version(ctx: CheckContext) -> Check:
     if is_checked(v):  # the plugin's own list: check and plugin agree on every version
         return Check("vllm-version", "pass", f"vLLM {v}: these rules were checked against it")
     why = f"vLLM {v}: not a release flashnext was checked against ({checked_text()})"
-    plugin = _plugin_settings(ctx.args.env)
+    plugin = _plugin_settings(ctx)
     if plugin is not None and plugin.parts and not plugin.allow_untested_vllm:
         return Check(
             "vllm-version", "fail", f"{why}; the flashnext plugin refuses to apply on it "
@@ -151,11 +151,11 @@ def check_vllm_version(ctx: CheckContext) -> Check:
     )  # fmt: skip
 
 
-def _plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
-    """The plugin's switches in the planned environment (None when they do not parse: the
-    plugin would refuse them itself, and check reports the version alone)."""
+def _plugin_settings(ctx: CheckContext) -> PluginSettings | None:
+    """The plugin's switches as it reads them at boot (:func:`planned_plugin`), or None when
+    they do not parse (the plugin-switches row reports that)."""
     try:
-        return PluginSettings.from_env(env)
+        return planned_plugin(ctx)
     except FlashnextError:
         return None
 
@@ -547,7 +547,7 @@ def check_memory_plan(ctx: CheckContext) -> Check:
             num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
-            **_planned_ple(a.ple_cpu_offload, _plugin_settings(a.env)),
+            **_planned_ple(a.ple_cpu_offload, _plugin_settings(ctx)),
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
