@@ -184,3 +184,27 @@ def test_a_group_alone_prints_its_help_laid_out(argv, capsys):
     words = {n.split()[len(argv)] for n in leaf_commands() if n.split()[: len(argv)] == argv}
     missing = [w for w in words if not any(line.startswith(f"  {w} ") for line in lines)]
     assert words and not missing, (missing, err)
+
+
+def test_lookup_of_large_rows_prints_their_norm_without_overflow(tmp_path, capsys, rng):
+    """Rows near 1e20 (bf16 holds them): the printed norm is the float64 one, not a numpy
+    overflow warning and "norm inf" (issue 42)."""
+    import warnings
+
+    from flashnext.ple import open_table
+
+    from .runner import run_in_process
+
+    x = (rng.standard_normal((64, 160)) * 1e20).astype(np.float32)
+    write_sidecar(tmp_path / "s", "bf16", x, 32)
+    ids = rng.choice(64, size=3, replace=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow warning fails the command here
+        code, out, err = run_in_process(
+            ["ple", "lookup", tmp_path / "s", "--ids", ",".join(map(str, ids))], capsys
+        )
+    assert code == 0 and err == "", err
+    with open_table(tmp_path / "s", "resident") as table:
+        want = np.linalg.norm(table.lookup(ids).astype(np.float64), axis=-1)
+    shown = [float(line.split(" norm ")[1]) for line in out.splitlines() if " norm " in line]
+    np.testing.assert_allclose(shown, want, rtol=1e-4)
