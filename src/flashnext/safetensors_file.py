@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import numpy as np
 
 from flashnext.atomic import atomic_write
 from flashnext.errors import SafetensorsError
+from flashnext.user_files import open_user_file
 
 #: safetensors dtype names -> numpy dtypes.
 DTYPES: dict[str, np.dtype] = {
@@ -93,6 +95,12 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         OSError: the file cannot be read.
     """
     p = Path(path)
+    mode = p.stat().st_mode
+    if not stat.S_ISREG(mode):  # a FIFO or device has no size: not "truncated", not ours to read
+        raise SafetensorsError(
+            f"{p}: not a regular file (a FIFO, device, socket or directory is never read); "
+            "a safetensors file is a file: replace it with the real one"
+        )
     size = p.stat().st_size
     doc, n = _read_json_header(p, size)
     meta = doc.pop("__metadata__", None)
@@ -238,14 +246,22 @@ def hash_file(
     """Feed a file to the hashlib object ``digest`` in ``chunk``-byte pieces; return the hex digest.
 
     ``progress(n)`` is called per piece. hashlib releases the GIL, so threads hash in parallel.
+    Only a regular file is read (:func:`flashnext.user_files.open_user_file`: a shard linked to
+    /dev/zero or a FIFO is refused), and no more than its size when it was opened.
+
+    Raises:
+        UserFileError: not a regular file.
+        OSError: missing or unreadable.
     """
     buf = bytearray(chunk)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            got = fh.readinto(buf)
+    with open_user_file(path, "a file to hash") as fh:
+        left = os.fstat(fh.fileno()).st_size
+        while left > 0:
+            got = fh.readinto(view[: min(chunk, left)])
             if not got:
                 break
+            left -= got
             digest.update(view[:got])
             if progress is not None:
                 progress(got)

@@ -257,3 +257,43 @@ def test_unreadable_really_is_unreadable(cli_inputs):
     target = _unreadable_file(cli_inputs)
     proc = run("validate", "compare", target, target, unprivileged=True)
     assert proc.returncode == 2 and f"Path '{target}' is not readable" in proc.stderr, proc.stderr
+
+
+def _bad_flag_values(model: Path) -> dict[str, list[object]]:
+    log = Path(__file__).parent.parent / "plan" / "fixtures" / "vllm-cpu-tiny-qwen2-startup.log"
+    closed = "http://127.0.0.1:9"
+    plan = ["plan", "--model", model, "--gpu-memory", "96GiB"]
+    return {
+        "plan --kv-cache-dtype": [*plan, "--kv-cache-dtype", "bogus"],
+        "plan --mamba-ssm-cache-dtype": [*plan, "--mamba-ssm-cache-dtype", "f8"],
+        "plan --weights-format": [*plan, "--weights-format", "bogus"],
+        "plan --gpu-memory 0": ["plan", "--model", model, "--gpu-memory", "0"],
+        "plan --gpu-memory unitless": ["plan", "--model", model, "--gpu-memory", "96"],
+        "plan --max-model-len": [*plan, "--max-model-len", "12q"],
+        "plan cache + device": [*plan, "--ple-cache", "1GiB", "--ple-placement", "device"],
+        "explain --gpu-memory": ["explain", log, "--gpu-memory", "5"],
+        "check --gpu": ["check", "--model", model, "--gpu", "bogus"],
+        "check --host-memory": ["check", "--model", model, "--gpu", "sm120", "--host-memory", "5"],
+        "check -- --max-model-len": ["check", "--model", model, "--gpu", "sm120", "--",
+                                     "--max-model-len", "0"],
+        "check -- --max-num-seqs": ["check", "--model", model, "--gpu", "sm120", "--",
+                                    "--max-num-seqs", "x"],
+        "validate --stages": ["validate", "--url", closed, "--stages", "bogus"],
+        "validate --url": ["validate", "--url", "notaurl"],
+        "validate --ready-timeout": ["validate", "--url", closed, "--ready-timeout", "nan"],
+        "record capture --url": ["record", "capture", "--url", "ftp://x"],
+        "validate ab --min-top1": ["validate", "ab", "--baseline", closed, "--min-top1", "2"],
+    }  # fmt: skip
+
+
+def test_bad_flag_values_exit_2_before_any_work(capsys, tmp_path):
+    """README's exit-code table: a bad flag value is a usage error, exit 2, one line naming
+    the flag, whichever layer checks it (click's types or the library's own parser)."""
+    model = Path(__file__).parent.parent / "plan" / "fixtures" / "qwen4exp-published.config.json"
+    wrong = {}
+    for name, argv in _bad_flag_values(model).items():
+        code, _, err = run_in_process(argv, capsys)
+        flag = name.split()[1] if name.split()[1].startswith("--") else "--"
+        if code != 2 or err.count("\n") != 1 or not err.startswith("error: ") or flag not in err:
+            wrong[name] = (code, err[-200:])
+    assert not wrong, "\n".join(f"{k}: {v}" for k, v in wrong.items())

@@ -46,14 +46,14 @@ def test_stages_with_an_empty_item(tmp_path, capsys, stages):
     url = f"http://127.0.0.1:{closed_port()}"
     argv = ["validate", "--url", url, "--stages", stages, "--out", str(tmp_path / "r")]
     code, _, err = run_in_process(argv, capsys)
-    assert code == 1 and err.startswith(f"error: --stages {stages!r}: unknown stage(s)"), err
+    assert code == 2 and err.startswith(f"error: --stages {stages!r}: unknown stage(s)"), err
     assert "(an empty item)" in err and not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("gpu", ["sm120,,96GiB", "sm120,96GiB,", ",sm120"])
 def test_gpu_with_an_empty_item(tmp_path, capsys, gpu):
     code, _, err = run_in_process(["check", "--model", str(tmp_path), "--gpu", gpu], capsys)
-    assert code == 1 and f"--gpu {gpu!r}: empty item at position" in err, err
+    assert code == 2 and f"--gpu {gpu!r}: empty item at position" in err, err
 
 
 def _host(tmp_path, meminfo: str):

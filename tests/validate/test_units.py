@@ -122,14 +122,16 @@ def _cli_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert _cli_error(capsys, "validate", "--url", "ftp://x") == (
-        "error: --url 'ftp://x': expected the server root, e.g. http://127.0.0.1:8000"
+        "error: --url 'ftp://x': expected the server root, e.g. http://127.0.0.1:8000 "
+        "(see `flashnext validate --help`)"
     )
     assert _cli_error(capsys, "validate") == (
         "error: --url is required, e.g. --url http://127.0.0.1:8000"
     )
     assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--stages", "short,x") == (
         "error: --stages 'short,x': unknown stage(s) ['x']; expected a comma-separated subset "
-        "of ready,short,long,multimodal,concurrency,prefix-cache,sustained"
+        "of ready,short,long,multimodal,concurrency,prefix-cache,sustained "
+        "(see `flashnext validate --help`)"
     )
     assert _cli_error(capsys, "validate", "--url", "http://127.0.0.1:1", "--rounds", "0") == (
         "error: Invalid value for '--rounds': 0 is not in the range x>=1. "

@@ -14,6 +14,7 @@ from typing import Any
 
 from flashnext.errors import CheckpointError, GeometryError
 from flashnext.ple.geometry import PLEGeometry, ple_layer_ids
+from flashnext.user_files import JSON_LIMIT, read_user_text
 
 CONFIG_NAME = "config.json"
 
@@ -25,10 +26,10 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         CheckpointError: the file is missing or not a JSON object.
     """
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and p.name != CONFIG_NAME:  # a config.json that is a directory is refused
         p = p / CONFIG_NAME
     try:
-        doc = json.loads(p.read_text())
+        doc = json.loads(read_user_text(p, "config.json", JSON_LIMIT))
     except FileNotFoundError:
         raise CheckpointError(f"{p}: missing; a model snapshot needs config.json") from None
     except OSError as exc:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from flashnext.errors import CheckpointError, FlashnextError, SidecarError
+from flashnext.user_files import JSON_LIMIT, UserFileError, read_user_text
 
 INDEX_NAME = "model.safetensors.index.json"
 #: Tensors of a PLE table (any layout) and its geometry buffers: a sidecar replaces them all.
@@ -81,10 +82,12 @@ def _repo_id_from_cache(path: Path) -> str | None:
 
 def _read_index(index: Path) -> tuple[dict[str, str], int | None]:
     try:
-        data = json.loads(index.read_text())
+        data = json.loads(
+            read_user_text(index, "the index (model.safetensors.index.json)", JSON_LIMIT)
+        )
     except OSError as exc:
         raise CheckpointError(f"{index}: cannot read ({exc.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
@@ -109,6 +112,8 @@ def plan_download(index_or_dir: str | os.PathLike[str], repo_id: str | None = No
     """
     path = Path(index_or_dir)
     index = path / INDEX_NAME if path.is_dir() else path
+    if index.exists() and not index.is_file():  # a FIFO, device or socket: the opener says so
+        _read_index(index)
     if not index.is_file():
         raise CheckpointError(
             f"{index}: not found (expected {INDEX_NAME} or a directory holding it)"
@@ -182,9 +187,9 @@ def check_sidecar(
                      "no config.json beside the index to compare it with")  # fmt: skip
     ordinal = sidecar.geometry.layer_ordinal if sidecar.geometry is not None else 0
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(read_user_text(config_path, "config.json", JSON_LIMIT))
         model = PLEGeometry.from_config(config, layer_ordinal=ordinal)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UserFileError) as exc:
         return cover(None, False, f"{config_path}: cannot derive the table geometry ({exc})")
     layer = f"PLE layer ordinal {ordinal} of {config_path}"
     try:

@@ -41,6 +41,7 @@ from flashnext.checkpoint.config import read_config
 from flashnext.errors import CheckpointError
 from flashnext.records import CHECKPOINT_VERIFY
 from flashnext.safetensors_file import SafetensorsError, TensorEntry, hash_file, read_header
+from flashnext.user_files import UserFileError
 
 RECORD_KIND = CHECKPOINT_VERIFY
 SCHEMA_VERSION = 1
@@ -385,6 +386,10 @@ def _read_headers(
     """The header of every named file that exists and parses; the others are reported."""
     headers: dict[str, dict[str, TensorEntry]] = {}
     for name in named:
+        if name not in checks and (root / name).exists():  # a directory where a file goes
+            report.error(name, f"{root / name}: not a regular file (a FIFO, device, socket or "
+                         "directory is never read); replace it with the real file")  # fmt: skip
+            continue
         if name not in checks:
             report.error(
                 name,
@@ -528,6 +533,10 @@ def _hash_files(
         except OSError as exc:
             check.hash_ok = False
             report.error(check.file, f"cannot read ({exc})")
+            return
+        except UserFileError as exc:  # a shard linked to /dev/zero, a FIFO: never read
+            check.hash_ok = False
+            report.error(check.file, str(exc))
             return
         check.hash_ok = check.digest == check.expected
 

@@ -123,6 +123,14 @@ def _command_path(args: list[str]) -> str:
     return " ".join(path)
 
 
+#: Click 8.2+'s "no arguments, so help" (a UsageError); older clicks print help and exit 0.
+_NO_ARGS: tuple[type[click.UsageError], ...] = tuple(
+    getattr(click.exceptions, name)
+    for name in ("NoArgsIsHelpError",)
+    if hasattr(click.exceptions, name)
+)
+
+
 def _run(args: list[str]) -> int | None:
     """Run the command; the exit status, after printing the one ``error:`` line of a failure
     (None: the command returned without choosing one)."""
@@ -131,6 +139,11 @@ def _run(args: list[str]) -> int | None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("aborted", err=True)
         return 130
+    except _NO_ARGS as exc:
+        # `flashnext` or `flashnext ple` alone: the help itself, laid out as --help lays it
+        # out (squashed into one error line it was unreadable), and the usage exit status.
+        click.echo(exc.ctx.get_help() if exc.ctx is not None else str(exc), err=True)
+        return exc.exit_code
     except click.UsageError as exc:
         # One line, like every other error; click's own form spans four.
         hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""

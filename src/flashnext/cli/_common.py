@@ -133,6 +133,21 @@ class OutputDir(click.Path):
         return path
 
 
+class FiniteRange(click.FloatRange):
+    """A float flag (:class:`click.FloatRange`'s bounds) that refuses ``nan`` and ``inf``:
+    ``nan`` passes every bound check, and a timeout or threshold of ``nan`` waits forever or
+    fails everything. Every float flag of every command uses it (a usage error, exit 2)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from flashnext.numbers import NumberError, finite_float
+
+        try:
+            number = finite_float(value)
+        except NumberError as exc:
+            self.fail(str(exc), param, ctx)
+        return super().convert(number, param, ctx)
+
+
 def output_dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot become a directory we write into, or None if it can."""
     probe = path
@@ -187,10 +202,14 @@ def server_url(url: str, flag: str = "--url") -> str:
     """The server root of ``url`` given as ``flag`` (see
     :func:`flashnext.validate.client.server_root`: ``.../v1`` and routes are dropped), with a
     note on stderr when that changed it. Every command that takes a server URL reads it so."""
+    from flashnext.errors import ValidationError
     from flashnext.records import redact_url
     from flashnext.validate.client import server_root
 
-    root = server_root(url, flag)
+    try:
+        root = server_root(url, flag)
+    except ValidationError as exc:  # a flag's value, before any work: usage (exit 2)
+        raise click.UsageError(str(exc)) from None
     if root != url.rstrip("/"):
         click.echo(f"note: {flag}: using the server root {redact_url(root)}", err=True)
     return root

@@ -68,8 +68,11 @@ def check(
         if not eq or not name:
             raise click.BadParameter(f"{pair!r} is not NAME=VALUE", param_hint="--env")
         env[name] = value
-    args = parse_serve_args(serve_args, env, strict=True)
-    ctx = load_context(model_dir, args, parse_gpu(gpu), host_memory, vllm_version)
+    try:  # a flag's value, refused before any work: a usage error (exit 2), as click's own
+        args, spec = parse_serve_args(serve_args, env, strict=True), parse_gpu(gpu)
+    except ValueError as exc:  # ServeArgsError, GpuSpecError
+        raise click.UsageError(str(exc)) from None
+    ctx = load_context(model_dir, args, spec, host_memory, vllm_version)
     checks = run_checks(ctx)
     failed = blocking_failures(checks)
     if as_json:

@@ -7,8 +7,6 @@ to stdout (``--json``: a ``flashnext.plan`` record), nothing else.
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import click
 
 from flashnext import records
+from flashnext.cli._common import FiniteRange
 from flashnext.placement import (
     PLACEMENTS,
     RESIDENCIES,
@@ -26,7 +25,7 @@ from flashnext.placement import (
 )
 from flashnext.plan.advice import plan_with_options
 from flashnext.plan.logs import log_lines, logged_kv_pool, read_log
-from flashnext.plan.model import PlanError
+from flashnext.plan.model import PlanError, dtype_bytes
 from flashnext.plan.planner import (
     WORKER_HOST_BYTES,
     PlanRequest,
@@ -35,12 +34,17 @@ from flashnext.plan.planner import (
 )
 from flashnext.plan.render import plan_text
 from flashnext.plan.sizes import parse_size
+from flashnext.plan.weights import FORMAT_BYTES
+from flashnext.user_files import open_user_file
 
 GIB = 1 << 30
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+    try:
+        return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+    except PlanError as exc:  # a flag's value, before any work: usage (exit 2)
+        raise click.UsageError(str(exc)) from None
 
 
 def _placement(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, str | None]:
@@ -125,21 +129,34 @@ def _host_options() -> list[Callable[[Any], Any]]:
     ]
 
 
+def _model_len(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """``--max-model-len`` through the one parser ``check`` uses: an int, ``"auto"`` or None."""
+    from flashnext.numbers import NumberError, model_len
+
+    if value is None:
+        return None
+    try:
+        return model_len(value) or "auto"
+    except NumberError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
 def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """The flags that describe a deployment (shared by ``plan`` and ``explain``)."""
     opts = [
         click.option("--gpu-memory", callback=_size, help="GPU memory, e.g. 96GiB (per GPU)."),
         click.option(
             "--gpu-memory-utilization",
-            type=click.FloatRange(0, 1, min_open=True),
+            type=FiniteRange(0, 1, min_open=True),
             default=0.9,
             show_default=True,
         ),
         click.option(
             "--max-model-len",
-            type=click.IntRange(min=1),
+            callback=_model_len,
             default=None,
-            help="Default: the model's.",
+            help="As vLLM reads it (2048, 128k, 32K; auto or -1: the longest that fits). "
+            "Default: the model's.",
         ),
         click.option("--max-num-seqs", type=click.IntRange(min=1), default=256, show_default=True),
         click.option(
@@ -170,6 +187,7 @@ def deployment_options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--weights-format",
+            type=click.Choice(sorted(FORMAT_BYTES)),
             default="nvfp4",
             show_default=True,
             help="Experts' format when only a config is given: bf16, fp8, nvfp4, int4.",
@@ -203,10 +221,11 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         if kw["kv_cache_memory"] is None:
             raise click.UsageError("give --gpu-memory (e.g. 96GiB) or --kv-cache-memory")
         gpu = kw["kv_cache_memory"]
-    return PlanRequest(
+    req = PlanRequest(
         gpu_memory=gpu,
         gpu_memory_utilization=kw["gpu_memory_utilization"],
-        max_model_len=kw["max_model_len"],
+        max_model_len=None if kw["max_model_len"] == "auto" else kw["max_model_len"],
+        max_model_len_auto=kw["max_model_len"] == "auto",
         max_num_seqs=kw["max_num_seqs"],
         kv_cache_dtype=kw["kv_cache_dtype"],
         num_speculative_tokens=kw["num_speculative_tokens"],
@@ -227,6 +246,16 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         weights_format=kw["weights_format"],
         mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"],
     )
+    try:  # every flag's value and combination before any work: usage errors (exit 2)
+        req.check()
+    except PlanError as exc:
+        raise click.UsageError(str(exc)) from None
+    for flag in ("kv_cache_dtype", "mamba_ssm_cache_dtype"):
+        try:
+            _ = kw[flag] == "auto" or dtype_bytes(kw[flag])
+        except PlanError as exc:
+            raise click.BadParameter(str(exc), param_hint=f"--{flag.replace('_', '-')}") from None
+    return req
 
 
 #: The most of a log that is read: vLLM's memory lines come at start-up; 1 GiB is far past them.
@@ -239,9 +268,7 @@ def read_lines(path: str) -> list[str]:
     if path == "-":
         return log_lines(sys.stdin.buffer.read(MAX_LOG_BYTES), "stdin")
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise PlanError(f"{path}: not a regular file; pass the log file, or - for stdin")
-        with open(path, "rb") as fh:
+        with open_user_file(path, "the log file, or - for stdin,") as fh:
             return log_lines(fh.read(MAX_LOG_BYTES), path)
     except OSError as exc:
         raise PlanError(f"{path}: cannot read the log ({exc.strerror})") from None

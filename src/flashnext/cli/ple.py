@@ -16,6 +16,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from flashnext.cli._common import (
+    FiniteRange,
     OutputDir,
     cell,
     human_bytes,
@@ -191,7 +192,7 @@ def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
 )
 @click.option(
     "--max-row-error",
-    type=click.FloatRange(min=0),
+    type=FiniteRange(min=0),
     default=DEFAULT_MAX_ROW_ERROR,
     show_default=True,
     help="Exit 1 when a row's relative error exceeds this (a row quantized to all-zero has 1).",
@@ -446,7 +447,9 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
     np.set_printoptions(precision=5, linewidth=110, threshold=12, edgeitems=4)
     for i, row_id in enumerate(row_ids.tolist()):
         out_console.print(
-            f"[bold]row {row_id}[/] ({codec.name}) norm {np.linalg.norm(rows[i]):.5f}"
+            # float64: a float32 dot of rows near 1e19 overflows (a warning and "norm inf")
+            f"[bold]row {row_id}[/] ({codec.name}) norm "
+            f"{np.linalg.norm(rows[i].astype(np.float64)):.5g}"
         )
         out_console.print(f"  {rows[i]}", highlight=False)
         for name, value in stored.items():

@@ -13,6 +13,7 @@ from flashnext.cli._common import err_console, old_spelling, out_console, say, s
 from flashnext.cli._destination import check_output
 from flashnext.errors import FlashnextError
 from flashnext.records import DEPLOY_RECORD_DIFF
+from flashnext.user_files import JSON_LIMIT, read_user_text
 
 
 @click.group("record")
@@ -92,7 +93,7 @@ def _load(path: Path) -> dict:
     from flashnext.deploy.record_diff import check_deployment_record
 
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_user_text(path, "a deployment record (record.json)", JSON_LIMIT))
     except OSError as exc:
         raise click.BadParameter(f"{path}: cannot read ({exc.strerror})") from None
     except ValueError as exc:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from flashnext.cli._common import (
+    FiniteRange,
     OutputDir,
     err_console,
     old_spelling,
@@ -44,7 +45,7 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     names = tuple(s.strip() for s in text.split(","))
     unknown = [n or "(an empty item)" for n in names if n not in STAGES]
     if not any(names) or unknown:
-        raise ValidationError(
+        raise click.UsageError(
             f"--stages {text!r}: unknown stage(s) {unknown or '(none given)'}; "
             f"expected a comma-separated subset of {','.join(STAGES)}"
         )
@@ -85,14 +86,14 @@ def _parse_stages(text: str) -> tuple[str, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option(
     "--ready-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=600.0,
     show_default=True,
     help="Seconds to wait for /health.",
 )
 @click.option(
     "--recovery-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=180.0,
     show_default=True,
     help="Seconds to wait for a server lost during a stage to come back.",
@@ -100,7 +101,7 @@ def _parse_stages(text: str) -> tuple[str, ...]:
 @click.option(
     "--timeout",
     "request_timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=180.0,
     show_default=True,
     help="Client timeout per request (s).",
@@ -128,14 +129,14 @@ def _parse_stages(text: str) -> tuple[str, ...]:
 )
 @click.option(
     "--temperature",
-    type=click.FloatRange(min=0, max=2),
+    type=FiniteRange(min=0, max=2),
     default=0.8,
     show_default=True,
     help="Concurrency and sustained.",
 )
 @click.option(
     "--long-fraction",
-    type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+    type=FiniteRange(min=0, max=1, min_open=True, max_open=True),
     default=0.9,
     show_default=True,
     help="Long stage: prompt length as a fraction of max_model_len.",
@@ -150,7 +151,7 @@ def _parse_stages(text: str) -> tuple[str, ...]:
 )
 @click.option(
     "--sustained-seconds",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=60.0,
     show_default=True,
 )
@@ -165,7 +166,7 @@ def _parse_stages(text: str) -> tuple[str, ...]:
 )
 @click.option(
     "--probe-interval",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=0.5,
     show_default=True,
     help="Seconds between /metrics scrapes and NVML samples.",
@@ -465,12 +466,12 @@ def _ab_baseline(ctx: click.Context, param: click.Parameter, value: str) -> str 
     "timeout_s",
     default=180.0,
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     help="Client timeout per request (s).",
 )
-@click.option("--min-top1", default=0.97, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--max-mean-kl", default=0.01, show_default=True, type=click.FloatRange(min=0))
-@click.option("--min-token-agreement", default=0.5, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--min-top1", default=0.97, show_default=True, type=FiniteRange(0, 1))
+@click.option("--max-mean-kl", default=0.01, show_default=True, type=FiniteRange(min=0))
+@click.option("--min-token-agreement", default=0.5, show_default=True, type=FiniteRange(0, 1))
 @click.option(
     "--out",
     "out_dir",

@@ -33,9 +33,10 @@ from flashnext.checkpoint.config import read_config
 from flashnext.deploy.gpu import GpuSpec
 from flashnext.deploy.quant_layout import config_quant, layer_formats
 from flashnext.deploy.serve_args import ServeArgs
-from flashnext.errors import FlashnextError
-from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.errors import FlashnextError, PluginError
+from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import checked_text, is_checked
+from flashnext.numbers import finite_float
 from flashnext.status import Status
 
 B12X_BACKENDS = ("flashinfer_b12x", "b12x")
@@ -137,7 +138,7 @@ def check_vllm_version(ctx: CheckContext) -> Check:
     if is_checked(v):  # the plugin's own list: check and plugin agree on every version
         return Check("vllm-version", "pass", f"vLLM {v}: these rules were checked against it")
     why = f"vLLM {v}: not a release flashnext was checked against ({checked_text()})"
-    plugin = _plugin_settings(ctx.args.env)
+    plugin = _plugin_settings(ctx)
     if plugin is not None and plugin.parts and not plugin.allow_untested_vllm:
         return Check(
             "vllm-version", "fail", f"{why}; the flashnext plugin refuses to apply on it "
@@ -150,11 +151,11 @@ def check_vllm_version(ctx: CheckContext) -> Check:
     )  # fmt: skip
 
 
-def _plugin_settings(env: Mapping[str, str]) -> PluginSettings | None:
-    """The plugin's switches in the planned environment (None when they do not parse: the
-    plugin would refuse them itself, and check reports the version alone)."""
+def _plugin_settings(ctx: CheckContext) -> PluginSettings | None:
+    """The plugin's switches as it reads them at boot (:func:`planned_plugin`), or None when
+    they do not parse (the plugin-switches row reports that)."""
     try:
-        return PluginSettings.from_env(env)
+        return planned_plugin(ctx)
     except FlashnextError:
         return None
 
@@ -412,18 +413,50 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     )
 
 
+def planned_plugin(ctx: CheckContext) -> PluginSettings:
+    """The plugin's switches as it resolves them at boot: the planned environment and the
+    ``--additional-config`` of the planned command line, through its own parser.
+
+    Raises:
+        PluginError: what the plugin would refuse (a bad value, the two sources disagreeing,
+            a combination it does not serve).
+    """
+    line = command_line_config(ctx.args.raw)
+    return PluginSettings.resolve(env=ctx.args.env, additional_config=line)
+
+
+def check_plugin_switches(ctx: CheckContext) -> Check:
+    """The ``FLASHNEXT_*`` switches (and ``--additional-config flashnext``) parse as the plugin's
+    own parser reads them: a value it refuses at boot fails here first."""
+    try:
+        plugin = planned_plugin(ctx)
+    except PluginError as exc:
+        return Check(
+            "plugin-switches", "fail", f"the flashnext plugin refuses these switches: {exc}",
+            "fix the variable or key named (docs/plugin.md lists every switch)",
+        )  # fmt: skip
+    if not plugin.parts:
+        return Check("plugin-switches", "skip", "no flashnext plugin part switched on",
+                     blocking=False)  # fmt: skip
+    return Check("plugin-switches", "pass", f"switched on: {', '.join(plugin.parts)}; "
+                 f"PLE placement {plugin.ple_placement}")  # fmt: skip
+
+
 def check_ple_sidecar(ctx: CheckContext) -> Check:
     """The sidecars ``FLASHNEXT_PLE_SIDECAR`` names, checked as the plugin will at boot.
 
     One per PLE layer (``DIR/layer_L`` or ``DIR`` itself), its rows, width and hashing geometry
-    against this model's config, with the plugin's own policy (:mod:`flashnext.kernels.serving`).
+    against this model's config, and the hot-row profile its device cache would load, with the
+    plugin's own policy (:mod:`flashnext.kernels.serving`, :mod:`flashnext.kernels.cache_plan`).
     """
-    from flashnext.kernels import serving
-
-    plugin = _plugin_settings(ctx.args.env)
-    root = plugin.ple_sidecar if plugin is not None else None
+    try:
+        plugin = planned_plugin(ctx)
+    except PluginError:
+        return Check("ple-sidecar", "skip", "the plugin's switches do not parse (plugin-switches "
+                     "row)", blocking=False)  # fmt: skip
+    root = plugin.ple_sidecar
     if root is None:
-        return Check("ple-sidecar", "skip", "no FLASHNEXT_PLE_SIDECAR in the environment",
+        return Check("ple-sidecar", "skip", "no FLASHNEXT_PLE_SIDECAR in the planned environment",
                      blocking=False)  # fmt: skip
     layer_ids = sorted(set(ctx.text_config.get("ple_layer_ids") or []))
     if not layer_ids:
@@ -432,8 +465,7 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
             "ple_layer_ids: this model has no PLE table", "unset FLASHNEXT_PLE_SIDECAR",
         )  # fmt: skip
     try:
-        for layer_id in layer_ids:
-            _check_layer_sidecar(serving, root, ctx.text_config, layer_id)
+        sidecars = [_check_layer_sidecar(root, ctx.text_config, i) for i in layer_ids]
     except FlashnextError as exc:
         return Check(
             "ple-sidecar", "fail", str(exc),
@@ -441,17 +473,56 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
             f"{root}/layer_L --layer N (flashnext checkpoint ple MODEL lists L and N)",
         )  # fmt: skip
     where = ", ".join(f"layers.{i - 1}" for i in layer_ids)
-    return Check("ple-sidecar", "pass", f"{root}: a sidecar of this model's geometry for {where}")
+    cache = _check_sidecar_caches(plugin, sidecars)
+    if cache.status != "pass":
+        return cache
+    return Check("ple-sidecar", "pass", f"{root}: a sidecar of this model's geometry for "
+                 f"{where}{cache.why}")  # fmt: skip
 
 
-def _check_layer_sidecar(serving: Any, root: Path, config: dict[str, Any], layer_id: int) -> None:
-    """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM."""
+def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> tuple[str, Any]:
+    """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM: its prefix
+    and the opened sidecar."""
+    from flashnext.kernels import serving
     from flashnext.ple.sidecar import open_sidecar
 
     prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
     geometry = serving.layer_geometry(config, prefix)
+    if geometry is None:
+        raise PluginError(f"{prefix}: config.json describes no PLE geometry for this layer")
     sidecar = open_sidecar(serving.sidecar_dir_for(root, prefix))
     serving.check_geometry(sidecar, prefix, geometry.num_rows, geometry.width, geometry)
+    return prefix, sidecar
+
+
+def _check_sidecar_caches(plugin: PluginSettings, sidecars: list[tuple[str, Any]]) -> Check:
+    """Each layer's hot-row cache planned as the plugin plans it at boot
+    (:func:`~flashnext.kernels.cache_plan.plan_layer_cache`): a profile that is missing or made
+    for another table fails while the cache is on, and warns while it is off (unread then)."""
+    from flashnext.kernels.cache_plan import plan_layer_cache
+
+    # auto serves pinned or staged: both put the same cache, and the same profile, in front
+    placement = "pinned" if plugin.ple_placement == "auto" else plugin.ple_placement
+    asked = plugin.ple_cache or (1 if plugin.ple_profile is not None else 0)
+    described = []
+    try:
+        for prefix, sidecar in sidecars:
+            plan, _ = plan_layer_cache(sidecar, prefix, asked, plugin.ple_profile,
+                                       (0, sidecar.num_rows), placement)  # fmt: skip
+            described.append(plan.describe() if plugin.ple_cache else "")
+    except FlashnextError as exc:
+        if plugin.ple_cache:
+            return Check("ple-sidecar", "fail", str(exc),
+                         "point FLASHNEXT_PLE_PROFILE at this sidecar's profile (flashnext ple "
+                         "profile SIDECAR --text FILES), or unset it")  # fmt: skip
+        return Check("ple-sidecar", "warn", f"FLASHNEXT_PLE_PROFILE is unread while "
+                     f"FLASHNEXT_PLE_CACHE is 0, and it is wrong: {exc}",
+                     "unset FLASHNEXT_PLE_PROFILE or fix it", blocking=False)  # fmt: skip
+    if plugin.ple_profile is not None and not plugin.ple_cache:
+        return Check("ple-sidecar", "warn", f"FLASHNEXT_PLE_PROFILE={plugin.ple_profile} is "
+                     "unread: FLASHNEXT_PLE_CACHE is 0", "set FLASHNEXT_PLE_CACHE=SIZE or unset "
+                     "FLASHNEXT_PLE_PROFILE", blocking=False)  # fmt: skip
+    return Check("ple-sidecar", "pass", "".join(f"; {d}" for d in described if d))
 
 
 def check_memory_plan(ctx: CheckContext) -> Check:
@@ -469,14 +540,14 @@ def check_memory_plan(ctx: CheckContext) -> Check:
     try:
         req = PlanRequest(
             gpu_memory=ctx.gpu.memory_bytes,
-            gpu_memory_utilization=float(util) if isinstance(util, str) else 0.9,
+            gpu_memory_utilization=finite_float(util) if isinstance(util, str) else 0.9,
             max_model_len=a.max_model_len,
             max_num_seqs=a.int_flag("--max-num-seqs") or 256,
             kv_cache_dtype=str(a.get("--kv-cache-dtype", "auto")),
             num_speculative_tokens=int(spec.get("num_speculative_tokens", 0) or 0),
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
-            **_planned_ple(a.ple_cpu_offload, _plugin_settings(a.env)),
+            **_planned_ple(a.ple_cpu_offload, _plugin_settings(ctx)),
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
@@ -565,6 +636,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_b12x_mtp,
     check_sparse_attention,
     check_context_length,
+    check_plugin_switches,
     check_ple_host_memory,
     check_ple_sidecar,
     check_memory_plan,

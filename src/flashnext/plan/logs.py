@@ -4,6 +4,12 @@ Each :data:`PATTERNS` entry is one event kind with a regex over one log line; th
 the regex's named groups converted to int/float (thousands separators dropped, MiB/GiB kept
 in the field name). :func:`read_log` returns the events in log order; :func:`explain` adds,
 per failure, the options in order of cost.
+
+A log is user text of any size: every pattern's work is linear in the line. A regex is never
+``search``-ed (each start position could rescan the rest of the line: quadratic, 68 s for a
+200,000-letter run); it is ``match``-ed only where one of its literal ``anchors`` occurs, at
+the first :data:`MAX_TRIES` occurrences of each, and the regexes have no nested unbounded
+scans. Colour codes (ANSI escapes) are removed before anything is read.
 """
 
 from __future__ import annotations
@@ -20,18 +26,55 @@ from flashnext.records import REDACTED, SECRET_NAME
 _NUM = r"[\d,]+(?:\.\d+)?"
 
 
+#: The longest "non-default args: {...}" read (vLLM's is a few hundred characters).
+MAX_ARGS_CHARS = 1 << 16
+#: Occurrences of each anchor a pattern is tried at (a real vLLM line holds one).
+MAX_TRIES = 8
+#: An ANSI escape (colours, cursor moves) as terminals and `vllm serve` under a TTY print them.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+#: The dotted-name run just before an anchor, read backwards (linear: matched, not searched).
+_NAME_RUN = re.compile(r"[\w.]*")
+
+
 @dataclass(frozen=True)
 class Pattern:
-    """One event kind: a regex and whether it is a failure."""
+    """One event kind: a regex matched where one of its literal ``anchors`` starts, and
+    whether it is a failure. ``name_before``: the ``name`` group also takes the dotted name
+    that ends at the anchor (``model.layers.3.`` before ``ngram_embedding...``)."""
 
     kind: str
     regex: re.Pattern[str]
     failure: bool
     summary: str
+    anchors: tuple[str, ...]
+    name_before: bool = False
+
+    def match(self, line: str) -> dict[str, str] | None:
+        """The named groups of this event in ``line``, or None; linear in ``len(line)``."""
+        starts = []
+        for anchor in self.anchors:
+            at = line.find(anchor)
+            for _ in range(MAX_TRIES):
+                if at < 0:
+                    break
+                starts.append(at)
+                at = line.find(anchor, at + 1)
+        for at in sorted(starts):
+            m = self.regex.match(line, at)
+            if m is None:
+                continue
+            groups = m.groupdict()
+            if self.name_before:
+                run = _NAME_RUN.match(line[:at][::-1])
+                groups["name"] = (run.group()[::-1] if run else "") + groups["name"]
+            return groups
+        return None
 
 
-def _p(kind: str, regex: str, failure: bool, summary: str) -> Pattern:
-    return Pattern(kind, re.compile(regex), failure, summary)
+def _p(
+    kind: str, regex: str, failure: bool, summary: str, *anchors: str, name_before: bool = False
+) -> Pattern:
+    return Pattern(kind, re.compile(regex), failure, summary, anchors, name_before)
 
 
 PATTERNS: tuple[Pattern, ...] = (
@@ -44,6 +87,7 @@ PATTERNS: tuple[Pattern, ...] = (
         r"(?P<estimated_max_model_len>\d+)\.)?",
         True,
         "the KV cache cannot hold one request at max_model_len",
+        "To serve at least one request",
     ),
     _p(
         "mamba_blocks_error",
@@ -51,18 +95,21 @@ PATTERNS: tuple[Pattern, ...] = (
         r"\((?P<num_blocks>\d+)\)",
         True,
         "more sequences than state blocks: FULL CUDA graph capture cannot proceed",
+        "max_num_seqs (",
     ),
     _p(
         "no_kv_memory",
         r"No available memory for the cache blocks",
         True,
         "weights and profiled activations left nothing for the KV cache",
+        "No available memory",
     ),
     _p(
         "cuda_oom",
-        r"(?:CUDA out of memory|OutOfMemoryError).*?Tried to allocate (?P<requested>"
+        r"(?:CUDA out of memory|OutOfMemoryError)(?:(?!Tried to allocate ).)*"
+        r"Tried to allocate (?P<requested>"
         + _NUM
-        + r") (?P<requested_unit>[KMG]iB)(?:.*?total capacity of (?P<total>"
+        + r") (?P<requested_unit>[KMG]iB)(?:(?:(?!total capacity of ).)*total capacity of (?P<total>"
         + _NUM
         + r") (?P<total_unit>[KMG]iB) of which (?P<free>"
         + _NUM
@@ -70,6 +117,8 @@ PATTERNS: tuple[Pattern, ...] = (
         r"is free)?",
         True,
         "a GPU allocation failed",
+        "CUDA out of memory",
+        "OutOfMemoryError",
     ),
     _p(
         "graph_capture_failed",
@@ -77,30 +126,39 @@ PATTERNS: tuple[Pattern, ...] = (
         r"previous error during capture|cudaErrorStreamCapture\w+|CUDA graph capture failed)",
         True,
         "CUDA graph capture failed: an operation ran that a graph cannot hold",
+        "operation not permitted when stream is capturing",
+        "operation failed due to a previous error during capture",
+        "cudaErrorStreamCapture",
+        "CUDA graph capture failed",
     ),
     _p(
         "host_oom",
         r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (?P<bytes>\d+) bytes",
         True,
         "host RAM allocation refused (the kernel's overcommit heuristic or a commit limit)",
+        "DefaultCPUAllocator: can't allocate memory",
     ),
     _p(
         "pidfd_getfd",
         r"pidfd_getfd(?:\(2\))?: Operation not permitted",
         True,
         "the PLE offload worker could not take the GPU worker's CUDA IPC file descriptor",
+        "pidfd_getfd",
     ),
     _p(
         "ple_empty_shard_name",
-        r"There is no module or parameter named '?(?P<name>[\w.]*ngram_embedding\.shard_\.weight)",
+        r"There is no module or parameter named '?(?P<name>[\w.]*?ngram_embedding\.shard_\.weight)",
         True,
         "the checkpoint names its PLE table with an empty shard index",
+        "There is no module or parameter named",
     ),
     _p(
         "ple_weight_scale_rejected",
-        r"(?P<name>[\w.]*ngram_embedding\.weight_scale)\b.*(?:no module or parameter|unexpected)",
+        r"(?P<name>ngram_embedding\.weight_scale)\b.*(?:no module or parameter|unexpected)",
         True,
         "this vLLM cannot load a quantized PLE table (global weight_scale)",
+        "ngram_embedding.weight_scale",
+        name_before=True,
     ),
     _p(
         "free_memory_below_request",
@@ -112,6 +170,7 @@ PATTERNS: tuple[Pattern, ...] = (
         r"\((?P<utilization>[\d.]+), (?P<requested_gib>" + _NUM + r") GiB\)",
         True,
         "other processes hold memory vLLM's utilization asks for",
+        "Free memory on device",
     ),
     _p(
         "kv_cache_size",
@@ -120,12 +179,14 @@ PATTERNS: tuple[Pattern, ...] = (
         r"(?P<concurrency>" + _NUM + r")x",
         False,
         "KV cache capacity at startup",
+        *(f"{d}{h} KV cache size:" for d in ("GPU", "CPU", "XPU") for h in ("", " + host")),
     ),
     _p(
         "available_kv_memory",
         r"Available KV cache memory: (?P<available_gib>" + _NUM + r") GiB",
         False,
         "KV pool after profiling",
+        "Available KV cache memory:",
     ),
     _p(
         "explicit_kv_memory",
@@ -133,6 +194,8 @@ PATTERNS: tuple[Pattern, ...] = (
         r"\((?P<set_gib>" + _NUM + r")/(?P<node_gib>" + _NUM + r")\) GiB for KV cache)",
         False,
         "KV pool given by --kv-cache-memory-bytes",
+        "reserved ",
+        "Explicitly set (",
     ),
     _p(
         "model_loading",
@@ -140,45 +203,64 @@ PATTERNS: tuple[Pattern, ...] = (
         r"(?P<seconds>" + _NUM + r") seconds",
         False,
         "weights on the device",
+        "Model loading took",
     ),
     _p(
         "graph_capture",
         r"Graph capturing finished in (?P<seconds>\d+) secs, took (?P<graph_gib>" + _NUM + r") GiB",
         False,
         "CUDA graphs captured",
+        "Graph capturing finished",
     ),
     _p(
         "graph_estimate",
         r"Estimated CUDA graph memory: (?P<graph_gib>" + _NUM + r") GiB total",
         False,
         "CUDA graph memory profiled before the KV pool was sized",
+        "Estimated CUDA graph memory:",
     ),
     _p(
         "block_size",
         r"Setting attention block size to (?P<block_size>\d+) tokens",
         False,
         "attention block raised so its page holds the largest state page",
+        "Setting attention block size",
     ),
     _p(
         "mamba_padding",
         r"Padding mamba page size by (?P<padding_pct>" + _NUM + r")%",
         False,
         "state pages padded to the attention page",
+        "Padding mamba page size",
     ),
     _p(
         "mamba_cache_mode",
         r"Mamba cache mode is set to '(?P<mode>\w+)'",
         False,
         "state blocks per request: 2 + speculative tokens under 'align'",
+        "Mamba cache mode is set",
     ),
-    _p("cli_args", r"non-default args: (?P<args>\{.*\})\s*$", False, "flags vLLM was started with"),
-    _p("kv_layout", r"Using (?P<layout>[A-Z]{5}) KV cache layout", False, "KV cache layout"),
+    _p(
+        "cli_args",
+        r"non-default args: (?P<args>\{.*\})\s*$",
+        False,
+        "flags vLLM was started with",
+        "non-default args: ",
+    ),
+    _p(
+        "kv_layout",
+        r"Using (?P<layout>[A-Z]{5}) KV cache layout",
+        False,
+        "KV cache layout",
+        "Using ",
+    ),
     _p(
         "engine_config",
-        r"Initializing a V1 LLM engine \(v(?P<version>[\w.+-]+)\) with config:.*?"
-        r"dtype=(?P<dtype>[\w.]+),.*?max_seq_len=(?P<max_seq_len>\d+)",
+        r"Initializing a V1 LLM engine \(v(?P<version>[\w.+-]+)\) with config:"
+        r"(?:(?!dtype=).)*dtype=(?P<dtype>[\w.]+),(?:(?!max_seq_len=).)*max_seq_len=(?P<max_seq_len>\d+)",
         False,
         "engine configuration",
+        "Initializing a V1 LLM engine",
     ),
 )
 #: Leading bytes of what a log is often saved as that is not text.
@@ -220,7 +302,13 @@ def log_lines(data: bytes, name: str) -> list[str]:
     if b"\x00" in head:
         # UTF-16 without a byte-order mark has a NUL in every other byte; text has none.
         raise PlanError(f"{name}: not a text log (NUL bytes: binary, or UTF-16 without a BOM)")
-    return data.decode("utf-8", errors="replace").splitlines()
+    return strip_ansi(data.decode("utf-8", errors="replace")).splitlines()
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without ANSI escapes: a coloured log reads as the plain one (the numbers that
+    follow a colour code are the numbers, not 0)."""
+    return _ANSI.sub("", text) if "\x1b" in text else text
 
 
 def _value(key: str, raw: str) -> Any:
@@ -241,9 +329,11 @@ def _value(key: str, raw: str) -> Any:
 def _cli_args(text: str) -> dict[str, Any]:
     """The scalar entries of vLLM's "non-default args: {...}" dict (others dropped), secrets
     (``api_key``, ``hf_token``, ...) redacted."""
+    if len(text) > MAX_ARGS_CHARS:
+        return {}
     try:
         args = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, RecursionError, MemoryError):  # nested past the parser
         return {}
     if not isinstance(args, dict):
         return {}
@@ -276,12 +366,13 @@ def read_log(lines: Iterable[str]) -> list[Event]:
     """
     events: list[Event] = []
     seen: set[tuple[str, str]] = set()
-    for n, line in enumerate(lines, 1):
+    for n, raw in enumerate(lines, 1):
+        line = strip_ansi(raw)
         for pat in PATTERNS:
-            m = pat.regex.search(line)
-            if not m:
+            groups = pat.match(line)
+            if groups is None:
                 continue
-            values = {k: _value(k, v) for k, v in m.groupdict().items() if v is not None}
+            values = {k: _value(k, v) for k, v in groups.items() if v is not None}
             values = _normalise(pat.kind, values)
             key = (pat.kind, repr(sorted(values.items())))
             if pat.failure and key in seen:
@@ -373,7 +464,7 @@ _FIXED: dict[str, list[tuple[str, str, str]]] = {
     "graph_capture_failed": [
         ("--enforce-eager", "decode speed", "no graphs: confirms the cause and boots"),
         (
-            "--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'",
+            '--compilation-config \'{"cudagraph_mode": "PIECEWISE"}\'',
             "some decode speed",
             "attention (and custom ops beside it) run outside the graphs",
         ),
@@ -462,7 +553,15 @@ def _stall_after_graphs(lines: list[str], events: list[Event]) -> Event | None:
     )
 
 
-_SHARDS = re.compile(r"Loading (?:safetensors )?checkpoint shards:.*?\b(?P<done>\d+)/(?P<total>\d+)\b")
+_SHARDS = _p(
+    "loading",
+    r"Loading (?:safetensors )?checkpoint shards:.*?\b(?P<done>\d+)/"
+    r"(?P<total>\d+)\b",
+    False,
+    "loading weights",
+    "Loading checkpoint shards:",
+    "Loading safetensors checkpoint shards:",
+)
 
 
 def _stall_while_loading(lines: list[str], events: list[Event]) -> Event | None:
@@ -471,7 +570,7 @@ def _stall_while_loading(lines: list[str], events: list[Event]) -> Event | None:
     if any(e.failure for e in events) or any(e.kind == "model_loading" for e in events):
         return None
     for number in range(len(lines), 0, -1):
-        found = _SHARDS.search(lines[number - 1])
+        found = _SHARDS.match(lines[number - 1])
         if found is None:
             continue
         done, total = int(found["done"]), int(found["total"])

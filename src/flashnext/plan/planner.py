@@ -46,6 +46,7 @@ class PlanRequest:
     gpu_memory: int
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len_auto: bool = False  # vLLM's auto: the longest that fits, up to the above
     max_num_seqs: int = 256
     kv_cache_dtype: str = "auto"
     num_speculative_tokens: int = 0
@@ -180,16 +181,17 @@ class ModelInput:
 
 
 def load_model(path: str | Path) -> ModelInput:
-    """Read config.json (a directory or the file) and, when present, the safetensors headers.
+    """Read config.json and, for a checkpoint directory holding weights, their safetensors
+    headers. A config.json path is the config alone (weights estimated from it): whatever
+    else sits beside it (a profile, a sidecar's shards, part of a download) is not read.
 
     Raises:
         CheckpointError: config.json missing or invalid; a weight file is truncated.
     """
     p = Path(path)
     config = read_config(p)
-    root = p if p.is_dir() else p.parent
-    has_weights = any(root.glob("*.safetensors"))
-    return ModelInput(str(p), config, from_headers(root) if has_weights else None)
+    has_weights = p.is_dir() and any(p.glob("*.safetensors"))
+    return ModelInput(str(p), config, from_headers(p) if has_weights else None)
 
 
 def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[int, int, str]:
@@ -326,6 +328,8 @@ def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None
         available = requested - sum(i.bytes for i in device)
     fit = vllm_kv.fit(layout, available, max_len)
     one, all_len, seqs_graphs, seqs_state = _limits(layout, fit, req, shape.max_position_embeddings)
+    if req.max_model_len_auto and 0 < one < max_len:  # vLLM shortens it to what fits
+        fit = vllm_kv.fit(layout, available, one)
     seqs_state = max(seqs_state, 0)  # no block at all: no sequence fits, not "-1 sequences"
     host = _host_items(model, shape, req, weights)
     committed = sum(i.bytes for i in host if "reclaimable" not in i.note)
@@ -375,7 +379,7 @@ def _problems(plan: Plan) -> list[str]:
     req, fit = plan.request, plan.fit
     out = []
     if fit.available_bytes <= plan.layout.bytes_per_block:
-        out.append(f"no memory left for the KV cache ({gib(fit.available_bytes)} available)")
+        out.append(_no_kv_pool(plan))
     elif not fit.fits:
         out.append(
             f"KV capacity: {gib(fit.bytes_needed)} needed for one request of "
@@ -397,6 +401,25 @@ def _problems(plan: Plan) -> list[str]:
         committed = sum(i.bytes for i in plan.host_items if "reclaimable" not in i.note)
         out.append(f"host RAM: {gib(committed)} committed, {gib(req.host_memory or 0)} available")
     return out
+
+
+def _no_kv_pool(plan: Plan) -> str:
+    """The problem line of a plan with no KV pool: what the rest needs, and the smallest
+    ``--gpu-memory`` that leaves a pool of one request at the planned length."""
+    req, fit = plan.request, plan.fit
+    if req.kv_cache_memory is not None:
+        return f"no memory left for the KV cache (--kv-cache-memory {gib(req.kv_cache_memory)})"
+    fixed = sum(i.bytes for i in plan.device_items)
+    usable = math.ceil(req.gpu_memory * req.gpu_memory_utilization)
+    # vLLM keeps one block back (the null block), and gib() rounds: a block more each
+    one = max(fit.bytes_needed, 0) + 2 * plan.layout.bytes_per_block
+    need = math.ceil((fixed + one) / req.gpu_memory_utilization / 2**30 * 100) * 2**30 // 100
+    return (
+        f"no memory left for the KV cache: weights, headroom and the other non-KV items take "
+        f"{gib(fixed)}, more than the {gib(usable)} vLLM may use ({gib(req.gpu_memory)} x "
+        f"{req.gpu_memory_utilization:g}); one request of {fit.max_model_len:,} tokens needs "
+        f"--gpu-memory {gib(need)} at least (or more GPUs: --tp)"
+    )
 
 
 def calibrate_headroom(model: ModelInput, req: PlanRequest, available_kv: int) -> int:

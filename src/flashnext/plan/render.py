@@ -31,8 +31,9 @@ def plan_text(plan: Plan) -> str:
             plan.device_items,
             "non-KV total",
         ),
-        f"  {'KV cache pool':<46} {gib(fit.available_bytes):>12}"
-        + ("  --kv-cache-memory" if req.kv_cache_memory is not None else ""),
+        f"  {'KV cache pool':<46} {gib(max(0, fit.available_bytes)):>12}"
+        + ("  --kv-cache-memory" if req.kv_cache_memory is not None else "")
+        + (f"  ({gib(-fit.available_bytes)} short)" if fit.available_bytes < 0 else ""),
         "",
         *_table("host", plan.host_items, "total"),
         "",

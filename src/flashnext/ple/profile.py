@@ -40,6 +40,7 @@ from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, make_record
 from flashnext.safetensors_file import SafetensorsError, read_header, read_tensor, write_file
+from flashnext.user_files import read_user_file
 
 PROFILE_NAME = "hot_rows.safetensors"
 PROFILE_KIND = PLE_PROFILE
@@ -306,7 +307,7 @@ def _tokenized(
 ) -> Iterator[np.ndarray]:
     """Token ids of each file (one document each); appends each file's record to ``corpus``."""
     for path in files:
-        data = path.read_bytes()
+        data = read_user_file(path, "a --text file")
         text = data.decode("utf-8", errors="replace")
         ids = np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
         corpus.append(

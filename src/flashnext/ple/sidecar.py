@@ -170,13 +170,9 @@ class Sidecar:
 
     def expected_checksums(self) -> dict[int, str]:
         """Shard index -> sha256 recorded in META.json (empty when none recorded)."""
-        out: dict[int, str] = {}
-        for rec in self.meta.get("shards", []) if isinstance(self.meta.get("shards"), list) else []:
-            if isinstance(rec, dict) and isinstance(rec.get("sha256"), str):
-                m = _SHARD_RE.match(str(rec.get("file", "")))
-                if m:
-                    out[int(m.group(1))] = rec["sha256"]
-        return out
+        # validated at open (_check_meta_shards): one record per shard file, or none at all
+        named = {rec["file"]: rec["sha256"] for rec in self.meta.get("shards") or []}
+        return {sh.index: named[sh.path.name] for sh in self.shards if sh.path.name in named}
 
     def verify_checksums(self, progress: Callable[[int], None] | None = None) -> list[str]:
         """Re-hash every shard with a recorded sha256; return one problem line per mismatch."""
@@ -527,8 +523,71 @@ def _open_sidecar(root: Path) -> Sidecar:
     for header in headers:
         _check_table_rows(header, table_rows)
     _meta_geometry(root, meta, table_rows, width)
+    _check_meta_shards(root, meta.get("shards"), shards)
     ranges = present[0] if present else None
     return Sidecar(root, codec, width, rows_per_shard, table_rows, shards, meta, ranges)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_meta_shards(root: Path, records: Any, shards: list[Shard]) -> None:
+    """META.json's ``shards`` list, when present, must vouch for exactly these files: one
+    record per shard file, by name, each a ``{"file", "rows", "sha256"}`` object whose rows
+    match the file. A malformed list or a renamed, missing or extra entry is refused here, so
+    no reader mistakes it for "checksums not recorded" or lets a shard pass unhashed.
+
+    Raises:
+        SidecarError: naming META.json, the entry and what was expected.
+    """
+    where = f"{root / META_NAME}: shards"
+    if records is None:
+        return  # no checksums recorded: said as such by inspect, verify and quantize
+    fix = "re-create the sidecar, or remove the shards key to serve it without checksums"
+    if not isinstance(records, list) or not records:
+        raise SidecarError(
+            f"{where}={_short(records)}, expected a list of {{'file', 'rows', 'sha256'}} "
+            f"records, one per shard file; {fix}"
+        )
+    by_name: dict[str, Mapping[str, Any]] = {}
+    for i, rec in enumerate(records):
+        name = rec.get("file") if isinstance(rec, dict) else None
+        sha = rec.get("sha256") if isinstance(rec, dict) else None
+        if not isinstance(name, str) or not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+            raise SidecarError(
+                f"{where}[{i}]={_short(rec)}, expected {{'file': 'shard_N.safetensors', "
+                f"'rows': R, 'sha256': 64 hex digits}}; {fix}"
+            )
+        if name in by_name:
+            raise SidecarError(f"{where}: {name!r} is listed twice; {fix}")
+        by_name[name] = rec
+    files = {sh.path.name: sh for sh in shards}
+    unlisted = sorted(set(files) - set(by_name), key=_by_index)
+    unknown = sorted(set(by_name) - set(files))
+    if unlisted or unknown:
+        wrong = [f"no checksum for {', '.join(unlisted[:3])}"] if unlisted else []
+        wrong += [f"{', '.join(map(repr, unknown[:3]))} is not a shard here"] if unknown else []
+        raise SidecarError(
+            f"{where} lists {len(by_name)} file(s) for {len(files)} shard file(s): "
+            f"{'; '.join(wrong)}; {fix}"
+        )
+    for name, rec in by_name.items():
+        rows = rec.get("rows")
+        if rows is not None and rows != files[name].rows:
+            raise SidecarError(
+                f"{where}: {name} rows={rows!r}, but the file holds {files[name].rows}; {fix}"
+            )
+
+
+def _by_index(name: str) -> tuple[int, str]:
+    """Sort key of a shard file name: by index, then by name."""
+    index = shard_index(name)
+    return (-1 if index is None else index, name)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _scalars(header: Header, codec: Codec) -> dict[str, float]:

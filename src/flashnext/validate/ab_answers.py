@@ -29,6 +29,7 @@ from typing import Any
 
 from flashnext.errors import ValidationError
 from flashnext.records import VALIDATE_AB_ANSWERS, make_record
+from flashnext.user_files import UserFileError, read_user_text
 from flashnext.validate.ab_metrics import TopK
 from flashnext.validate.ab_prompts import Prompt
 from flashnext.validate.ab_server import Generation, RequestFailed, Side
@@ -105,8 +106,11 @@ class RecordedSide(Side):
         """
         file = answers_path(path)
         try:
-            rows = [json.loads(x) for x in file.read_text(encoding="utf-8").splitlines() if x]
-        except (OSError, UnicodeDecodeError) as exc:
+            text = read_user_text(file, "the recorded answers (baseline-answers.jsonl)")
+            rows = [json.loads(x) for x in text.splitlines() if x]
+        except UserFileError as exc:
+            raise ValidationError(str(exc)) from None
+        except OSError as exc:
             raise ValidationError(f"{file}: cannot read the recorded answers: {exc}") from None
         except ValueError as exc:
             raise ValidationError(f"{file}: not JSON lines: {exc}") from None

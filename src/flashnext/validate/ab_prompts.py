@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.errors import ValidationError
+from flashnext.user_files import UserFileError, read_user_text
 
 FILL = "{fill}"
 DEFAULT_FILLER = (
@@ -77,7 +78,9 @@ def load_prompts(path: Path | None = None) -> list[Prompt]:
     """
     path = path or default_prompts_path()
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_user_text(path, "--prompts (a JSONL prompt file)").splitlines()
+    except UserFileError as exc:
+        raise ValidationError(str(exc)) from None
     except OSError as exc:
         raise ValidationError(f"--prompts {path}: cannot read ({exc})") from None
     prompts: list[Prompt] = []

@@ -33,7 +33,8 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+#: A label name starts a word: searched from inside a long word it would rescan it per letter.
+_LABEL = re.compile(r'(?<![a-zA-Z0-9_])([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

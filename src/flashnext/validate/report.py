@@ -57,6 +57,7 @@ from flashnext.records import (
     to_jsonable,
 )
 from flashnext.status import STYLES, read_status
+from flashnext.user_files import JSON_LIMIT, UserFileError, read_user_text
 from flashnext.validate.output import Render, Written, check_writable, write_files
 from flashnext.validate.stages.result import ValidationResult
 
@@ -325,7 +326,9 @@ def load_report(path: Path) -> dict[str, Any]:
         ValidationError: unreadable, not JSON, not a validate report, or an unknown version.
     """
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_user_text(path, "a report.json", JSON_LIMIT))
+    except UserFileError as exc:
+        raise ValidationError(str(exc)) from None
     except (OSError, ValueError) as exc:
         why = getattr(exc, "strerror", None) or exc
         raise ValidationError(f"{path}: cannot read a report.json ({why})") from None
