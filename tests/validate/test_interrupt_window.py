@@ -11,56 +11,18 @@ one more row. The report must be whole, the exit 128 + N, one line saying so, no
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from devtools.vllm_cpu import VllmServer
 
+from ..cli.hooks import hooked
 from ..cli.runner import BASE_ENV
 from ..cli.servers import openai_server
-
-#: Imports flashnext, wraps MODULE:ATTR (ATTR may be Class.method) so that its NTH call
-#: signals this process (before the call, or "after" it), then runs the CLI on the rest.
-DRIVER = r"""
-import asyncio, functools, importlib, os, signal, sys
-where, when, nth, sig = sys.argv[1], sys.argv[2], int(sys.argv[3]), signal.Signals[sys.argv[4]]
-module_name, _, path = where.partition(":")
-owner = importlib.import_module(module_name)
-*parents, attr = path.split(".")
-for part in parents:
-    owner = getattr(owner, part)
-original = getattr(owner, attr)
-calls = [0]
-
-def fire(stage):
-    calls[0] += stage == "before"
-    if calls[0] == nth and stage == when:
-        os.kill(os.getpid(), sig)
-
-if asyncio.iscoroutinefunction(original):
-    @functools.wraps(original)
-    async def wrapper(*args, **kwargs):
-        fire("before")
-        try:
-            return await original(*args, **kwargs)
-        finally:
-            fire("after")
-else:
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        fire("before")
-        try:
-            return original(*args, **kwargs)
-        finally:
-            fire("after")
-setattr(owner, attr, wrapper)
-from flashnext.cli import main
-main(sys.argv[5:])
-"""
 
 #: validate --stages ready: every step from the last stage's end to the printed report.
 VALIDATE_POINTS = [
@@ -78,14 +40,10 @@ VALIDATE_POINTS = [
 
 
 def _drive(point: tuple[str, str, int], sig: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    where, when, nth = point
     return subprocess.run(
-        [sys.executable, "-c", DRIVER, where, when, str(nth), sig, *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**__import__("os").environ, **BASE_ENV},
-    )
+        hooked(point, sig, *argv), capture_output=True, text=True, timeout=300,
+        env={**os.environ, **BASE_ENV},
+    )  # fmt: skip
 
 
 def _one_line_said(proc: subprocess.CompletedProcess[str], sig: str) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 from flashnext.atomic import is_temp_name, write_json
 from flashnext.checkpoint.config import CONFIG_NAME, read_config
 from flashnext.errors import CheckpointError
+from flashnext.ple.destination import DestinationLock
 from flashnext.records import CHECKPOINT_OVERRIDE, make_record
 
 OVERRIDES_KEY = "_flashnext_overrides"
@@ -436,6 +437,7 @@ def write_overridden_snapshot(
     Raises:
         CheckpointError: ``out`` is ``src`` or inside it, holds a config.json that is not ours,
             or holds anything but links to ``src``'s entries (another checkpoint's, a file).
+        SidecarError: another process is writing ``out`` (its lock is held).
     """
     src_p, out_p = Path(src).resolve(), Path(out)
     if out_p.resolve() == src_p or src_p in out_p.resolve().parents:
@@ -443,24 +445,25 @@ def write_overridden_snapshot(
             f"--out {out_p} is the checkpoint or inside it; the original checkpoint is never "
             "edited in place: choose a directory outside it"
         )
-    existing = out_p / CONFIG_NAME
-    _refuse_foreign_config(existing)
-    skip = (CONFIG_NAME, OVERRIDES_FILE, ".cache")
-    entries = [e for e in sorted(src_p.iterdir()) if e.name not in skip]
-    _refuse_mixed(out_p, src_p, entries)
-    out_p.mkdir(parents=True, exist_ok=True)
-    linked = []
-    for entry in entries:
-        link = out_p / entry.name
-        if not link.is_symlink():
-            link.symlink_to(entry)
-        linked.append(entry.name)
-    if existing.is_symlink():
-        existing.unlink()
-    doc = dict(patched)
-    doc[OVERRIDES_KEY] = dict(record)
-    write_json(existing, doc)
-    write_json(out_p / OVERRIDES_FILE, dict(record))
+    with DestinationLock(out_p):  # a second writer is refused, naming this one
+        existing = out_p / CONFIG_NAME
+        _refuse_foreign_config(existing)
+        skip = (CONFIG_NAME, OVERRIDES_FILE, ".cache")
+        entries = [e for e in sorted(src_p.iterdir()) if e.name not in skip]
+        _refuse_mixed(out_p, src_p, entries)
+        out_p.mkdir(parents=True, exist_ok=True)
+        linked = []
+        for entry in entries:
+            link = out_p / entry.name
+            if not link.is_symlink():
+                link.symlink_to(entry)
+            linked.append(entry.name)
+        if existing.is_symlink():
+            existing.unlink()
+        doc = dict(patched)
+        doc[OVERRIDES_KEY] = dict(record)
+        write_json(existing, doc)
+        write_json(out_p / OVERRIDES_FILE, dict(record))
     return linked
 
 

@@ -41,7 +41,12 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
 
     --out must be new, empty, or an earlier demo's output (its tables are rebuilt).
     """
-    from flashnext.demo import demo_output_problem, run_demo
+    from flashnext.demo import (
+        demo_output_problem,
+        demo_temp_prefix,
+        remove_stale_temp_dirs,
+        run_demo,
+    )
     from flashnext.text import corpus_roots
 
     check_output(out_dir, corpus_roots(), hint="--out")
@@ -51,7 +56,9 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
     log = (lambda msg: None) if as_json else (lambda msg: note(msg, "dim"))
     with terminate_cleanly():  # SIGTERM unwinds: the temporary directory goes too
         if out_dir is None:
-            with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
+            for stale in remove_stale_temp_dirs():
+                log(f"removed {stale}, left by a demo run that was killed")
+            with tempfile.TemporaryDirectory(prefix=demo_temp_prefix()) as tmp:
                 result = run_demo(tmp, base=base, workers=workers, log=log)
         else:
             result = run_demo(out_dir, base=base, workers=workers, log=log)

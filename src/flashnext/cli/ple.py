@@ -673,8 +673,9 @@ def profile(
     check_output(
         target, [sidecar_dir, *texts, tokenizer_file], hint="--output", expect="file", owns=_is_profile
     )
-    with terminate_cleanly():
-        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json)
+    # The lock before the work: a second writer of the same file is refused at once.
+    with terminate_cleanly(), DestinationLock(target) as lock:
+        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json, lock)
 
 
 def _is_profile(path: Path) -> bool:
@@ -693,6 +694,7 @@ def _profile(
     layer: int | None,
     target: Path,
     as_json: bool,
+    lock: DestinationLock,
 ) -> None:
     sidecar = open_sidecar(sidecar_dir)
     if sidecar.geometry is None:
@@ -714,7 +716,7 @@ def _profile(
             geometry, texts, tok, tok_meta, rows, progress=lambda n: bar.advance(task, n)
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_profile(target, found)
+    write_profile(target, found, lock)
     summary = _profile_summary(found, target, sidecar.num_rows)
     if as_json:
         print_record(PLE_PROFILE_SUMMARY, summary)
@@ -801,7 +803,7 @@ def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: b
     params = slice_params(source, plan)
     check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source),
                  owns=lambda path: slice_owns(path.parent, params))  # fmt: skip
-    with terminate_cleanly(), DestinationLock(dst), _bar(disable=as_json) as bar:
+    with terminate_cleanly(), _bar(disable=as_json) as bar:
         task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
         write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))
     summary = {

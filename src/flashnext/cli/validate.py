@@ -13,6 +13,7 @@ import asyncio
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
 if TYPE_CHECKING:
+    from flashnext.ple.destination import ReportDestination
     from flashnext.validate.ab import AbConfig
     from flashnext.validate.ab_answers import RecordedSide
     from flashnext.validate.deployment import DeploymentProbe
@@ -82,6 +84,11 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     default=Path("validate-report"),
     show_default=True,
     help="Directory for report.json, report.md, report.png.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace report files in --out that flashnext did not write (other files stay).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option(
@@ -240,17 +247,19 @@ def _config(opts: dict[str, Any]) -> Config:
 def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     """Build the config from parsed flags, run, write and print; return the exit status."""
     from flashnext.validate.interrupts import deferred, kept_for_later
-    from flashnext.validate.report import build_report, check_out_dir, write_report
+    from flashnext.validate.report import REPORT_FILES, build_report, check_out_dir, write_report
 
     cfg = _config(opts)
     out_dir: Path = opts["out_dir"]
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
     check_output(out_dir, hint="--out")
+    dest = _report_destination(out_dir, REPORT_FILES[: 2 if opts["no_png"] else 3], opts["force"])
     check_out_dir(out_dir, png=not opts["no_png"])
     from flashnext.deploy.probe import deployment_probe
 
     probe = deployment_probe(cfg.api_key, cfg.container)
-    with kept_for_later() as kept:  # a signal after the last stage: the report is still written
+    # Locked from before the run until the report is written: a second run is refused at once.
+    with dest, kept_for_later() as kept:  # a signal after the last stage: still written
         result = asyncio.run(_run_with_progress(cfg, probe))
         report = build_report(result, argv)
         with deferred():  # a signal now would leave the report half written
@@ -276,6 +285,17 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     if written.failed:
         return 1
     return 0 if report["passed"] else 1
+
+
+def _report_destination(out_dir: Path, names: Sequence[str], force: bool) -> ReportDestination:
+    """The report directory, refused (a usage error, before any work) where its rule says."""
+    from flashnext.ple.destination import ReportDestination
+
+    dest = ReportDestination(out_dir, names, force=force)
+    problem = dest.problem()
+    if problem:
+        raise click.BadParameter(problem, param_hint="--out")
+    return dest
 
 
 def _late_signal(sig: signal.Signals, what: str) -> int:
@@ -489,6 +509,11 @@ def _ab_baseline(ctx: click.Context, param: click.Parameter, value: str) -> str 
     show_default=True,
     help="Directory for ab.json, ab.md, ab.png.",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace ab files in --out that flashnext did not write (other files stay).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the ab.json record on stdout.")
 @click.option("--no-png", is_flag=True, help="Skip ab.png.")
 @click.pass_context
@@ -511,15 +536,17 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     answers_in = recorded.source if recorded else None
     check_output(o["out_dir"], [o["prompts_file"], answers_in], hint="--out")
     cfg = _ab_config(o, recorded)
-    # Before the run: a report that cannot be written loses every prompt's evidence.
     names = [*AB_FILES[: 2 if o["no_png"] else 3], *([] if recorded else [ANSWERS_FILE])]
-    check_writable(o["out_dir"], names if o["candidate"] else [ANSWERS_FILE])
+    names = names if o["candidate"] else [ANSWERS_FILE]
+    dest = _report_destination(o["out_dir"], names, o["force"])
+    # Before the run: a report that cannot be written loses every prompt's evidence.
+    check_writable(o["out_dir"], names)
     if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
         err_console.print(
             f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "
             "can only agree with itself", markup=False, highlight=False, soft_wrap=True,
         )  # fmt: skip
-    with kept_for_later() as kept:  # a signal after the last prompt: the report is still written
+    with dest, kept_for_later() as kept:  # a signal after the last prompt: still written
         _ab_run_and_write(ctx, o, cfg, kept)
 
 

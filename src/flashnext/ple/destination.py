@@ -9,6 +9,14 @@ directory or one of its ancestors (``.``, ``..``, ``/``); a directory is expecte
 directory belongs and a file where a file does; an existing file the command would replace
 must be one it wrote itself (the caller says how to recognise its own files).
 
+**A report directory** (:class:`ReportDestination`): a directory a command writes a few named
+files into (``validate``: report.json, report.md, report.png; ``validate ab``: ab.*,
+baseline-answers.jsonl). It may hold only files a flashnext report writer wrote there and
+that are unchanged since: :data:`OWN_FILES` in it lists each such file's sha256
+(:func:`remember_written`, called by the writer before each rename). Anything else is refused,
+naming it; ``force`` lets the command replace its own names (other files stay). The lock below
+is held from before the run until the report is written.
+
 **A sidecar destination** (:class:`SidecarDestination`): refuse or adopt what is there, lock it
 against a second writer, keep the resume state, hand out the writer, commit, clean up.
 
@@ -37,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -47,8 +57,8 @@ from typing import Any, Literal
 import numpy as np
 
 from flashnext import __version__
-from flashnext.atomic import final_name, is_temp_name, write_json
-from flashnext.errors import SidecarError
+from flashnext.atomic import atomic_write, final_name, is_temp_name, write_json
+from flashnext.errors import DestinationError, SidecarError
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
@@ -68,12 +78,16 @@ from flashnext.records import to_jsonable
 from flashnext.safetensors_file import sha256_file
 
 __all__ = [
+    "OWN_FILES",
     "DestinationLock",
+    "ReportDestination",
     "SidecarDestination",
     "SidecarWriter",
     "destination_problem",
     "recorded_source",
+    "remember_written",
     "write_sidecar",
+    "write_text_locked",
 ]
 
 Expect = Literal["dir", "file"]
@@ -200,6 +214,21 @@ class DestinationLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def abandoned(self) -> bool | None:
+        """Whether the lock file is there and no process holds it (its writer died: a killed
+        process leaves the file, unlocked); None when there is no lock file. Takes nothing."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)  # closing drops a lock just taken
+        return True
+
     def release(self) -> None:
         if self._fd is None:
             return
@@ -217,6 +246,16 @@ class DestinationLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def write_text_locked(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
+    """Write ``text`` (UTF-8) as the whole file ``path``: under its :class:`DestinationLock`
+    (a second writer is refused, naming this one), to a temporary name renamed when complete;
+    ``mode`` (e.g. ``0o755``) is set before the rename."""
+    with DestinationLock(Path(path)), atomic_write(path, "w") as fh:
+        fh.write(text)
+        if mode is not None:
+            os.fchmod(fh.fileno(), mode)
 
 
 def real_destination(dst: str | os.PathLike[str]) -> Path:
@@ -242,6 +281,104 @@ def _same_file(fd: int, path: Path) -> bool:
     except FileNotFoundError:
         return False
     return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+
+
+# -- a report directory ----------------------------------------------------------------------
+#: In a report directory: ``{"files": {name: [sha256, ...]}}``, the files flashnext report
+#: writers wrote there (the last two hashes of each: a run killed between this record and the
+#: rename leaves the older file, still recognised).
+OWN_FILES = ".flashnext-files.json"
+
+
+def _own_files(directory: Path) -> dict[str, list[str]]:
+    """The record of :data:`OWN_FILES` (empty when missing or unreadable: nothing is ours)."""
+    try:
+        data = json.loads((directory / OWN_FILES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return {}
+    return {str(k): [h for h in v if isinstance(h, str)] for k, v in files.items()
+            if isinstance(v, list)}  # fmt: skip
+
+
+def remember_written(directory: str | os.PathLike[str], name: str, data: bytes) -> None:
+    """Record in ``directory``'s :data:`OWN_FILES` that ``name`` is about to hold ``data``
+    (call it before renaming the file into place)."""
+    root = Path(directory)
+    files = _own_files(root)
+    digest = hashlib.sha256(data).hexdigest()
+    files[name] = [*[h for h in files.get(name, []) if h != digest][-1:], digest]
+    write_json(root / OWN_FILES, {"files": files})
+
+
+class ReportDestination:
+    """A report directory (see the module docstring): refused when it holds anything but
+    unchanged files of flashnext's report writers (``force``: this command's ``names`` may be
+    replaced), locked from :meth:`__enter__` until :meth:`__exit__`.
+
+    Raises:
+        DestinationError: :meth:`problem`'s answer, or another process holds the lock.
+    """
+
+    def __init__(
+        self,
+        dst: str | os.PathLike[str],
+        names: Iterable[str],
+        *,
+        force: bool = False,
+    ) -> None:
+        self.dst = real_destination(dst)
+        self.names = tuple(names)
+        self.force = force
+        self._lock = DestinationLock(self.dst)
+
+    def foreign(self) -> list[str]:
+        """Entries of the directory that no flashnext report writer left unchanged there."""
+        if not self.dst.is_dir():
+            return []
+        own = _own_files(self.dst)
+        out = []
+        for entry in sorted(self.dst.iterdir(), key=lambda p: p.name):
+            name = entry.name
+            if name == OWN_FILES or (is_temp_name(name) and final_name(name) in own):
+                continue
+            if not (entry.is_file() and not entry.is_symlink() and name in own
+                    and sha256_file(entry) in own[name]):  # fmt: skip
+                out.append(name)
+        return out
+
+    def problem(self) -> str | None:
+        """Why this command may not write into the directory (None: it may)."""
+        foreign = self.foreign()
+        if self.force:  # its own names go; everything else stays, so it is still refused
+            foreign = [n for n in foreign if n not in self.names]
+            fix = f"; --force replaces only {', '.join(self.names)}, never other files"
+        else:
+            mine = ", ".join(n for n in foreign if n in self.names) or "the report's files"
+            fix = (": choose a new or empty directory (or remove them), or pass --force to "
+                   f"replace {mine} (other files stay)")  # fmt: skip
+        if not foreign:
+            return None
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        return (
+            f"{self.dst} holds files a flashnext report did not write (or changed "
+            f"since): {', '.join(foreign[:5])}{more}{fix}"
+        )
+
+    def __enter__(self) -> ReportDestination:
+        problem = self.problem()
+        if problem:
+            raise DestinationError(problem)
+        try:
+            self._lock.acquire()
+        except SidecarError as exc:
+            raise DestinationError(str(exc)) from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 # -- the writer ----------------------------------------------------------------------------
