@@ -225,7 +225,8 @@ def demo_output_problem(out: str | os.PathLike[str]) -> str | None:
         return None
     bf16 = (root / "ple_bf16").resolve()
     for entry in sorted(root.iterdir()):
-        source = recorded_source(entry) if entry.name in DEMO_TABLES else None
+        table = entry.name in DEMO_TABLES and entry.is_dir() and not entry.is_symlink()
+        source = recorded_source(entry) if table else None
         ours = source is not None and (
             source.get("generator") == _GENERATOR
             if entry.name == "ple_bf16"

@@ -467,6 +467,15 @@ def write_overridden_snapshot(
     return linked
 
 
+def override_holds(entry: Path) -> bool:
+    """Whether ``entry`` may sit in an override's ``--out`` (for the destination rule): its
+    config.json and FLASHNEXT_OVERRIDES.json, a link (judged later against the checkpoint),
+    or a temporary of ours."""
+    if entry.name == CONFIG_NAME and not entry.is_symlink():
+        return _config_is_ours(entry)
+    return entry.name == OVERRIDES_FILE or entry.is_symlink() or is_temp_name(entry.name)
+
+
 def _refuse_mixed(out: Path, src: Path, entries: list[Path]) -> None:
     """Refuse an ``out`` that would serve files of another checkpoint beside ``src``'s: a link
     there to anything but ``src``'s own entry (an earlier override of another checkpoint or
@@ -492,13 +501,17 @@ def _refuse_mixed(out: Path, src: Path, entries: list[Path]) -> None:
         )
 
 
+def _config_is_ours(path: Path) -> bool:
+    """Whether the config.json ``path`` is one an override wrote (it carries our key)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and OVERRIDES_KEY in doc
+
+
 def _refuse_foreign_config(existing: Path) -> None:
-    if existing.exists() and not existing.is_symlink():
-        try:
-            ours = OVERRIDES_KEY in json.loads(existing.read_text())
-        except (OSError, ValueError):
-            ours = False
-        if not ours:
-            raise CheckpointError(
-                f"{existing} exists and was not written by flashnext; refusing to overwrite it"
-            )
+    if existing.exists() and not existing.is_symlink() and not _config_is_ours(existing):
+        raise CheckpointError(
+            f"{existing} exists and was not written by flashnext; refusing to overwrite it"
+        )

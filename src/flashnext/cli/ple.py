@@ -30,7 +30,7 @@ from flashnext.cli._destination import check_output
 from flashnext.cli._signals import terminate_cleanly
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import DestinationLock
+from flashnext.ple.destination import DestinationLock, sidecar_holds
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
 from flashnext.ple.pageout import page_cache_pageout
@@ -235,7 +235,8 @@ def quantize(
     (exact, at disk speed) unless --requantize. Exits 1 when a row's relative error exceeds
     --max-row-error (the table is written; the summary names the worst row).
     """
-    check_output(dst, [src], hint="DST")
+    # --force replaces another table (the library judges it); without it, only its own files
+    check_output(dst, [src], hint="DST", holds=None if force else sidecar_holds)
     with terminate_cleanly():
         _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
                   ignore_source_checksums, requantize, as_json)  # fmt: skip
@@ -801,8 +802,10 @@ def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: b
     source = open_sidecar(sidecar)
     plan = plan_slice(source, tp, ranks)
     params = slice_params(source, plan)
-    check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source),
-                 owns=lambda path: slice_owns(path.parent, params))  # fmt: skip
+    names = slice_file_names(plan, source)
+    check_output(dst, [sidecar], hint="DST", writes=names,
+                 owns=lambda path: slice_owns(path.parent, params),
+                 holds=lambda entry: sidecar_holds(entry) or entry.name in names)  # fmt: skip
     with terminate_cleanly(), _bar(disable=as_json) as bar:
         task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
         write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))

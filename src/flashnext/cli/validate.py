@@ -253,8 +253,8 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     out_dir: Path = opts["out_dir"]
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
     check_output(out_dir, hint="--out")
-    dest = _report_destination(out_dir, REPORT_FILES[: 2 if opts["no_png"] else 3], opts["force"])
     check_out_dir(out_dir, png=not opts["no_png"])
+    dest = _report_destination(out_dir, REPORT_FILES[: 2 if opts["no_png"] else 3], opts["force"])
     from flashnext.deploy.probe import deployment_probe
 
     probe = deployment_probe(cfg.api_key, cfg.container)
@@ -538,9 +538,9 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     cfg = _ab_config(o, recorded)
     names = [*AB_FILES[: 2 if o["no_png"] else 3], *([] if recorded else [ANSWERS_FILE])]
     names = names if o["candidate"] else [ANSWERS_FILE]
-    dest = _report_destination(o["out_dir"], names, o["force"])
     # Before the run: a report that cannot be written loses every prompt's evidence.
     check_writable(o["out_dir"], names)
+    dest = _report_destination(o["out_dir"], names, o["force"])
     if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
         err_console.print(
             f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "

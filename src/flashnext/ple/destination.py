@@ -86,6 +86,7 @@ __all__ = [
     "destination_problem",
     "recorded_source",
     "remember_written",
+    "sidecar_holds",
     "write_sidecar",
     "write_text_locked",
 ]
@@ -101,6 +102,7 @@ def destination_problem(
     expect: Expect = "dir",
     owns: Callable[[Path], bool] | None = None,
     writes: Iterable[str] = (),
+    holds: Callable[[Path], bool] | None = None,
     cwd: str | os.PathLike[str] | None = None,
 ) -> str | None:
     """Why a command may not write ``dst``, or None when it may (pure: reads, never writes).
@@ -112,6 +114,8 @@ def destination_problem(
         owns: whether an existing file is one this command wrote (may be replaced); without it
             no existing file is replaced.
         writes: for ``dir``: the names the command writes inside it (each checked with ``owns``).
+        holds: for ``dir``: whether an entry already in it is one this command may find there
+            (its own output); with it, a directory holding anything else is refused.
         cwd: the working directory (default: the process's).
     """
     path = Path(os.fsdecode(dst))
@@ -127,6 +131,10 @@ def destination_problem(
         problem = _input_problem(path, real, Path(os.fsdecode(given)))
         if problem:
             return problem
+    if holds is not None and expect == "dir":
+        strangers = _strangers(path, holds)
+        if strangers:
+            return strangers
     targets = [path] if expect == "file" else [path / name for name in writes]
     for target in targets:
         if target.exists() and not (owns is not None and target.is_file() and owns(target)):
@@ -135,6 +143,34 @@ def destination_problem(
                 "remove it yourself or choose another path"
             )
     return None
+
+
+def _strangers(path: Path, holds: Callable[[Path], bool]) -> str | None:
+    """Entries of the directory ``path`` that are not this command's output, in words."""
+    if not path.is_dir():
+        return None
+    names = sorted(p.name for p in path.iterdir() if not holds(p))
+    if not names:
+        return None
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"{path} holds {', '.join(names[:3])}{more}, which this command did not write; it "
+        "writes only into a new or empty directory or its own earlier output: choose another "
+        "path (or remove them yourself)"
+    )
+
+
+def sidecar_holds(entry: Path) -> bool:
+    """Whether ``entry`` may sit in a sidecar directory being written: a file named as a
+    sidecar writer names its files (shards, META.json, run state, their temporaries)."""
+    if not (entry.is_file() and not entry.is_symlink()):
+        return False
+    if entry.name in (META_NAME, STATE_NAME):  # a record of ours is a JSON object
+        try:
+            return isinstance(json.loads(entry.read_text(encoding="utf-8")), dict)
+        except (OSError, ValueError):
+            return False
+    return SidecarDestination._ours(entry.name, 1 << 20)
 
 
 def _shape_problem(path: Path, expect: Expect) -> str | None:
@@ -203,8 +239,9 @@ class DestinationLock:
                     "it to finish (or stop it), then run this command again"
                 ) from None
             if _same_file(fd, self.path):
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
+                with contextlib.suppress(OSError):  # the pid only informs; a full disk
+                    os.ftruncate(fd, 0)  # must not stop the writer (it reports its own
+                    os.write(fd, f"{os.getpid()}\n".encode())  # files it cannot write)
                 self._fd = fd
             else:  # removed by the holder that just released it: take a fresh one
                 os.close(fd)
