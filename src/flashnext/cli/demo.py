@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
@@ -12,6 +13,9 @@ from flashnext.cli._common import OutputDir, human_bytes, note, print_record, sh
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import terminate_cleanly
 from flashnext.records import DEMO_RUN
+
+if TYPE_CHECKING:
+    from flashnext.demo import DemoResult
 
 
 @click.command()
@@ -66,6 +70,13 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
         print_record(DEMO_RUN, result)
         return
 
+    show(_table(result))
+    if out_dir is not None:
+        note(f"tables kept in {out_dir}")
+
+
+def _table(result: DemoResult) -> Table:
+    """The demo's measurements as one table (sizes, errors, lookup times per residency)."""
     geo = result.geometry
     table = Table(
         title=(
@@ -98,6 +109,4 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
             f"{row.prefill_ms['mmap']:.1f} ms",
             f"{row.prefill_ms['resident']:.1f} ms",
         )
-    show(table)
-    if out_dir is not None:
-        note(f"tables kept in {out_dir}")
+    return table
