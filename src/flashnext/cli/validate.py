@@ -525,6 +525,7 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     flashnext validate ab --baseline http://127.0.0.1:8000 --out before/   # record only
     flashnext validate ab --baseline before/ --candidate http://127.0.0.1:8000
     """
+    from flashnext.records import redact
     from flashnext.validate.ab_answers import ANSWERS_FILE
     from flashnext.validate.ab_report import AB_FILES
     from flashnext.validate.interrupts import kept_for_later
@@ -543,7 +544,8 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     dest = _report_destination(o["out_dir"], names, o["force"])
     if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
         err_console.print(
-            f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "
+            f"warning: --baseline and --candidate are the same server "
+            f"({redact(o['baseline'])}): it "
             "can only agree with itself", markup=False, highlight=False, soft_wrap=True,
         )  # fmt: skip
     with dest, kept_for_later() as kept:  # a signal after the last prompt: still written
