@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -216,7 +217,8 @@ def test_sigterm_of_demo_removes_its_temporary_directory(tmp_path):
 
 
 @pytest.mark.skipif(not LINUX, reason="POSIX signals")
-def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng, sig):
     write_sidecar(tmp_path / "src", "bf16", embedding_rows(16000, 160, rng), 2000)
     dst = tmp_path / "dst"
     proc = popen("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
@@ -225,11 +227,20 @@ def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng):
     _wait_for(
         proc, lambda: dst.is_dir() and any(p.name.startswith("shard_") for p in dst.iterdir())
     )
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert "leaked semaphore" not in err and "resource_tracker" not in err, err
-    assert _error_line(err) == "error: terminated (SIGTERM)" and "Traceback" not in err, err
+    if sig == signal.SIGTERM:
+        assert _error_line(err) == "error: terminated (SIGTERM)" and "Traceback" not in err, err
+    # issue 42: not a bare "aborted": what was kept, and how to go on
+    said = [line for line in err.splitlines() if line.startswith("interrupted: ")]
+    assert len(said) == 1 and "aborted" not in err and "Traceback" not in err, err
+    assert re.fullmatch(
+        rf"interrupted: [0-7] of 8 shards are written and kept in {re.escape(str(dst))}; run the "
+        r"same command again to resume \(finished shards are checked and kept, not redone\)",
+        said[0],
+    ), said
     run_ok("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
     whole = tmp_path / "whole"
     run_ok("ple", "quantize", tmp_path / "src", whole, "--format", "int4")

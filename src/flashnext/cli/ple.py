@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,10 +28,10 @@ from flashnext.cli._common import (
     show,
 )
 from flashnext.cli._destination import check_output
-from flashnext.cli._signals import terminate_cleanly
+from flashnext.cli._signals import Terminated, terminate_cleanly
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import DestinationLock, sidecar_holds
+from flashnext.ple.destination import DestinationLock, progress_kept, sidecar_holds
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
 from flashnext.ple.pageout import page_cache_pageout
@@ -238,8 +239,15 @@ def quantize(
     # --force replaces another table (the library judges it); without it, only its own files
     check_output(dst, [src], hint="DST", holds=None if force else sidecar_holds)
     with terminate_cleanly():
-        _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
-                  ignore_source_checksums, requantize, as_json)  # fmt: skip
+        try:
+            _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
+                      ignore_source_checksums, requantize, as_json)  # fmt: skip
+        except Terminated:
+            click.echo(f"interrupted: {progress_kept(dst)}", err=True)
+            raise
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            click.echo(f"interrupted: {progress_kept(dst)}", err=True)
+            sys.exit(130)  # this line says it all, not the CLI's bare "aborted"
 
 
 def _quantize(

@@ -84,6 +84,7 @@ __all__ = [
     "SidecarDestination",
     "SidecarWriter",
     "destination_problem",
+    "progress_kept",
     "recorded_source",
     "remember_written",
     "sidecar_holds",
@@ -783,6 +784,28 @@ class SidecarDestination:
         """A ``force`` run that ran out of space: its partial table only holds the space."""
         if self.replaces:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def progress_kept(dst: str | os.PathLike[str]) -> str:
+    """What an interrupted write of the sidecar ``dst`` left, in words, and how to go on: the
+    shards its run state records as finished (in ``dst`` or, for ``--force``, beside it)."""
+    real = real_destination(dst)
+    for where in (real.with_name(f".{real.name}.flashnext-new"), real):
+        try:
+            state = read_state(where)
+        except SidecarError:
+            continue
+        if state is None:
+            continue
+        done = state.get("shards")
+        total = state.get("num_shards")
+        n = len(done) if isinstance(done, dict) else 0
+        of = f" of {total}" if isinstance(total, int) else ""
+        return (
+            f"{n}{of} shards are written and kept in {where}; run the same command again to "
+            "resume (finished shards are checked and kept, not redone)"
+        )
+    return f"nothing of {real} was written yet; run the same command again to start"
 
 
 def recorded_source(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
