@@ -255,3 +255,39 @@ def test_workers_are_capped_and_the_cap_is_said(tmp_path, rng, capsys):
     assert code == 0, err
     assert json.loads(out)["workers"] <= 2
     assert "--workers 200: using" in err and "(2 shards," in err
+
+
+@pytest.mark.skipif(not LINUX, reason="SIGKILL, flock as on Linux")
+def test_demo_removes_the_temporary_directories_of_killed_runs_only(tmp_path):
+    """Issue 42: a demo killed by SIGKILL leaves its /tmp/flashnext-demo-*; the next demo removes
+    it, and every other dead run's, but never a live run's nor one it cannot judge."""
+    from flashnext.ple.destination import DestinationLock
+
+    from .hooks import hooked
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    locked = ("flashnext.ple.destination:DestinationLock.acquire", "after", 1)
+    killed = subprocess.run(hooked(locked, "SIGKILL", "demo", "--base", "1000"), env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (left,) = [p for p in tmp.iterdir() if p.is_dir()]  # its directory, its lock file beside
+    dead_pid = tmp / "flashnext-demo-999999999-x"  # killed before it took its lock
+    alive = tmp / f"flashnext-demo-{os.getpid()}-alive"  # a live run that has no lock yet
+    held = tmp / f"flashnext-demo-{os.getpid()}-held"  # a live run holding its lock
+    old = tmp / "flashnext-demo-abc123"  # an older flashnext's: no pid, no lock: not judged
+    for d in (dead_pid, alive, held, old):
+        d.mkdir()
+        (d / "f").write_text("x")
+    with DestinationLock(held):
+        start = ("flashnext.demo:run_demo", "before", 1)  # after the clean-up: stop there
+        again = subprocess.run(hooked(start, "SIGKILL", "demo", "--base", "1000"), env=env,
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert again.returncode == -signal.SIGKILL, again.stderr[-2000:]
+        assert f"removed {left}, left by a demo run that was killed" in again.stderr
+        assert f"removed {dead_pid}" in again.stderr
+        kept = {p.name for p in tmp.iterdir() if p.is_dir()}
+    assert {alive.name, held.name, old.name} <= kept
+    assert left.name not in kept and dead_pid.name not in kept
+    assert not (tmp / f".{left.name}.flashnext-lock").exists()
