@@ -236,8 +236,9 @@ def quantize(
     (exact, at disk speed) unless --requantize. Exits 1 when a row's relative error exceeds
     --max-row-error (the table is written; the summary names the worst row).
     """
-    # --force replaces another table (the library judges it); without it, only its own files
-    check_output(dst, [src], hint="DST", holds=None if force else sidecar_holds)
+    # What DST holds is judged by the library, under the lock: its own earlier output for the
+    # same source and settings resumes, anything else is refused there (or --force replaced).
+    check_output(dst, [src], hint="DST")
     with terminate_cleanly():
         try:
             _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
