@@ -406,13 +406,14 @@ class ReportDestination:
         )
 
     def __enter__(self) -> ReportDestination:
-        problem = self.problem()
-        if problem:
-            raise DestinationError(problem)
         try:
             self._lock.acquire()
         except SidecarError as exc:
             raise DestinationError(str(exc)) from None
+        problem = self.problem()  # again under the lock: what another writer left is judged
+        if problem:
+            self._lock.release()
+            raise DestinationError(problem)
         return self
 
     def __exit__(self, *exc: object) -> None:
