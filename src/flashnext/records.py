@@ -138,7 +138,8 @@ def redact_text(text: str, secrets: Iterable[str]) -> str:
 #: A name that is an environment variable's (``HF_TOKEN``), whose value :func:`redact` hides
 #: when :data:`SECRET_NAME` matches it; other mapping keys (``"key"``, ``"top1_token"``) are data.
 _ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+# The scheme is bounded: on a long run of letters the search stays linear (user text: logs).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"<>]*")
 
 
 def process_secrets(env: Mapping[str, str] | None = None) -> list[str]:

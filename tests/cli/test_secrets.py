@@ -107,3 +107,19 @@ def test_explain_redacts_a_log_that_quotes_secrets(tmp_path: Path) -> None:
     )
     texts = _run_all("explain", log) | _run_all("explain", log, "--json")
     assert not _leaks(texts), _leaks(texts)
+
+
+def test_redact_covers_every_shape_and_stays_linear_on_long_lines() -> None:
+    from flashnext.records import REDACTED, redact
+
+    got = redact({"argv": ["vllm", "--api-key", API_KEY, f"--hf-token={HF_FLAG}"],
+                  "env": {"HF_TOKEN": "short", "PATH": "/bin"},
+                  "url": f"http://u:{URL_PW}@h:1/v1", "top1_token": "key",
+                  "log": [f"loaded with {HF_ENV}"]}, secrets=[HF_ENV])  # fmt: skip
+    assert got == {"argv": ["vllm", "--api-key", REDACTED, f"--hf-token={REDACTED}"],
+                   "env": {"HF_TOKEN": REDACTED, "PATH": "/bin"},
+                   "url": f"http://{REDACTED}@h:1/v1", "top1_token": "key",
+                   "log": [f"loaded with {REDACTED}"]}  # fmt: skip
+    # 1 MB adversarial lines (a letter run with an @, many schemes): linear, so they return
+    for line in ("a" * 1_000_000 + "@x", "http://" * 150_000 + "@", "a1+" * 300_000 + "@"):
+        assert redact(line) == line
