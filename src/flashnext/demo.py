@@ -15,6 +15,7 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import numpy as np
 
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import recorded_source, write_sidecar
+from flashnext.ple.destination import DestinationLock, recorded_source, write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
@@ -84,11 +85,20 @@ def run_demo(
     ``out_dir`` must be new, empty or an earlier demo's output (:func:`demo_output_problem`);
     an earlier demo's tables are rebuilt.
 
+    The whole run holds ``out_dir``'s :class:`~flashnext.ple.destination.DestinationLock`.
+
     Raises:
-        SidecarError: ``out_dir`` holds anything else.
+        SidecarError: ``out_dir`` holds anything else, or another process is writing it.
     """
+    with DestinationLock(Path(out_dir)):  # two demos into one --out would mix their tables
+        return _run_demo(Path(out_dir), base, workers, log)
+
+
+def _run_demo(
+    out_dir: Path, base: int, workers: int | None, log: Callable[[str], None]
+) -> DemoResult:
     t0 = time.perf_counter()
-    out = _prepare_out(Path(out_dir))
+    out = _prepare_out(out_dir)
     workers = workers or min(4, os.cpu_count() or 1)
     rng = np.random.default_rng()
 
@@ -163,6 +173,45 @@ def _prepare_out(out: Path) -> Path:
     return out
 
 
+#: The temporary directories of runs without --out: ``flashnext-demo-PID-XXXX`` in the system's
+#: temporary directory, each locked (:class:`DestinationLock`) while its run lives.
+TEMP_PREFIX = "flashnext-demo-"
+
+
+def demo_temp_prefix() -> str:
+    """The prefix of this process's temporary demo directory (its pid inside)."""
+    return f"{TEMP_PREFIX}{os.getpid()}-"
+
+
+def remove_stale_temp_dirs(tmp: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Remove the temporary directories of demo runs that died without cleaning up (SIGKILL,
+    an OOM kill): only those whose lock no live process holds, or, without a lock file, whose
+    pid is gone. Returns the directories removed."""
+    root = Path(tmp if tmp is not None else tempfile.gettempdir())
+    removed = []
+    for entry in sorted(root.glob(f"{TEMP_PREFIX}*")):
+        lock = DestinationLock(entry)
+        dead = lock.abandoned()
+        if dead is None:  # killed before it took the lock: its pid says
+            pid = entry.name[len(TEMP_PREFIX) :].partition("-")[0]
+            dead = pid.isdigit() and not _alive(int(pid))
+        if dead and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            lock.path.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 #: The directories the demo writes in its output directory, one table per format.
 DEMO_TABLES = tuple(f"ple_{fmt}" for fmt in FORMATS)
 _GENERATOR = "flashnext.synthetic.embedding_rows"
@@ -176,7 +225,8 @@ def demo_output_problem(out: str | os.PathLike[str]) -> str | None:
         return None
     bf16 = (root / "ple_bf16").resolve()
     for entry in sorted(root.iterdir()):
-        source = recorded_source(entry) if entry.name in DEMO_TABLES else None
+        table = entry.name in DEMO_TABLES and entry.is_dir() and not entry.is_symlink()
+        source = recorded_source(entry) if table else None
         ours = source is not None and (
             source.get("generator") == _GENERATOR
             if entry.name == "ple_bf16"

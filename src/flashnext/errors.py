@@ -36,6 +36,10 @@ class SidecarError(FlashnextError):
     """A sidecar directory is missing, incomplete or inconsistent."""
 
 
+class DestinationError(FlashnextError):
+    """A command may not write where it was asked to (what is there, or another writer)."""
+
+
 class CheckpointError(FlashnextError):
     """A model checkpoint on disk is incomplete or has an unexpected layout."""
 

@@ -29,6 +29,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import os
 import platform
 import re
 import sys
@@ -104,17 +105,18 @@ def redact_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
     out: list[str] = []
     hide_next = False
     for arg in argv:
-        if hide_next:
+        if hide_next and not arg.startswith("--"):
             out.append(REDACTED)
             hide_next = False
             continue
+        hide_next = False
         name, eq, _value = arg.partition("=")
         if arg.startswith("-") and SECRET_NAME.search(name):
             if eq:
                 out.append(f"{name}={REDACTED}")
             else:
                 out.append(arg)
-                hide_next = True
+                hide_next = True  # unless the next word is a flag: then the value is missing
             continue
         is_env = eq and not arg.startswith("-") and re.fullmatch(r"[A-Za-z_]\w*", name)
         if is_env and SECRET_NAME.search(name):
@@ -133,6 +135,61 @@ def redact_text(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
+#: A name that is an environment variable's (``HF_TOKEN``), whose value :func:`redact` hides
+#: when :data:`SECRET_NAME` matches it; other mapping keys (``"key"``, ``"top1_token"``) are data.
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+# The scheme is bounded: on a long run of letters the search stays linear (user text: logs).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"<>]*")
+
+
+def process_secrets(env: Mapping[str, str] | None = None) -> list[str]:
+    """The values of this process's secret-named environment variables (``HF_TOKEN``,
+    ``OPENAI_API_KEY``): never shown by any output, wherever they turn up (8 characters and
+    more: a short value such as ``1`` would blank out ordinary text)."""
+    env = os.environ if env is None else env
+    return [v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8]
+
+
+def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
+    """THE redaction of flashnext's outputs (text, JSON records, files, logs): ``value`` with
+    secrets removed, recursively.
+
+    - every string: each of ``secrets`` and of :func:`process_secrets` becomes ``<redacted>``,
+      and so does a URL's ``user:password@``;
+    - every list of strings (a command line): :func:`redact_argv` (``--api-key X``,
+      ``--hf-token=X``, ``HF_TOKEN=X`` words);
+    - every mapping: the string value of an environment-variable name matching
+      :data:`SECRET_NAME` (``{"HF_TOKEN": ...}``).
+    """
+    known = sorted({s for s in [*secrets, *process_secrets()] if s and len(s) >= 3},
+                   key=len, reverse=True)  # fmt: skip
+    return _redact(value, known)
+
+
+def _redact(value: Any, known: list[str]) -> Any:
+    if isinstance(value, str):
+        return _redact_str(value, known)
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED
+            if isinstance(v, str) and isinstance(k, str) and _ENV_NAME.fullmatch(k)
+            and SECRET_NAME.search(k) and v != REDACTED
+            else _redact(v, known)
+            for k, v in value.items()
+        }  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(v, str) for v in value):
+            return redact_argv(value, known)
+        return [_redact(v, known) for v in value]
+    return value
+
+
+def _redact_str(text: str, known: list[str]) -> str:
+    for secret in known:
+        text = text.replace(secret, REDACTED)
+    return _URL.sub(lambda m: redact_url(m.group(0)), text) if "@" in text else text
+
+
 def environment(argv: Sequence[str] | None = None, secrets: Iterable[str] = ()) -> dict[str, Any]:
     """The environment block: flashnext version, Python, platform, command (redacted), time."""
     command = list(sys.argv if argv is None else argv)
@@ -142,7 +199,7 @@ def environment(argv: Sequence[str] | None = None, secrets: Iterable[str] = ()) 
         "flashnext": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "command": redact_argv(command, secrets),
+        "command": redact_argv(command, [*secrets, *process_secrets()]),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -190,7 +247,7 @@ def make_record(
         "schema_version": int(schema_version),
         "kind": kind,
         "environment": environment(argv, secrets),
-        **body,
+        **redact(body, secrets),  # one redaction for every record: files and --json alike
     }
 
 

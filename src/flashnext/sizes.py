@@ -62,3 +62,12 @@ def gib(n: float) -> str:
     if abs(n) >= 2**20 / 10:
         return f"{n / 2**20:.2f} MiB"
     return f"{n / 2**10:.2f} KiB"
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes with one decimal, in the largest binary unit that does not round it to 0.0
+    ("29.8 GiB", "0.7 GiB", "3.1 KiB", "12 B"): a small table never reads as "0.0 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale / 10:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

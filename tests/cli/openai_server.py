@@ -19,7 +19,12 @@ MODELS = {"object": "list", "data": [{"id": "tiny", "root": "/models/tiny", "max
 METRICS = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n'
 
 
-def handler(key: str | None, basic: str | None) -> type[BaseHTTPRequestHandler]:
+def handler(
+    key: str | None, basic: str | None, root: str | None = None
+) -> type[BaseHTTPRequestHandler]:
+    models = json.loads(json.dumps(MODELS))
+    if root:  # the served model's root, as vLLM reports a local checkpoint directory
+        models["data"][0]["root"] = root
     allowed = set()
     if key:
         allowed.add(f"Bearer {key}")
@@ -31,7 +36,7 @@ def handler(key: str | None, basic: str | None) -> type[BaseHTTPRequestHandler]:
             guarded = self.path.startswith("/v1/")
             if guarded and allowed and self.headers.get("Authorization") not in allowed:
                 return self._send(401, {"error": "Unauthorized"})
-            body = {"/v1/models": MODELS, "/version": {"version": "0.33.0"}, "/health": {}}
+            body = {"/v1/models": models, "/version": {"version": "0.33.0"}, "/health": {}}
             if self.path == "/metrics":
                 return self._send(200, METRICS)
             if self.path in body:
@@ -56,8 +61,9 @@ def main() -> None:
     ap.add_argument("--port-file", required=True)
     ap.add_argument("--key")
     ap.add_argument("--basic")
+    ap.add_argument("--root")
     args = ap.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler(args.key, args.basic))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler(args.key, args.basic, args.root))
     tmp = Path(f"{args.port_file}.tmp")
     tmp.write_text(str(server.server_address[1]))
     os.replace(tmp, args.port_file)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -20,13 +21,22 @@ class Server:
 
 
 @contextmanager
-def openai_server(tmp: Path, key: str | None = None, basic: str | None = None) -> Iterator[Server]:
-    """A running server: its URL (http://127.0.0.1:PORT) and pid; stopped on exit."""
+def openai_server(
+    tmp: Path,
+    key: str | None = None,
+    basic: str | None = None,
+    root: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:
+    """A running server: its URL (http://127.0.0.1:PORT) and pid; stopped on exit. ``root``:
+    the model root /v1/models reports; ``env``: added to the server's environment."""
     port_file = tmp / f"port-{time.monotonic_ns()}"
     argv = [sys.executable, str(SCRIPT), "--port-file", str(port_file)]
     argv += ["--key", key] if key else []
     argv += ["--basic", basic] if basic else []
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    argv += ["--root", root] if root else []
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists():

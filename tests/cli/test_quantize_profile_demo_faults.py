@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -217,7 +218,8 @@ def test_sigterm_of_demo_removes_its_temporary_directory(tmp_path):
 
 
 @pytest.mark.skipif(not LINUX, reason="POSIX signals")
-def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng, sig):
     write_sidecar(tmp_path / "src", "bf16", embedding_rows(16000, 160, rng), 2000)
     dst = tmp_path / "dst"
     proc = popen("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
@@ -226,11 +228,20 @@ def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng):
     _wait_for(
         proc, lambda: dst.is_dir() and any(p.name.startswith("shard_") for p in dst.iterdir())
     )
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert proc.returncode == 128 + sig, err[-3000:]
     assert "leaked semaphore" not in err and "resource_tracker" not in err, err
-    assert _error_line(err) == "error: terminated (SIGTERM)" and "Traceback" not in err, err
+    if sig == signal.SIGTERM:
+        assert _error_line(err) == "error: terminated (SIGTERM)" and "Traceback" not in err, err
+    # issue 42: not a bare "aborted": what was kept, and how to go on
+    said = [line for line in err.splitlines() if line.startswith("interrupted: ")]
+    assert len(said) == 1 and "aborted" not in err and "Traceback" not in err, err
+    assert re.fullmatch(
+        rf"interrupted: [0-7] of 8 shards are written and kept in {re.escape(str(dst))}; run the "
+        r"same command again to resume \(finished shards are checked and kept, not redone\)",
+        said[0],
+    ), said
     run_ok("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
     whole = tmp_path / "whole"
     run_ok("ple", "quantize", tmp_path / "src", whole, "--format", "int4")
@@ -245,3 +256,39 @@ def test_workers_are_capped_and_the_cap_is_said(tmp_path, rng, capsys):
     assert code == 0, err
     assert json.loads(out)["workers"] <= 2
     assert "--workers 200: using" in err and "(2 shards," in err
+
+
+@pytest.mark.skipif(not LINUX, reason="SIGKILL, flock as on Linux")
+def test_demo_removes_the_temporary_directories_of_killed_runs_only(tmp_path):
+    """Issue 42: a demo killed by SIGKILL leaves its /tmp/flashnext-demo-*; the next demo removes
+    it, and every other dead run's, but never a live run's nor one it cannot judge."""
+    from flashnext.ple.destination import DestinationLock
+
+    from .hooks import hooked
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    locked = ("flashnext.ple.destination:DestinationLock.acquire", "after", 1)
+    killed = subprocess.run(hooked(locked, "SIGKILL", "demo", "--base", "1000"), env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (left,) = [p for p in tmp.iterdir() if p.is_dir()]  # its directory, its lock file beside
+    dead_pid = tmp / "flashnext-demo-999999999-x"  # killed before it took its lock
+    alive = tmp / f"flashnext-demo-{os.getpid()}-alive"  # a live run that has no lock yet
+    held = tmp / f"flashnext-demo-{os.getpid()}-held"  # a live run holding its lock
+    old = tmp / "flashnext-demo-abc123"  # an older flashnext's: no pid, no lock: not judged
+    for d in (dead_pid, alive, held, old):
+        d.mkdir()
+        (d / "f").write_text("x")
+    with DestinationLock(held):
+        start = ("flashnext.demo:run_demo", "before", 1)  # after the clean-up: stop there
+        again = subprocess.run(hooked(start, "SIGKILL", "demo", "--base", "1000"), env=env,
+                               capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert again.returncode == -signal.SIGKILL, again.stderr[-2000:]
+        assert f"removed {left}, left by a demo run that was killed" in again.stderr
+        assert f"removed {dead_pid}" in again.stderr
+        kept = {p.name for p in tmp.iterdir() if p.is_dir()}
+    assert {alive.name, held.name, old.name} <= kept
+    assert left.name not in kept and dead_pid.name not in kept
+    assert not (tmp / f".{left.name}.flashnext-lock").exists()

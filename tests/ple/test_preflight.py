@@ -56,7 +56,7 @@ def test_open_table_resident_refuses_what_cannot_fit(tmp_path, rng):
     small_host = HostMemory(mem_available=2 * GIB)  # 2 GiB free: less than the headroom alone
     with pytest.raises(
         PreflightError,
-        match=r"a resident copy of .* \(int4, rows 32\.\.64\) needs 0\.0 GiB plus 2\.0 GiB headroom, but only 2\.0 GiB",
+        match=r"a resident copy of .* \(int4, rows 32\.\.64\) needs 3\.1 KiB plus 2\.0 GiB headroom, but only 2\.0 GiB",
     ):
         open_table(tmp_path, "resident", row_range=(32, 64), preflight=small_host)
     assert open_table(tmp_path, "mmap", preflight=small_host).resident_bytes == 0

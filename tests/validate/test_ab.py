@@ -276,7 +276,8 @@ def test_baseline_recorded_alone_then_a_candidate_against_it(ab_servers, prompts
             "--max-tokens", MAX_TOKENS, "--out", rec)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.startswith(f"recorded 3 of 3 prompts of {base.model} ({base.url})"), p.stdout
-    assert sorted(x.name for x in rec.iterdir()) == ["baseline-answers.jsonl"]
+    assert sorted(x.name for x in rec.iterdir()) == [".flashnext-files.json",
+                                                     "baseline-answers.jsonl"]  # fmt: skip
     lines = [json.loads(x) for x in (rec / "baseline-answers.jsonl").read_text().splitlines()]
     check_record(lines[0], kind="flashnext.validate.ab_answers", schema_version=1)
     assert [x["id"] for x in lines[1:]] == ["code", "fr", "long"]

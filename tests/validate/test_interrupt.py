@@ -146,7 +146,8 @@ def test_sigint_mid_run_keeps_the_finished_stages(vllm_server: VllmServer, tmp_p
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# flashnext validate: INTERRUPTED (SIGINT during concurrency)\n")
     assert "| short | pass |" in md
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md", "report.png"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".flashnext-files.json", "report.json", "report.md", "report.png"]
     assert (tmp_path / "report.png").read_bytes()[:8] == PNG
     # the server is fine afterwards: the cancelled requests were closed, not left hanging
     with urllib.request.urlopen(vllm_server.url + "/health", timeout=30) as r:

@@ -49,7 +49,9 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     report = json.loads(p.stdout)
     assert report == json.loads((out / "report.json").read_text())
-    assert sorted(x.name for x in out.iterdir()) == ["report.json", "report.md", "report.png"]
+    assert sorted(x.name for x in out.iterdir()) == [
+        ".flashnext-files.json", "report.json", "report.md", "report.png"
+    ]  # fmt: skip
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     check_record(report, kind="flashnext.validate.report", schema_version=2)

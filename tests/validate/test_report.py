@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -181,7 +182,12 @@ def test_write_then_load_round_trip(tmp_path: Path) -> None:
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "report.md").read_text() == render_markdown(report)
     assert load_report(tmp_path / "report.json") == report
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md", "report.png"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".flashnext-files.json", "report.json", "report.md", "report.png"]
+    # each file is recorded as this report's, so a later run may replace it (issue 42)
+    own = json.loads((tmp_path / ".flashnext-files.json").read_text())["files"]
+    for name in names[1:]:
+        assert own[name] == [hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()]
 
 
 def v1_of(report: dict) -> dict:

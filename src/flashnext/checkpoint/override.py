@@ -45,6 +45,7 @@ from typing import Any
 from flashnext.atomic import is_temp_name, write_json
 from flashnext.checkpoint.config import CONFIG_NAME, read_config
 from flashnext.errors import CheckpointError
+from flashnext.ple.destination import DestinationLock
 from flashnext.records import CHECKPOINT_OVERRIDE, make_record
 
 OVERRIDES_KEY = "_flashnext_overrides"
@@ -436,6 +437,7 @@ def write_overridden_snapshot(
     Raises:
         CheckpointError: ``out`` is ``src`` or inside it, holds a config.json that is not ours,
             or holds anything but links to ``src``'s entries (another checkpoint's, a file).
+        SidecarError: another process is writing ``out`` (its lock is held).
     """
     src_p, out_p = Path(src).resolve(), Path(out)
     if out_p.resolve() == src_p or src_p in out_p.resolve().parents:
@@ -443,25 +445,35 @@ def write_overridden_snapshot(
             f"--out {out_p} is the checkpoint or inside it; the original checkpoint is never "
             "edited in place: choose a directory outside it"
         )
-    existing = out_p / CONFIG_NAME
-    _refuse_foreign_config(existing)
-    skip = (CONFIG_NAME, OVERRIDES_FILE, ".cache")
-    entries = [e for e in sorted(src_p.iterdir()) if e.name not in skip]
-    _refuse_mixed(out_p, src_p, entries)
-    out_p.mkdir(parents=True, exist_ok=True)
-    linked = []
-    for entry in entries:
-        link = out_p / entry.name
-        if not link.is_symlink():
-            link.symlink_to(entry)
-        linked.append(entry.name)
-    if existing.is_symlink():
-        existing.unlink()
-    doc = dict(patched)
-    doc[OVERRIDES_KEY] = dict(record)
-    write_json(existing, doc)
-    write_json(out_p / OVERRIDES_FILE, dict(record))
+    with DestinationLock(out_p):  # a second writer is refused, naming this one
+        existing = out_p / CONFIG_NAME
+        _refuse_foreign_config(existing)
+        skip = (CONFIG_NAME, OVERRIDES_FILE, ".cache")
+        entries = [e for e in sorted(src_p.iterdir()) if e.name not in skip]
+        _refuse_mixed(out_p, src_p, entries)
+        out_p.mkdir(parents=True, exist_ok=True)
+        linked = []
+        for entry in entries:
+            link = out_p / entry.name
+            if not link.is_symlink():
+                link.symlink_to(entry)
+            linked.append(entry.name)
+        if existing.is_symlink():
+            existing.unlink()
+        doc = dict(patched)
+        doc[OVERRIDES_KEY] = dict(record)
+        write_json(existing, doc)
+        write_json(out_p / OVERRIDES_FILE, dict(record))
     return linked
+
+
+def override_holds(entry: Path) -> bool:
+    """Whether ``entry`` may sit in an override's ``--out`` (for the destination rule): its
+    config.json and FLASHNEXT_OVERRIDES.json, a link (judged later against the checkpoint),
+    or a temporary of ours."""
+    if entry.name == CONFIG_NAME and not entry.is_symlink():
+        return _config_is_ours(entry)
+    return entry.name == OVERRIDES_FILE or entry.is_symlink() or is_temp_name(entry.name)
 
 
 def _refuse_mixed(out: Path, src: Path, entries: list[Path]) -> None:
@@ -489,13 +501,17 @@ def _refuse_mixed(out: Path, src: Path, entries: list[Path]) -> None:
         )
 
 
+def _config_is_ours(path: Path) -> bool:
+    """Whether the config.json ``path`` is one an override wrote (it carries our key)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and OVERRIDES_KEY in doc
+
+
 def _refuse_foreign_config(existing: Path) -> None:
-    if existing.exists() and not existing.is_symlink():
-        try:
-            ours = OVERRIDES_KEY in json.loads(existing.read_text())
-        except (OSError, ValueError):
-            ours = False
-        if not ours:
-            raise CheckpointError(
-                f"{existing} exists and was not written by flashnext; refusing to overwrite it"
-            )
+    if existing.exists() and not existing.is_symlink() and not _config_is_ours(existing):
+        raise CheckpointError(
+            f"{existing} exists and was not written by flashnext; refusing to overwrite it"
+        )

@@ -27,6 +27,7 @@ def check_output(
     expect: Expect = "dir",
     owns: Callable[[Path], bool] | None = None,
     writes: Iterable[str] = (),
+    holds: Callable[[Path], bool] | None = None,
 ) -> None:
     """Refuse ``dst`` (given with flag ``hint``) when the destination rule does; None passes.
 
@@ -39,7 +40,9 @@ def check_output(
     from flashnext.ple.destination import destination_problem
 
     given = [p for p in inputs if p is not None]
-    problem = destination_problem(dst, given, expect=expect, owns=owns, writes=writes)
+    problem = destination_problem(
+        dst, given, expect=expect, owns=owns, writes=writes, holds=holds
+    )
     if not problem:  # where it will be created: the nearest existing directory is writable
         path = Path(os.fsdecode(dst))
         problem = output_dir_problem(path if expect == "dir" else path.parent)

@@ -92,6 +92,7 @@ def _print_table(checks) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from flashnext.records import redact
     from flashnext.status import STYLES, label
 
     table = Table(show_lines=False)
@@ -99,5 +100,5 @@ def _print_table(checks) -> None:
         table.add_column(col, overflow="fold")
     for c in checks:
         status = Text(label(c.status), style=STYLES[c.status].colour)
-        table.add_row(c.name, status, Text(c.why), Text(c.fix))
+        table.add_row(c.name, status, Text(redact(c.why)), Text(redact(c.fix)))
     out_console.print(table)

@@ -224,14 +224,14 @@ def override(
     lets the runtime load but is not shown to be computationally equivalent. --json prints the
     record (with --hf-overrides: the record, whose ``hf_overrides`` field is the JSON for vLLM).
     """
-    from flashnext.checkpoint.override import CAVEAT, plan_override
+    from flashnext.checkpoint.override import CAVEAT, override_holds, plan_override
     from flashnext.records import dumps
 
     if (out is None) == (not hf):
         raise click.UsageError("choose exactly one of --out DIR2 and --hf-overrides")
     if not layer_types and not dense:
         raise click.UsageError("give --layer-type OLD=NEW, --dense-attention, or both")
-    check_output(out, [directory], hint="--out")
+    check_output(out, [directory], hint="--out", holds=override_holds)
     plan = plan_override(directory, layer_types, reason, dense=dense)
     hf_json = plan.hf_overrides if hf else None
     if out is not None:

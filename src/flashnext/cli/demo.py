@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
@@ -12,6 +13,9 @@ from flashnext.cli._common import OutputDir, human_bytes, note, print_record, sh
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import terminate_cleanly
 from flashnext.records import DEMO_RUN
+
+if TYPE_CHECKING:
+    from flashnext.demo import DemoResult
 
 
 @click.command()
@@ -41,7 +45,12 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
 
     --out must be new, empty, or an earlier demo's output (its tables are rebuilt).
     """
-    from flashnext.demo import demo_output_problem, run_demo
+    from flashnext.demo import (
+        demo_output_problem,
+        demo_temp_prefix,
+        remove_stale_temp_dirs,
+        run_demo,
+    )
     from flashnext.text import corpus_roots
 
     check_output(out_dir, corpus_roots(), hint="--out")
@@ -51,7 +60,9 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
     log = (lambda msg: None) if as_json else (lambda msg: note(msg, "dim"))
     with terminate_cleanly():  # SIGTERM unwinds: the temporary directory goes too
         if out_dir is None:
-            with tempfile.TemporaryDirectory(prefix="flashnext-demo-") as tmp:
+            for stale in remove_stale_temp_dirs():
+                log(f"removed {stale}, left by a demo run that was killed")
+            with tempfile.TemporaryDirectory(prefix=demo_temp_prefix()) as tmp:
                 result = run_demo(tmp, base=base, workers=workers, log=log)
         else:
             result = run_demo(out_dir, base=base, workers=workers, log=log)
@@ -59,6 +70,13 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
         print_record(DEMO_RUN, result)
         return
 
+    show(_table(result))
+    if out_dir is not None:
+        note(f"tables kept in {out_dir}")
+
+
+def _table(result: DemoResult) -> Table:
+    """The demo's measurements as one table (sizes, errors, lookup times per residency)."""
     geo = result.geometry
     table = Table(
         title=(
@@ -91,6 +109,4 @@ def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) ->
             f"{row.prefill_ms['mmap']:.1f} ms",
             f"{row.prefill_ms['resident']:.1f} ms",
         )
-    show(table)
-    if out_dir is not None:
-        note(f"tables kept in {out_dir}")
+    return table

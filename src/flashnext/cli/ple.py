@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,10 +30,10 @@ from flashnext.cli._common import (
     show,
 )
 from flashnext.cli._destination import check_output
-from flashnext.cli._signals import terminate_cleanly
+from flashnext.cli._signals import Terminated, terminate_cleanly
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import DestinationLock
+from flashnext.ple.destination import DestinationLock, progress_kept, sidecar_holds
 from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.ple.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
 from flashnext.ple.pageout import page_cache_pageout
@@ -237,10 +238,19 @@ def quantize(
     (exact, at disk speed) unless --requantize. Exits 1 when a row's relative error exceeds
     --max-row-error (the table is written; the summary names the worst row).
     """
+    # What DST holds is judged by the library, under the lock: its own earlier output for the
+    # same source and settings resumes, anything else is refused there (or --force replaced).
     check_output(dst, [src], hint="DST")
     with terminate_cleanly():
-        _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
-                  ignore_source_checksums, requantize, as_json)  # fmt: skip
+        try:
+            _quantize(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
+                      ignore_source_checksums, requantize, as_json)  # fmt: skip
+        except Terminated:
+            click.echo(f"interrupted: {progress_kept(dst)}", err=True)
+            raise
+        except (KeyboardInterrupt, click.exceptions.Abort):
+            click.echo(f"interrupted: {progress_kept(dst)}", err=True)
+            sys.exit(130)  # this line says it all, not the CLI's bare "aborted"
 
 
 def _quantize(
@@ -727,8 +737,9 @@ def profile(
     check_output(
         target, [sidecar_dir, *texts, tokenizer_file], hint="--output", expect="file", owns=_is_profile
     )
-    with terminate_cleanly():
-        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json)
+    # The lock before the work: a second writer of the same file is refused at once.
+    with terminate_cleanly(), DestinationLock(target) as lock:
+        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json, lock)
 
 
 def _is_profile(path: Path) -> bool:
@@ -747,6 +758,7 @@ def _profile(
     layer: int | None,
     target: Path,
     as_json: bool,
+    lock: DestinationLock,
 ) -> None:
     sidecar = open_sidecar(sidecar_dir)
     if sidecar.geometry is None:
@@ -768,7 +780,7 @@ def _profile(
             geometry, texts, tok, tok_meta, rows, progress=lambda n: bar.advance(task, n)
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_profile(target, found)
+    write_profile(target, found, lock)
     summary = _profile_summary(found, target, sidecar.num_rows)
     if as_json:
         print_record(PLE_PROFILE_SUMMARY, summary)
@@ -853,9 +865,11 @@ def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: b
     source = open_sidecar(sidecar)
     plan = plan_slice(source, tp, ranks)
     params = slice_params(source, plan)
-    check_output(dst, [sidecar], hint="DST", writes=slice_file_names(plan, source),
-                 owns=lambda path: slice_owns(path.parent, params))  # fmt: skip
-    with terminate_cleanly(), DestinationLock(dst), _bar(disable=as_json) as bar:
+    names = slice_file_names(plan, source)
+    check_output(dst, [sidecar], hint="DST", writes=names,
+                 owns=lambda path: slice_owns(path.parent, params),
+                 holds=lambda entry: sidecar_holds(entry) or entry.name in names)  # fmt: skip
+    with terminate_cleanly(), _bar(disable=as_json) as bar:
         task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
         write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))
     summary = {

@@ -44,8 +44,8 @@ def capture(
     api_key: str | None, out: Path | None,
 ) -> None:  # fmt: skip
     """Capture a record of the server at URL (launch found by port when no --pid/--container)."""
-    from flashnext.atomic import atomic_write
     from flashnext.deploy.record import capture as do_capture
+    from flashnext.ple.destination import write_text_locked
     from flashnext.records import dumps
 
     if container and pid:
@@ -59,8 +59,7 @@ def capture(
     if out is None:
         sys.stdout.write(text)
         return
-    with atomic_write(out, "w") as f:
-        f.write(text)
+    write_text_locked(out, text)
     launch = rec.get("launch") or {}
     say(  # the closing summary: stdout, as in every command
         f"wrote {out}: server {rec['server'].get('version')}, launch from "
@@ -145,16 +144,14 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
 @click.option("--exec", "do_exec", is_flag=True, help="Run it now (local launches only).")
 def restore(a: Path, write_to: Path | None, do_exec: bool) -> None:
     """Print (or write) the command that relaunches what record A describes."""
-    from flashnext.atomic import atomic_write
     from flashnext.deploy.record_diff import restore_command
+    from flashnext.ple.destination import write_text_locked
 
     check_output(write_to, [a], hint="--write", expect="file", owns=_is_script)
     rec = _load(a)
     command = restore_command(rec)
     if write_to is not None:
-        with atomic_write(write_to, "w") as f:
-            f.write(f"{_SCRIPT_HEAD}{command}\n")
-        os.chmod(write_to, 0o755)
+        write_text_locked(write_to, f"{_SCRIPT_HEAD}{command}\n", mode=0o755)
         say(f"wrote {write_to}")
     else:
         out_console.print(command, markup=False, highlight=False, soft_wrap=True)

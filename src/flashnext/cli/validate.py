@@ -13,6 +13,7 @@ import asyncio
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +33,11 @@ from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
 if TYPE_CHECKING:
+    from flashnext.ple.destination import ReportDestination
     from flashnext.validate.ab import AbConfig
     from flashnext.validate.ab_answers import RecordedSide
     from flashnext.validate.deployment import DeploymentProbe
+    from flashnext.validate.interrupts import Kept
     from flashnext.validate.output import Written
     from flashnext.validate.stages import Config, ValidationResult
 
@@ -82,6 +85,11 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     default=Path("validate-report"),
     show_default=True,
     help="Directory for report.json, report.md, report.png.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace report files in --out that flashnext did not write (other files stay).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
 @click.option(
@@ -239,28 +247,31 @@ def _config(opts: dict[str, Any]) -> Config:
 
 def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
     """Build the config from parsed flags, run, write and print; return the exit status."""
-    from flashnext.validate.interrupts import deferred
-    from flashnext.validate.report import build_report, check_out_dir, write_report
+    from flashnext.validate.interrupts import deferred, kept_for_later
+    from flashnext.validate.report import REPORT_FILES, build_report, check_out_dir, write_report
 
     cfg = _config(opts)
     out_dir: Path = opts["out_dir"]
     # Before the run, not after it: a report that cannot be written loses every stage's evidence.
     check_output(out_dir, hint="--out")
     check_out_dir(out_dir, png=not opts["no_png"])
+    dest = _report_destination(out_dir, REPORT_FILES[: 2 if opts["no_png"] else 3], opts["force"])
     from flashnext.deploy.probe import deployment_probe
 
     probe = deployment_probe(cfg.api_key, cfg.container)
-    result = asyncio.run(_run_with_progress(cfg, probe))
-    report = build_report(result, argv)
-    with deferred():  # a signal now would leave the report half written
-        written = write_report(report, out_dir, png=not opts["no_png"])
-        # stdout either way: a report that could not be written (a full disk) still shows.
-        if opts["as_json"]:
-            sys.stdout.write(dumps(report, indent=None))
-            sys.stdout.flush()
-        else:
-            _print_summary(report)
-        _tell_written(written)
+    # Locked from before the run until the report is written: a second run is refused at once.
+    with dest, kept_for_later() as kept:  # a signal after the last stage: still written
+        result = asyncio.run(_run_with_progress(cfg, probe))
+        report = build_report(result, argv)
+        with deferred():  # a signal now would leave the report half written
+            written = write_report(report, out_dir, png=not opts["no_png"])
+            # stdout either way: a report that could not be written (a full disk) still shows.
+            if opts["as_json"]:
+                sys.stdout.write(dumps(report, indent=None))
+                sys.stdout.flush()
+            else:
+                _print_summary(report)
+            _tell_written(written)
     if result.interrupted is not None:
         stop = result.interrupted
         done = sum(s.status in ("pass", "fail") for s in result.stages)
@@ -270,9 +281,28 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
             err=True,
         )
         return 128 + signal.Signals[stop.signal].value
+    if kept.signal is not None:
+        return _late_signal(kept.signal, "every stage had finished")
     if written.failed:
         return 1
     return 0 if report["passed"] else 1
+
+
+def _report_destination(out_dir: Path, names: Sequence[str], force: bool) -> ReportDestination:
+    """The report directory, refused (a usage error, before any work) where its rule says."""
+    from flashnext.ple.destination import ReportDestination
+
+    dest = ReportDestination(out_dir, names, force=force)
+    problem = dest.problem()
+    if problem:
+        raise click.BadParameter(problem, param_hint="--out")
+    return dest
+
+
+def _late_signal(sig: signal.Signals, what: str) -> int:
+    """Say that ``sig`` came after the work (the report is whole) and return its exit status."""
+    click.echo(f"interrupted by {sig.name} after {what}: the report is complete", err=True)
+    return 128 + sig.value
 
 
 def _tell_written(written: Written) -> None:
@@ -480,6 +510,11 @@ def _ab_baseline(ctx: click.Context, param: click.Parameter, value: str) -> str 
     show_default=True,
     help="Directory for ab.json, ab.md, ab.png.",
 )
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Replace ab files in --out that flashnext did not write (other files stay).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the ab.json record on stdout.")
 @click.option("--no-png", is_flag=True, help="Skip ab.png.")
 @click.pass_context
@@ -491,12 +526,11 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     flashnext validate ab --baseline http://127.0.0.1:8000 --out before/   # record only
     flashnext validate ab --baseline before/ --candidate http://127.0.0.1:8000
     """
-    from flashnext.records import make_record
-    from flashnext.validate.ab import KIND, SCHEMA_VERSION
-    from flashnext.validate.ab_answers import ANSWERS_FILE, answers_header, render_answers
-    from flashnext.validate.ab_report import AB_FILES, render_markdown, write_ab
-    from flashnext.validate.interrupts import deferred
-    from flashnext.validate.output import check_writable, printable
+    from flashnext.records import redact
+    from flashnext.validate.ab_answers import ANSWERS_FILE
+    from flashnext.validate.ab_report import AB_FILES
+    from flashnext.validate.interrupts import kept_for_later
+    from flashnext.validate.output import check_writable
 
     recorded = _recorded_baseline(ctx, o)
     if recorded and o["candidate"] is None:
@@ -504,17 +538,33 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
     answers_in = recorded.source if recorded else None
     check_output(o["out_dir"], [o["prompts_file"], answers_in], hint="--out")
     cfg = _ab_config(o, recorded)
-    # Before the run: a report that cannot be written loses every prompt's evidence.
     names = [*AB_FILES[: 2 if o["no_png"] else 3], *([] if recorded else [ANSWERS_FILE])]
-    check_writable(o["out_dir"], names if o["candidate"] else [ANSWERS_FILE])
+    names = names if o["candidate"] else [ANSWERS_FILE]
+    # Before the run: a report that cannot be written loses every prompt's evidence.
+    check_writable(o["out_dir"], names)
+    dest = _report_destination(o["out_dir"], names, o["force"])
     if not recorded and o["candidate"] is not None and o["candidate"] == o["baseline"]:
         err_console.print(
-            f"warning: --baseline and --candidate are the same server ({o['baseline']}): it "
+            f"warning: --baseline and --candidate are the same server "
+            f"({redact(o['baseline'])}): it "
             "can only agree with itself", markup=False, highlight=False, soft_wrap=True,
         )  # fmt: skip
+    with dest, kept_for_later() as kept:  # a signal after the last prompt: still written
+        _ab_run_and_write(ctx, o, cfg, kept)
+
+
+def _ab_run_and_write(ctx: click.Context, o: dict[str, Any], cfg: AbConfig, kept: Kept) -> None:
+    """Run the comparison (or record the baseline), write and print; exit with its status."""
+    from flashnext.records import make_record
+    from flashnext.validate.ab import KIND, SCHEMA_VERSION
+    from flashnext.validate.ab_answers import answers_header, render_answers
+    from flashnext.validate.ab_report import render_markdown, write_ab
+    from flashnext.validate.interrupts import deferred
+    from flashnext.validate.output import printable
+
     payload = _run_ab_with_progress(cfg)
     if o["candidate"] is None:
-        _record_only(ctx, payload, o["out_dir"], o["as_json"])
+        _record_only(ctx, payload, o["out_dir"], o["as_json"], kept)
     answers = payload.pop("baseline_answers")
     record = make_record(KIND, payload, schema_version=SCHEMA_VERSION, secrets=[o["api_key"] or ""])
     text = None if answers is None else render_answers(answers_header(record), answers)
@@ -534,6 +584,8 @@ def ab_cmd(ctx: click.Context, **o: Any) -> None:
             err=True,
         )
         ctx.exit(128 + signal.Signals[stop["signal"]].value)
+    if kept.signal is not None:
+        ctx.exit(_late_signal(kept.signal, "every prompt had finished"))
     ctx.exit(0 if record["verdict"]["passed"] and not written.failed else 1)
 
 
@@ -561,7 +613,9 @@ def _ab_config(o: dict[str, Any], recorded: RecordedSide | None) -> AbConfig:
     )
 
 
-def _record_only(ctx: click.Context, payload: dict[str, Any], out_dir: Path, as_json: bool) -> None:
+def _record_only(
+    ctx: click.Context, payload: dict[str, Any], out_dir: Path, as_json: bool, kept: Kept
+) -> None:
     """Write the baseline's answers (:func:`~flashnext.validate.ab.record_baseline`'s
     ``payload``), say what was recorded (``--json``: the answers' header record with the
     counts) and exit: 0 when every prompt was recorded, 1 otherwise, 128 + N on a signal."""
@@ -593,6 +647,8 @@ def _record_only(ctx: click.Context, payload: dict[str, Any], out_dir: Path, as_
             _tell_written(written)
     if stop:
         ctx.exit(128 + signal.Signals[stop["signal"]].value)
+    if kept.signal is not None:
+        ctx.exit(_late_signal(kept.signal, "every prompt had finished"))
     ctx.exit(0 if answers and not errors and written and not written.failed else 1)
 
 

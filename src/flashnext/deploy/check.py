@@ -37,6 +37,7 @@ from flashnext.errors import FlashnextError, PluginError
 from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import checked_text, is_checked
 from flashnext.numbers import finite_float
+from flashnext.sizes import gib, size_text
 from flashnext.status import Status
 
 B12X_BACKENDS = ("flashinfer_b12x", "b12x")
@@ -384,7 +385,7 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     total = sum(t.nbytes for t in tables)
     per_worker = -(-total // tp)
     where = "pinned host RAM" if ctx.args.ple_cpu_offload else "GPU memory"
-    source = f"{len(tables)} table(s), {tables[0].format}, {total / 1024**3:.1f} GiB"
+    source = f"{len(tables)} table(s), {tables[0].format}, {size_text(total)}"
     if sidecar:
         return Check(
             "ple-host-memory", "pass", f"{source} in the checkpoint; served from the sidecar "
@@ -396,20 +397,20 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     host = ctx.host_memory
     if host is None:
         return Check(
-            "ple-host-memory", "warn", f"{source}: {per_worker / 1024**3:.1f} GiB of {where} per "
+            "ple-host-memory", "warn", f"{source}: {size_text(per_worker)} of {where} per "
             f"worker (tp={tp}); host memory unknown", "pass --host-memory 64GiB", blocking=False,
         )  # fmt: skip
     if per_worker * tp > host:
         return Check(
-            "ple-host-memory", "fail", f"{source}: {per_worker / 1024**3:.1f} GiB of {where} per "
-            f"worker x {tp} > host {host / 1024**3:.1f} GiB",
+            "ple-host-memory", "fail", f"{source}: {size_text(per_worker)} of {where} per "
+            f"worker x {tp} > host {size_text(host)}",
             "quantize the table (flashnext ple quantize CKPT DST --format int4: 3x smaller) and "
             "serve it memory-mapped with FLASHNEXT_PLE_SIDECAR",
         )  # fmt: skip
     return Check(
         "ple-host-memory",
         "pass",
-        f"{source}: {per_worker * tp / 1024**3:.1f} of {host / 1024**3:.1f} GiB host RAM",
+        f"{source}: {size_text(per_worker * tp)} of {size_text(host)} host RAM",
     )
 
 
@@ -528,7 +529,6 @@ def _check_sidecar_caches(plugin: PluginSettings, sidecars: list[tuple[str, Any]
 def check_memory_plan(ctx: CheckContext) -> Check:
     """The planner's verdict for these flags on this GPU (KV capacity, state blocks, headroom)."""
     from flashnext.plan.planner import PlanRequest, load_model, make_plan
-    from flashnext.sizes import gib
 
     if ctx.gpu.memory_bytes is None:
         return Check(

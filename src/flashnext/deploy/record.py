@@ -4,8 +4,10 @@ A record (kind ``flashnext.deploy.record``) pins what the validation guide asks 
 version, served model and context length, vLLM's cache config, the launch arguments and
 environment, the container image, the checkpoint's identity, the server's Python packages, the
 GPUs and host memory, and the flashnext plugin: its ``FLASHNEXT_*`` switches from the launch
-environment and its log lines (``flashnext plugin: ...``), read from ``--log`` or, for a local
-process, from the files its stdout and stderr go to. Secrets are redacted everywhere:
+environment, its log lines (``flashnext plugin: ...``), read from ``--log`` or, for a local
+process, from the files its stdout and stderr go to, and the identity of the sidecar tables
+``FLASHNEXT_PLE_SIDECAR`` names (format, rows, META.json sha256: a table re-quantized at the same
+path is a change). Secrets are redacted everywhere:
 values of flags and variables whose names contain key/token/secret/password, and credentials
 in URLs. Capture times, pids and log paths live under ``captured`` so that :func:`record_diff`
 ignores them.
@@ -14,6 +16,7 @@ ignores them.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -44,7 +47,7 @@ from flashnext.records import (
     redact_text,
     redact_url,
 )
-from flashnext.user_files import UserFileError, open_user_file
+from flashnext.user_files import UserFileError, open_user_file, read_user_file
 
 KIND = DEPLOY_RECORD
 SCHEMA_VERSION = 1
@@ -271,6 +274,59 @@ def plugin_switches(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith("FLASHNEXT_")}
 
 
+#: The switch naming the sidecar(s) the plugin serves (a sidecar, or a directory of layer_L ones).
+SIDECAR_SWITCH = "FLASHNEXT_PLE_SIDECAR"
+_META = "META.json"
+_META_BYTES = 64 << 20  # a META.json lists one record per shard: kilobytes, never this
+
+
+def sidecar_identity(root: str | Path) -> dict[str, Any]:
+    """What a ``FLASHNEXT_PLE_SIDECAR`` directory holds, so that a diff sees a re-quantized
+    table at the same path: per table (``""`` for ``root`` itself, else ``layer_L``) its
+    format, rows and META.json's sha256; ``present`` False when ``root`` is not here (a
+    container's path) and ``tables`` empty when it holds no META.json."""
+    base = Path(root)
+    if not base.is_dir():
+        return {"path": str(root), "present": False, "tables": {}}
+    dirs = [("", base)] if (base / _META).is_file() else [
+        (p.name, p) for p in sorted(base.glob("layer_*")) if (p / _META).is_file()
+    ]  # fmt: skip
+    return {"path": str(root), "present": True,
+            "tables": {name: _table_identity(d / _META) for name, d in dirs}}  # fmt: skip
+
+
+def _table_identity(meta: Path) -> dict[str, Any]:
+    try:
+        data = read_user_file(meta, "a sidecar's META.json", limit=_META_BYTES)
+        doc = json.loads(data)
+    except (OSError, ValueError, UserFileError) as exc:
+        return {"error": f"{meta}: unreadable ({exc})"}
+    doc = doc if isinstance(doc, dict) else {}
+    return {
+        "format": doc.get("format"),
+        "num_rows": doc.get("num_rows"),
+        "meta_sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def check_model_dir(model_dir: str | Path, models: list[dict[str, Any]]) -> None:
+    """Refuse a ``--model`` that is not the checkpoint the server serves, when the server names
+    a local directory as its model's root (a hub id or a container's path cannot be checked).
+
+    Raises:
+        RecordCaptureError: naming both directories.
+    """
+    given = Path(model_dir).resolve()
+    served = [Path(str(m.get("root") or m.get("id"))) for m in models]
+    local = [p.resolve() for p in served if p.is_dir()]
+    if local and given not in local:
+        raise RecordCaptureError(
+            f"--model {model_dir} is not the checkpoint the server serves ({local[0]}, its "
+            "/v1/models root): leave --model out to record that one, or capture the server "
+            "that serves this checkpoint"
+        )
+
+
 @dataclass
 class PluginLog:
     """The plugin's log lines, the files they were read from, and why none were read."""
@@ -383,11 +439,14 @@ def capture(
     listening on the URL's port; a remote server without either has no launch section.
 
     Raises:
-        RecordCaptureError: the server does not answer; ProcessError: the process is unreadable.
+        RecordCaptureError: the server does not answer, or serves another checkpoint than
+            ``model_dir``; ProcessError: the process is unreadable.
     """
     # A --log that cannot be read fails before any request; its lines need no launch.
     given_log = plugin_log(log, None) if log is not None else None
     server = server_info(url, api_key)
+    if model_dir is not None:
+        check_model_dir(model_dir, server["models"])
     launch = _launch(url, pid, container)
     plugin = given_log or plugin_log(None, launch)
     # The URL's password is a secret wherever it shows up (the server's own argv, its log).
@@ -418,11 +477,18 @@ def capture(
         "plugin": {
             "switches": plugin_switches(launch_rec["env"]) if launch_rec else {},
             "log_note": plugin.note,
+            "sidecar": _sidecar_of(launch_rec),
         },
         # Where the log was read from changes with each start, like the pid.
         "captured": {"pid": launch.pid if launch else None, "plugin_log_from": plugin.files},
     }
     return make_record(KIND, payload, schema_version=SCHEMA_VERSION, argv=argv, secrets=secrets)
+
+
+def _sidecar_of(launch_rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """:func:`sidecar_identity` of the launch's ``FLASHNEXT_PLE_SIDECAR`` (None: not set)."""
+    root = ((launch_rec or {}).get("env") or {}).get(SIDECAR_SWITCH)
+    return None if not root or root == REDACTED else sidecar_identity(root)
 
 
 def describe(record: dict[str, Any] | None) -> str:

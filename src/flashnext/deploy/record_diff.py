@@ -1,7 +1,7 @@
 """Compare two deployment records, and turn one back into the launch that made it.
 
-:func:`record_diff` separates what was changed (launch flags, environment, packages, image,
-checkpoint: the *variables*) from what the server reported differently as a consequence
+:func:`record_diff` separates what was changed (launch flags and source, environment, packages,
+image, checkpoint, the sidecar tables' identities: the *variables*) from what the server reported differently as a consequence
 (*observed*: context length, cache blocks), groups both (runtime, model, memory, parallelism,
 environment), and warns when more than one variable changed: the validation guide's "change one
 variable at a time". :func:`restore_command` rebuilds a ``docker run`` (same image digest, args,
@@ -60,6 +60,11 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "packages{}": (str, _OPT),
     "checkpoint": (dict, _OPT),
     "checkpoint.weights": (list, _OPT),
+    "plugin": (dict, _OPT),
+    "plugin.sidecar": (dict, _OPT),
+    "plugin.sidecar.present": (bool, _OPT),
+    "plugin.sidecar.tables": (dict, _OPT),
+    "plugin.sidecar.tables{}": dict,
     "launch": (dict, _OPT),
     "launch.source": (str, _OPT),
     "launch.argv": (list, _OPT),
@@ -152,8 +157,10 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
     for flag, x, y in _pairs(_flags(a), _flags(b)):
         out.append(Change(_flag_group(flag), flag, x, y, True))
     launch_a, launch_b = a.get("launch") or {}, b.get("launch") or {}
-    if launch_a.get("cwd") != launch_b.get("cwd"):  # restore runs the command from there
-        out.append(Change("runtime", "launch cwd", launch_a.get("cwd"), launch_b.get("cwd"), True))
+    for key in ("source", "cwd"):  # restore runs the command from the cwd, in the source's way
+        if launch_a.get(key) != launch_b.get(key):
+            out.append(Change("runtime", f"launch {key}", launch_a.get(key), launch_b.get(key),
+                              True))  # fmt: skip
     env_a = launch_a.get("env") or {}
     env_b = launch_b.get("env") or {}
     out += [Change("environment", k, x, y, True) for k, x, y in _pairs(env_a, env_b)]
@@ -172,6 +179,7 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
     for key in ("path", "revision", "config_sha256", "index_sha256", "weights"):
         if ck_a.get(key) != ck_b.get(key):
             out.append(Change("model", f"checkpoint {key}", ck_a.get(key), ck_b.get(key), True))
+    out += _sidecar_changes(a, b)
     srv_a, srv_b = a.get("server") or {}, b.get("server") or {}
     if srv_a.get("version") != srv_b.get("version"):
         out.append(
@@ -186,6 +194,25 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
     for key, group in (("gpus", "memory"), ("host_memory_bytes", "memory")):
         if a.get(key) != b.get(key):
             out.append(Change(group, key, a.get(key), b.get(key), False))
+    return out
+
+
+def _sidecar_changes(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
+    """The sidecar tables' identities (``plugin.sidecar``): a table re-quantized or rewritten at
+    the same path changes its format or META.json sha256, which the environment cannot show."""
+    side_a = (a.get("plugin") or {}).get("sidecar") or {}
+    side_b = (b.get("plugin") or {}).get("sidecar") or {}
+    tables_a, tables_b = side_a.get("tables") or {}, side_b.get("tables") or {}
+    out = []
+    for name in sorted(set(tables_a) | set(tables_b)):
+        x, y = tables_a.get(name) or {}, tables_b.get(name) or {}
+        where = f"sidecar {name + ' ' if name else ''}"
+        for key in ("format", "num_rows", "meta_sha256", "error"):
+            if x.get(key) != y.get(key):
+                out.append(Change("model", where + key, x.get(key), y.get(key), True))
+    if side_a.get("present") != side_b.get("present"):
+        out.append(Change("model", "sidecar present", side_a.get("present"),
+                          side_b.get("present"), True))  # fmt: skip
     return out
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flashnext.errors import PluginError
-from flashnext.sizes import SIZE_HINT, SizeError, byte_count
+from flashnext.sizes import SIZE_HINT, SizeError, byte_count, gib
 
 if TYPE_CHECKING:
     from flashnext.ple.profile import HotRowProfile
@@ -110,7 +110,7 @@ class CachePlan:
         if self.expected_hit_rate is None:
             return f"no device cache ({self.reason})"
         return (
-            f"device cache {self.cache_bytes / 2**30:.2f} GiB = {self.rows} hot rows from "
+            f"device cache {gib(self.cache_bytes)} = {self.rows} hot rows from "
             f"{self.profile}, expected hit rate {100 * self.expected_hit_rate:.1f}%"
         )
 

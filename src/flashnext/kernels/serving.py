@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from flashnext.errors import PluginError
 from flashnext.kernels.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
+from flashnext.sizes import gib
 
 if TYPE_CHECKING:
     from flashnext.ple.geometry import PLEGeometry
@@ -142,12 +143,12 @@ def choose_placement(
         raise PluginError(f"placement {setting!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
     if str(device).split(":", 1)[0] == "cpu":
         return PlacementChoice("cpu", "a CPU device: PLETable.lookup on the host")
-    what = f"{table_bytes / 2**30:.2f} GiB of PLE rows"
+    what = f"{gib(table_bytes)} of PLE rows"
     if setting == "device":
         if device_free is not None and table_bytes + DEFAULT_HEADROOM > device_free:
             raise PluginError(
                 f"FLASHNEXT_PLE_PLACEMENT=device: {what} plus 2 GiB headroom do not fit in the "
-                f"{device_free / 2**30:.1f} GiB free on {device}; use pinned or staged"
+                f"{gib(device_free)} free on {device}; use pinned or staged"
             )
         return PlacementChoice("device", "asked for")
     if setting == "pinned":

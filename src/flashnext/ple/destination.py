@@ -9,6 +9,14 @@ directory or one of its ancestors (``.``, ``..``, ``/``); a directory is expecte
 directory belongs and a file where a file does; an existing file the command would replace
 must be one it wrote itself (the caller says how to recognise its own files).
 
+**A report directory** (:class:`ReportDestination`): a directory a command writes a few named
+files into (``validate``: report.json, report.md, report.png; ``validate ab``: ab.*,
+baseline-answers.jsonl). It may hold only files a flashnext report writer wrote there and
+that are unchanged since: :data:`OWN_FILES` in it lists each such file's sha256
+(:func:`remember_written`, called by the writer before each rename). Anything else is refused,
+naming it; ``force`` lets the command replace its own names (other files stay). The lock below
+is held from before the run until the report is written.
+
 **A sidecar destination** (:class:`SidecarDestination`): refuse or adopt what is there, lock it
 against a second writer, keep the resume state, hand out the writer, commit, clean up.
 
@@ -37,6 +45,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -47,8 +57,8 @@ from typing import Any, Literal
 import numpy as np
 
 from flashnext import __version__
-from flashnext.atomic import final_name, is_temp_name, write_json
-from flashnext.errors import SidecarError
+from flashnext.atomic import atomic_write, final_name, is_temp_name, write_json
+from flashnext.errors import DestinationError, SidecarError
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.sidecar import (
@@ -68,12 +78,18 @@ from flashnext.records import to_jsonable
 from flashnext.safetensors_file import sha256_file
 
 __all__ = [
+    "OWN_FILES",
     "DestinationLock",
+    "ReportDestination",
     "SidecarDestination",
     "SidecarWriter",
     "destination_problem",
+    "progress_kept",
     "recorded_source",
+    "remember_written",
+    "sidecar_holds",
     "write_sidecar",
+    "write_text_locked",
 ]
 
 Expect = Literal["dir", "file"]
@@ -87,6 +103,7 @@ def destination_problem(
     expect: Expect = "dir",
     owns: Callable[[Path], bool] | None = None,
     writes: Iterable[str] = (),
+    holds: Callable[[Path], bool] | None = None,
     cwd: str | os.PathLike[str] | None = None,
 ) -> str | None:
     """Why a command may not write ``dst``, or None when it may (pure: reads, never writes).
@@ -98,6 +115,8 @@ def destination_problem(
         owns: whether an existing file is one this command wrote (may be replaced); without it
             no existing file is replaced.
         writes: for ``dir``: the names the command writes inside it (each checked with ``owns``).
+        holds: for ``dir``: whether an entry already in it is one this command may find there
+            (its own output); with it, a directory holding anything else is refused.
         cwd: the working directory (default: the process's).
     """
     path = Path(os.fsdecode(dst))
@@ -113,6 +132,10 @@ def destination_problem(
         problem = _input_problem(path, real, Path(os.fsdecode(given)))
         if problem:
             return problem
+    if holds is not None and expect == "dir":
+        strangers = _strangers(path, holds)
+        if strangers:
+            return strangers
     targets = [path] if expect == "file" else [path / name for name in writes]
     for target in targets:
         if target.exists() and not (owns is not None and target.is_file() and owns(target)):
@@ -121,6 +144,34 @@ def destination_problem(
                 "remove it yourself or choose another path"
             )
     return None
+
+
+def _strangers(path: Path, holds: Callable[[Path], bool]) -> str | None:
+    """Entries of the directory ``path`` that are not this command's output, in words."""
+    if not path.is_dir():
+        return None
+    names = sorted(p.name for p in path.iterdir() if not holds(p))
+    if not names:
+        return None
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"{path} holds {', '.join(names[:3])}{more}, which this command did not write; it "
+        "writes only into a new or empty directory or its own earlier output: choose another "
+        "path (or remove them yourself)"
+    )
+
+
+def sidecar_holds(entry: Path) -> bool:
+    """Whether ``entry`` may sit in a sidecar directory being written: a file named as a
+    sidecar writer names its files (shards, META.json, run state, their temporaries)."""
+    if not (entry.is_file() and not entry.is_symlink()):
+        return False
+    if entry.name in (META_NAME, STATE_NAME):  # a record of ours is a JSON object
+        try:
+            return isinstance(json.loads(entry.read_text(encoding="utf-8")), dict)
+        except (OSError, ValueError):
+            return False
+    return SidecarDestination._ours(entry.name, 1 << 20)
 
 
 def _shape_problem(path: Path, expect: Expect) -> str | None:
@@ -189,8 +240,9 @@ class DestinationLock:
                     "it to finish (or stop it), then run this command again"
                 ) from None
             if _same_file(fd, self.path):
-                os.ftruncate(fd, 0)
-                os.write(fd, f"{os.getpid()}\n".encode())
+                with contextlib.suppress(OSError):  # the pid only informs; a full disk
+                    os.ftruncate(fd, 0)  # must not stop the writer (it reports its own
+                    os.write(fd, f"{os.getpid()}\n".encode())  # files it cannot write)
                 self._fd = fd
             else:  # removed by the holder that just released it: take a fresh one
                 os.close(fd)
@@ -199,6 +251,21 @@ class DestinationLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def abandoned(self) -> bool | None:
+        """Whether the lock file is there and no process holds it (its writer died: a killed
+        process leaves the file, unlocked); None when there is no lock file. Takes nothing."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)  # closing drops a lock just taken
+        return True
 
     def release(self) -> None:
         if self._fd is None:
@@ -217,6 +284,16 @@ class DestinationLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def write_text_locked(path: str | os.PathLike[str], text: str, mode: int | None = None) -> None:
+    """Write ``text`` (UTF-8) as the whole file ``path``: under its :class:`DestinationLock`
+    (a second writer is refused, naming this one), to a temporary name renamed when complete;
+    ``mode`` (e.g. ``0o755``) is set before the rename."""
+    with DestinationLock(Path(path)), atomic_write(path, "w") as fh:
+        fh.write(text)
+        if mode is not None:
+            os.fchmod(fh.fileno(), mode)
 
 
 def real_destination(dst: str | os.PathLike[str]) -> Path:
@@ -242,6 +319,105 @@ def _same_file(fd: int, path: Path) -> bool:
     except FileNotFoundError:
         return False
     return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+
+
+# -- a report directory ----------------------------------------------------------------------
+#: In a report directory: ``{"files": {name: [sha256, ...]}}``, the files flashnext report
+#: writers wrote there (the last two hashes of each: a run killed between this record and the
+#: rename leaves the older file, still recognised).
+OWN_FILES = ".flashnext-files.json"
+
+
+def _own_files(directory: Path) -> dict[str, list[str]]:
+    """The record of :data:`OWN_FILES` (empty when missing or unreadable: nothing is ours)."""
+    try:
+        data = json.loads((directory / OWN_FILES).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict):
+        return {}
+    return {str(k): [h for h in v if isinstance(h, str)] for k, v in files.items()
+            if isinstance(v, list)}  # fmt: skip
+
+
+def remember_written(directory: str | os.PathLike[str], name: str, data: bytes) -> None:
+    """Record in ``directory``'s :data:`OWN_FILES` that ``name`` is about to hold ``data``
+    (call it before renaming the file into place)."""
+    root = Path(directory)
+    files = _own_files(root)
+    digest = hashlib.sha256(data).hexdigest()
+    files[name] = [*[h for h in files.get(name, []) if h != digest][-1:], digest]
+    write_json(root / OWN_FILES, {"files": files})
+
+
+class ReportDestination:
+    """A report directory (see the module docstring): refused when it holds anything but
+    unchanged files of flashnext's report writers (``force``: this command's ``names`` may be
+    replaced), locked from :meth:`__enter__` until :meth:`__exit__`.
+
+    Raises:
+        DestinationError: :meth:`problem`'s answer, or another process holds the lock.
+    """
+
+    def __init__(
+        self,
+        dst: str | os.PathLike[str],
+        names: Iterable[str],
+        *,
+        force: bool = False,
+    ) -> None:
+        self.dst = real_destination(dst)
+        self.names = tuple(names)
+        self.force = force
+        self._lock = DestinationLock(self.dst)
+
+    def foreign(self) -> list[str]:
+        """Entries of the directory that no flashnext report writer left unchanged there."""
+        if not self.dst.is_dir():
+            return []
+        own = _own_files(self.dst)
+        out = []
+        for entry in sorted(self.dst.iterdir(), key=lambda p: p.name):
+            name = entry.name
+            if name == OWN_FILES or (is_temp_name(name) and final_name(name) in own):
+                continue
+            if not (entry.is_file() and not entry.is_symlink() and name in own
+                    and sha256_file(entry) in own[name]):  # fmt: skip
+                out.append(name)
+        return out
+
+    def problem(self) -> str | None:
+        """Why this command may not write into the directory (None: it may)."""
+        foreign = self.foreign()
+        if self.force:  # its own names go; everything else stays, so it is still refused
+            foreign = [n for n in foreign if n not in self.names]
+            fix = f"; --force replaces only {', '.join(self.names)}, never other files"
+        else:
+            mine = ", ".join(n for n in foreign if n in self.names) or "the report's files"
+            fix = (": choose a new or empty directory (or remove them), or pass --force to "
+                   f"replace {mine} (other files stay)")  # fmt: skip
+        if not foreign:
+            return None
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        return (
+            f"{self.dst} holds files a flashnext report did not write (or changed "
+            f"since): {', '.join(foreign[:5])}{more}{fix}"
+        )
+
+    def __enter__(self) -> ReportDestination:
+        try:
+            self._lock.acquire()
+        except SidecarError as exc:
+            raise DestinationError(str(exc)) from None
+        problem = self.problem()  # again under the lock: what another writer left is judged
+        if problem:
+            self._lock.release()
+            raise DestinationError(problem)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 # -- the writer ----------------------------------------------------------------------------
@@ -609,6 +785,28 @@ class SidecarDestination:
         """A ``force`` run that ran out of space: its partial table only holds the space."""
         if self.replaces:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def progress_kept(dst: str | os.PathLike[str]) -> str:
+    """What an interrupted write of the sidecar ``dst`` left, in words, and how to go on: the
+    shards its run state records as finished (in ``dst`` or, for ``--force``, beside it)."""
+    real = real_destination(dst)
+    for where in (real.with_name(f".{real.name}.flashnext-new"), real):
+        try:
+            state = read_state(where)
+        except SidecarError:
+            continue
+        if state is None:
+            continue
+        done = state.get("shards")
+        total = state.get("num_shards")
+        n = len(done) if isinstance(done, dict) else 0
+        of = f" of {total}" if isinstance(total, int) else ""
+        return (
+            f"{n}{of} shards are written and kept in {where}; run the same command again to "
+            "resume (finished shards are checked and kept, not redone)"
+        )
+    return f"nothing of {real} was written yet; run the same command again to start"
 
 
 def recorded_source(directory: str | os.PathLike[str]) -> dict[str, Any] | None:

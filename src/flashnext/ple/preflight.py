@@ -33,6 +33,7 @@ from flashnext.errors import FlashnextError
 from flashnext.placement import RESIDENCIES, Residency
 from flashnext.ple.mapping import cached_pages
 from flashnext.ple.pageout import PageOut, page_cache_pageout
+from flashnext.sizes import size_text
 
 GIB = 1024**3
 #: What we leave free beyond the table: the worker's own allocations and the kernel's.
@@ -162,7 +163,7 @@ class HostMemory:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return size_text(n)  # "3.1 KiB", never "0.0 GiB"
 
 
 def _read_int(path: Path) -> int | None:

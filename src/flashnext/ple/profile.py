@@ -23,6 +23,7 @@ as the model does (:mod:`flashnext.ple.hashing`), one fresh request per file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -36,6 +37,7 @@ import numpy as np
 
 from flashnext._extras import require
 from flashnext.errors import SidecarError
+from flashnext.ple.destination import DestinationLock
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, make_record
@@ -144,12 +146,17 @@ def _merge_counts(
     return merged, np.bincount(inverse, weights=all_counts, minlength=merged.size).astype(np.int64)
 
 
-def write_profile(path: str | os.PathLike[str], profile: HotRowProfile) -> Path:
+def write_profile(
+    path: str | os.PathLike[str], profile: HotRowProfile, lock: DestinationLock | None = None
+) -> Path:
     """Write ``profile`` to ``path`` (a file, or a sidecar directory: the file beside it,
-    :func:`default_profile_path`), atomically. Returns the file written.
+    :func:`default_profile_path`), atomically, under the file's :class:`DestinationLock`:
+    ``lock`` when the caller took it before its work (so a second writer is refused at once),
+    else one taken here. Returns the file written.
 
     Raises:
-        SidecarError: the profile holds no rows (the text held no tokens); nothing is written.
+        SidecarError: the profile holds no rows (the text held no tokens), or another process
+            is writing ``path``; nothing is written.
     """
     target = Path(path)
     if target.is_dir():
@@ -163,14 +170,15 @@ def write_profile(path: str | os.PathLike[str], profile: HotRowProfile) -> Path:
         )
     payload = {**profile.meta, "total_lookups": int(profile.total_lookups), "rows": len(profile)}
     record = make_record(PROFILE_KIND, payload, schema_version=SCHEMA_VERSION)
-    write_file(
-        target,
-        {
-            "row_ids": np.ascontiguousarray(profile.row_ids, dtype=np.int64),
-            "counts": np.ascontiguousarray(profile.counts, dtype=np.int64),
-        },
-        metadata={"record": dumps(record, indent=None)},
-    )
+    with contextlib.nullcontext() if lock is not None and lock.held else DestinationLock(target):
+        write_file(
+            target,
+            {
+                "row_ids": np.ascontiguousarray(profile.row_ids, dtype=np.int64),
+                "counts": np.ascontiguousarray(profile.counts, dtype=np.int64),
+            },
+            metadata={"record": dumps(record, indent=None)},
+        )
     return target
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from flashnext import __version__
 from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
+from flashnext.ple.destination import DestinationLock
 from flashnext.ple.profile import PROFILE_NAME, default_profile_path
 from flashnext.ple.sidecar import (
     FORMAT_VERSION,
@@ -129,38 +130,40 @@ def write_slice(
 
     Args:
         sidecar: the source (a whole sidecar or a slice holding the ranks' rows).
-        dst: the destination directory (created; the caller has applied the destination rule).
+        dst: the destination directory (created; the caller has applied the destination rule;
+            this takes its lock for the whole copy).
         plan: :func:`plan_slice`'s answer for ``sidecar``.
         progress: called with the bytes copied since the last call.
 
     Raises:
-        SidecarError: a copy's sha256 differs from the one the source's META.json records
+        SidecarError: another process is writing ``dst``; a copy's sha256 differs from the one the source's META.json records
             (the copy is removed; the source changed after it was written).
         OSError: a file cannot be read or written (naming it).
     """
     out = Path(dst)
-    out.mkdir(parents=True, exist_ok=True)
-    expected = sidecar.expected_checksums()
-    params = slice_params(sidecar, plan)
-    done = _resumable(out, params)
-    records: dict[int, dict[str, Any]] = {}
-    write_state(out, len(plan.shards), params, records)  # unfinished from here on
-    for sh in plan.shards:
-        name = shard_name(sh.index)
-        kept = done.get(sh.index)
-        if kept is not None and (out / name).is_file() and sha256_file(out / name) == kept:
-            digest = kept  # an interrupted run's copy, still whole
-            if progress is not None:
-                progress(sh.path.stat().st_size)
-        else:
-            digest = copy_checked(sh.path, out / name, expected.get(sh.index), progress)
-        records[sh.index] = {"file": name, "rows": sh.rows, "sha256": digest}
-        write_state(out, len(plan.shards), params, records)
-    profile = source_profile(sidecar)
-    if profile is not None:  # inside the slice: the destination holds everything it writes
-        copy_checked(profile, out / PROFILE_NAME, None, progress)
-    write_json(out / META_NAME, slice_meta(sidecar, plan, list(records.values())))
-    (out / STATE_NAME).unlink()  # finished
+    with DestinationLock(out):  # a second writer is refused, naming this one
+        out.mkdir(parents=True, exist_ok=True)
+        expected = sidecar.expected_checksums()
+        params = slice_params(sidecar, plan)
+        done = _resumable(out, params)
+        records: dict[int, dict[str, Any]] = {}
+        write_state(out, len(plan.shards), params, records)  # unfinished from here on
+        for sh in plan.shards:
+            name = shard_name(sh.index)
+            kept = done.get(sh.index)
+            if kept is not None and (out / name).is_file() and sha256_file(out / name) == kept:
+                digest = kept  # an interrupted run's copy, still whole
+                if progress is not None:
+                    progress(sh.path.stat().st_size)
+            else:
+                digest = copy_checked(sh.path, out / name, expected.get(sh.index), progress)
+            records[sh.index] = {"file": name, "rows": sh.rows, "sha256": digest}
+            write_state(out, len(plan.shards), params, records)
+        profile = source_profile(sidecar)
+        if profile is not None:  # inside the slice: the destination holds everything it writes
+            copy_checked(profile, out / PROFILE_NAME, None, progress)
+        write_json(out / META_NAME, slice_meta(sidecar, plan, list(records.values())))
+        (out / STATE_NAME).unlink()  # finished
     return out
 
 

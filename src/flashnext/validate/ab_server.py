@@ -17,7 +17,7 @@ from typing import Any
 
 from flashnext.records import redact_url
 from flashnext.validate.ab_metrics import TopK
-from flashnext.validate.client import Client, _error_message
+from flashnext.validate.client import Client, _error_message, brief
 
 _TOKEN_ID = "token_id:"
 
@@ -118,7 +118,8 @@ class Side:
         status, text, kind = await self.client.get("/v1/models")
         if status != 200:
             self.down = None if status else f"{kind} on GET /v1/models"
-            raise RequestFailed(self.name, kind or f"http_{status}", f"GET /v1/models: {text}")
+            raise RequestFailed(self.name, kind or f"http_{status}",
+                                f"GET /v1/models: {brief(text)}")  # fmt: skip
         try:
             self.models = json.loads(text)
             served = [m for m in self.models["data"] if isinstance(m, dict)]

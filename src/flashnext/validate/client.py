@@ -101,18 +101,38 @@ class RequestResult:
 
 
 def _error_message(body: bytes) -> str:
-    """The server's error text from an OpenAI-style error body, else the raw body (truncated)."""
+    """The server's error text from an OpenAI-style error body, else the raw body, as one
+    short line (:func:`brief`)."""
     try:
         data = json.loads(body)
     except ValueError:
-        return body.decode("utf-8", "replace")[:500]
+        return brief(body.decode("utf-8", "replace"))
     if isinstance(data, dict):
         err = data.get("error", data)
         if isinstance(err, dict) and "message" in err:
-            return str(err["message"])[:500]
+            return brief(str(err["message"]))
         if "message" in data:
-            return str(data["message"])[:500]
-    return json.dumps(data)[:500]
+            return brief(str(data["message"]))
+    return brief(json.dumps(data))
+
+
+_TITLE = re.compile(r"<title[^>]{0,200}>([^<]{0,500})</title>", re.IGNORECASE)
+_TAG = re.compile(r"<[^<>]{0,1000}>")
+BRIEF_CHARS = 300
+
+
+def brief(text: str, limit: int = BRIEF_CHARS) -> str:
+    """A server's answer as one line for a report or a message: an HTML page (a proxy's or a
+    web server's 404) by its title, else its text without tags; whitespace collapsed; cut at
+    ``limit`` characters with the length said."""
+    head = text[:100_000]  # bounded work on whatever a server sends
+    if "<html" in head[:2000].lower() or "<!doctype" in head[:2000].lower():
+        title = _TITLE.search(head)
+        head = f"HTML page: {title.group(1)}" if title else "HTML page: " + _TAG.sub(" ", head)
+    line = " ".join(head.split())
+    if len(line) > limit or len(text) > 100_000:
+        return f"{line[:limit].rstrip()}... ({len(text)} characters)"
+    return line
 
 
 async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:

@@ -4,7 +4,10 @@ Each file is rendered and written on its own, to a temporary name renamed when c
 (:func:`flashnext.atomic.atomic_write`): a full disk, a name taken by a directory or a plot
 without matplotlib costs that file only, and the caller still prints the summary and ``--json``
 on stdout, then names every file that could not be written. Text is written as UTF-8; a path
-or argument that is not valid UTF-8 (an undecodable ``--out``) appears backslash-escaped.
+or argument that is not valid UTF-8 (an undecodable ``--out``) appears backslash-escaped. Each
+file is noted as this report's (:func:`~flashnext.ple.destination.remember_written`) before it
+is renamed into place, so a later run may replace it and nothing else
+(:class:`~flashnext.ple.destination.ReportDestination`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from flashnext.atomic import atomic_write
 from flashnext.errors import MissingExtraError, ValidationError
+from flashnext.ple.destination import remember_written
 
 Render = Callable[[], bytes | str]
 
@@ -49,6 +53,7 @@ def write_files(out_dir: Path, files: dict[str, Render]) -> Written:
         if isinstance(data, str):
             data = printable(data).encode("utf-8")
         try:
+            remember_written(out_dir, name, data)  # before the rename: a later run knows it
             with atomic_write(path) as fh:
                 fh.write(data)
         except OSError as exc:

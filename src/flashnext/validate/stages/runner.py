@@ -228,7 +228,8 @@ async def run_validation(
                 await _check_reachable_without_ready(run)
             run.metrics.start()
             results = await _run_stages(run, interrupts, restarts)
-            server = await _server_environment(run)
+        # After the stages: a signal now no longer stops anything (the CLI notes it).
+        server = await _server_environment(run)
     finally:
         await run.close()
     if cfg.container:
