@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
+from flashnext.deploy.engram import engram_verdict
 from flashnext.deploy.gpu import GpuSpec
 from flashnext.deploy.quant_layout import config_quant, layer_formats
 from flashnext.deploy.serve_args import ServeArgs
@@ -444,6 +445,13 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
     return Check("ple-sidecar", "pass", f"{root}: a sidecar of this model's geometry for {where}")
 
 
+def check_engram_config(ctx: CheckContext) -> Check:
+    """vLLM's ``--engram-config``: the PLE path it takes, or what it or the plugin refuse."""
+    a = ctx.args
+    verdict = engram_verdict(a.raw, a.env, ctx.text_config, ctx.vllm_version, ctx.gpu)
+    return Check("engram-config", *verdict)
+
+
 def _check_layer_sidecar(serving: Any, root: Path, config: dict[str, Any], layer_id: int) -> None:
     """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM."""
     from flashnext.ple.sidecar import open_sidecar
@@ -567,6 +575,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_context_length,
     check_ple_host_memory,
     check_ple_sidecar,
+    check_engram_config,
     check_memory_plan,
 )
 
