@@ -132,7 +132,10 @@ class ServeArgs:
         (0.34) disk_offload is true; the JSON and dotted ``--engram-config`` forms are read."""
         from flashnext.integrations.vllm.engram import command_line_engram
 
-        engram = command_line_engram(self.raw)
+        try:
+            engram = command_line_engram(self.raw)
+        except FlashnextError:
+            return True  # vLLM's default; the engram-config check reports the bad value
         return engram.get("cpu_offload", True) is not False and engram.get("disk_offload") is not True
 
 
