@@ -464,7 +464,9 @@ def test_sidecar_with_disk_offload_is_refused_by_check_as_by_the_plugin(tmp_path
     assert "FLASHNEXT_PLE_SIDECAR" in str(plugin.value) and "disk_offload" in str(plugin.value)
     # without disk_offload the sidecar is the path
     rows, _ = checks_for(root, [f"{ENGRAM_JSON}.cpu_offload=false"], env=env, version="0.34.0")
-    assert rows["engram-config"].status == "pass" and "flashnext sidecar" in rows["engram-config"].why
+    assert (
+        rows["engram-config"].status == "pass" and "flashnext sidecar" in rows["engram-config"].why
+    )
     # the CLI exits 1 on it
     blocked = run(
         "check", "--model", root, "--gpu", "sm90,cuda13.0", "--vllm-version", "0.34.0",

@@ -136,7 +136,9 @@ class ServeArgs:
             engram = command_line_engram(self.raw)
         except FlashnextError:
             return True  # vLLM's default; the engram-config check reports the bad value
-        return engram.get("cpu_offload", True) is not False and engram.get("disk_offload") is not True
+        return (
+            engram.get("cpu_offload", True) is not False and engram.get("disk_offload") is not True
+        )
 
 
 def vllm_int(flag: str, value: str) -> int:
