@@ -431,7 +431,8 @@ def test_engram_config_says_which_ple_path_vllm_takes(tmp_path, argv, version, g
     "argv, version, named",
     [
         ([f"{ENGRAM_JSON}.disk_offload", "true"], "0.33.0", "0.34.0 added it"),
-        ([ENGRAM_JSON, '{"use_thp": true}'], "0.32.0+cpu", "use_thp: vLLM 0.32.0+cpu has no"),
+        ([ENGRAM_JSON, '{"disk_offload": true, "use_thp": false}'], "0.32.0+cpu",
+         "disk_offload: vLLM 0.32.0+cpu has no"),
         ([ENGRAM_JSON, '{"disk_offload": true}'], "0.34.0+cpu", "CUDA only"),
         ([ENGRAM_JSON, '{"disk_ofload": true}'], "0.34.0", "unknown key(s) ['disk_ofload']"),
         ([ENGRAM_JSON, '{"disk_offload": "yes"}'], "0.34.0", "disk_offload='yes': expected true"),

@@ -27,8 +27,8 @@ ENGRAM_KEYS: dict[str, bool | None] = {
     "dp_shared_memory": None,
     "use_thp": False,
 }
-#: The keys vLLM 0.32 and 0.33 know (the rest came with 0.34).
-KEYS_BEFORE_034 = ("cpu_offload", "embedding_across_dp")
+#: The keys vLLM 0.32 and 0.33 know (their wheels' vllm/config/engram.py): 0.34 added disk_offload.
+KEYS_BEFORE_034 = ("cpu_offload", "embedding_across_dp", "dp_shared_memory", "use_thp")
 FLAG = "--engram-config"
 PlePath = Literal["disk_offload", "pinned", "device", "sidecar"]
 PATH_TEXT: dict[str, str] = {
