@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
-from flashnext.deploy.engram import engram_verdict
+from flashnext.deploy.engram import engram_verdict, plan_fields
 from flashnext.deploy.gpu import GpuSpec
 from flashnext.deploy.quant_layout import config_quant, layer_formats
 from flashnext.deploy.serve_args import ServeArgs
@@ -485,6 +485,8 @@ def check_memory_plan(ctx: CheckContext) -> Check:
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
             **_planned_ple(a.ple_cpu_offload, _plugin_settings(a.env)),
+            **plan_fields(a.raw, a.int_flag("--data-parallel-size") or 1),
+            max_num_batched_tokens=a.int_flag("--max-num-batched-tokens") or 8192,
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:

@@ -55,6 +55,21 @@ def engram_verdict(
     return "pass", f"PLE served by {PATH_TEXT[path]}", "", False
 
 
+def plan_fields(raw_args: Sequence[str], data_parallel_size: int) -> dict[str, Any]:
+    """The :class:`~flashnext.plan.planner.PlanRequest` fields of vLLM's engram path: disk
+    offload, DP replicas and whether they share one pinned table (unparsable keys: defaults,
+    the engram-config row reports them)."""
+    try:
+        engram = planned_engram(raw_args)
+    except FlashnextError:
+        engram = EngramSettings()
+    return {
+        "ple_disk_offload": engram.disk_offload,
+        "dp": data_parallel_size,
+        "dp_shared_memory": engram.shared_host_copy(data_parallel_size),
+    }
+
+
 def _cuda(vllm_version: str | None, gpu: GpuSpec) -> bool | None:
     """Whether the serving platform is CUDA: not for a ``+cpu`` vLLM build, yes for a GPU with
     a compute capability (given or from NVML), unknown otherwise."""
