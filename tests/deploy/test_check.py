@@ -475,3 +475,26 @@ def test_sidecar_with_disk_offload_is_refused_by_check_as_by_the_plugin(tmp_path
         "--", "--engram-config.disk_offload", "true",
     )  # fmt: skip
     assert blocked.returncode == 1 and "engram-config" in blocked.stdout, blocked.stdout
+
+
+def test_engram_config_from_vllms_yaml_config_file(tmp_path):
+    """vLLM's --config FILE: its engram-config is read, and the command line overrides it."""
+    root = model(tmp_path)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max-model-len: 8192\nengram-config:\n  disk_offload: true\n")
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "sidecar")}
+    rows, _ = checks_for(root, ["--config", str(cfg)], version="0.34.0")
+    assert rows["engram-config"].status == "pass" and "disk offload" in rows["engram-config"].why
+    rows, _ = checks_for(root, [f"--config={cfg}"], env=env, version="0.34.0")
+    assert (
+        rows["engram-config"].status == "fail"
+        and "FLASHNEXT_PLE_SIDECAR" in rows["engram-config"].why
+    )
+    argv = ["--config", str(cfg), "--engram-config.disk_offload", "false"]
+    rows, _ = checks_for(root, argv, env=env, version="0.34.0")
+    assert rows["engram-config"].status == "pass" and "sidecar" in rows["engram-config"].why
+    cfg.write_text('engram_config: \'{"use_thp": "yes"}\'\n')
+    rows, _ = checks_for(root, ["--config", str(cfg)], version="0.34.0")
+    assert rows["engram-config"].status == "fail" and "use_thp='yes'" in rows["engram-config"].why
+    rows, _ = checks_for(root, ["--config", str(tmp_path / "missing.yaml")], version="0.34.0")
+    assert rows["engram-config"].status == "fail" and "missing.yaml" in rows["engram-config"].why

@@ -217,3 +217,19 @@ def test_disk_offload_off_or_no_sidecar_is_not_refused():
         assert ple_path(engram, sidecar_on=True) == "sidecar"
     on = EngramSettings.from_mapping(command_line_engram(["--engram-config.disk_offload"]))
     assert ple_path(on, sidecar_on=False) == "disk_offload"
+
+
+def test_register_reads_the_yaml_config_file_for_disk_offload(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("engram-config:\n  disk_offload: true\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNEXT_")}
+    env["FLASHNEXT_PLE_SIDECAR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", REGISTER, "serve", "/m", "--config", str(cfg)], env=env,
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "refused:" in out and "disk_offload=true" in out and "| installed: []" in out, out

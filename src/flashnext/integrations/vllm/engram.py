@@ -141,11 +141,14 @@ def command_line_engram(argv: Sequence[str]) -> dict[str, Any]:
     or a bare ``--engram-config.disk_offload`` for true), underscores or dashes. Dotted values
     are read as JSON (``true``/``false``), as vLLM's argument parser does.
 
+    A YAML ``--config FILE`` (vLLM's config file) is read first, its ``engram-config`` (or
+    ``engram_config``) mapping or JSON text; the command line's keys override it, as in vLLM.
+
     Raises:
-        PluginError: the JSON form is not a JSON object.
+        PluginError: the JSON form is not a JSON object; the config file cannot be read.
     """
-    out: dict[str, Any] = {}
     args = list(argv)
+    out = _config_file_engram(args)
     for i, arg in enumerate(args):
         name, eq, value = arg.partition("=")
         head, dot, key = name.replace("_", "-").partition(".")
@@ -165,6 +168,34 @@ def command_line_engram(argv: Sequence[str]) -> dict[str, Any]:
             raise PluginError(f"{FLAG}: expected a JSON object, found {value!r}")
         out.update(parsed)
     return out
+
+
+def _config_file_engram(args: list[str]) -> dict[str, Any]:
+    """The engram keys of ``--config FILE`` (YAML), or none when no file is given."""
+    path = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name == "--config":
+            path = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    if path is None:
+        return {}
+    try:
+        import yaml  # vLLM's own dependency: it reads --config with it
+
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh) or {}
+    except Exception as exc:  # OSError, ImportError, yaml.YAMLError: one line either way
+        raise PluginError(f"--config {path}: cannot read it for engram-config ({exc})") from None
+    if not isinstance(data, dict):
+        raise PluginError(f"--config {path}: expected a YAML mapping of vLLM arguments")
+    section = data.get("engram-config", data.get("engram_config"))
+    if isinstance(section, str):
+        section = _json_value(section)
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise PluginError(f"--config {path}: engram-config must be a mapping, found {section!r}")
+    return dict(section)
 
 
 def _json_value(text: str) -> Any:
