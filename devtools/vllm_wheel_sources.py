@@ -27,7 +27,6 @@ KEPT = (
     "vllm/compilation/breakable_cudagraph.py",
     "vllm/config/__init__.py",
     "vllm/config/engram.py",
-    "vllm/config/vllm.py",
     "vllm/model_executor/layers/fused_moe/experts/flashinfer_b12x_moe.py",
 )
 

@@ -498,3 +498,14 @@ def test_engram_config_from_vllms_yaml_config_file(tmp_path):
     assert rows["engram-config"].status == "fail" and "use_thp='yes'" in rows["engram-config"].why
     rows, _ = checks_for(root, ["--config", str(tmp_path / "missing.yaml")], version="0.34.0")
     assert rows["engram-config"].status == "fail" and "missing.yaml" in rows["engram-config"].why
+
+
+def test_disk_offload_keeps_no_table_in_host_memory_or_the_plan(tmp_path):
+    root = model(tmp_path)
+    argv = ["--engram-config", '{"disk_offload": true}']
+    rows, _ = checks_for(root, argv, host=1 << 30, version="0.34.0")
+    assert (
+        rows["ple-host-memory"].status == "pass" and "disk offload" in rows["ple-host-memory"].why
+    )
+    pinned, _ = checks_for(root, [], host=1 << 30, version="0.34.0")
+    assert "GiB host RAM" in pinned["ple-host-memory"].why  # vLLM's pinned table is counted

@@ -380,6 +380,10 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     if not tables:
         return Check("ple-host-memory", "skip", "no PLE table in the checkpoint", blocking=False)
     sidecar = ctx.args.env.get("FLASHNEXT_PLE_SIDECAR")
+    if plan_fields(ctx.args.raw, 1)["ple_disk_offload"]:
+        return Check("ple-host-memory", "pass", "vLLM's disk offload: no table in host RAM "
+                     "(rows read from the checkpoint files; `flashnext plan` counts its buffers)",
+                     blocking=False)  # fmt: skip
     tp = ctx.args.tensor_parallel_size
     total = sum(t.nbytes for t in tables)
     per_worker = -(-total // tp)

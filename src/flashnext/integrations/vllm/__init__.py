@@ -64,8 +64,9 @@ def register() -> None:
     ``--engram-config`` disk_offload on the command line is refused (:mod:`.engram`).
 
     Raises:
-        PluginError: a bad setting, the sidecar with disk_offload, an unchecked vLLM version with a part switched on, or a
-            part whose preconditions do not hold (then nothing at all was applied).
+        PluginError: a bad setting, the sidecar with disk_offload, an unchecked vLLM version
+            with a part switched on, or a part whose preconditions do not hold (then nothing
+            at all was applied).
     """
     _use_vllm_log_handlers()
     settings = PluginSettings.at_startup()

@@ -6,8 +6,8 @@ each step, CUDA only), else ``cpu_offload`` (default true) -> ``Qwen4ExpPLEPinne
 (pinned table, UVA), else ``Qwen4ExpPLEDeviceEmbedding``. The sidecar replaces the pinned and
 device classes only: with ``disk_offload`` vLLM builds a class the plugin does not replace, so
 the sidecar would be dropped without a word. :func:`refuse_sidecar_with_disk_offload` refuses
-that combination instead (the plugin at start-up and at model build, and ``flashnext check``,
-through this one function).
+that combination instead (the plugin at start-up, and ``flashnext check``, through this one
+function).
 """
 
 from __future__ import annotations
