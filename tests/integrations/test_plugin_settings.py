@@ -215,7 +215,12 @@ def test_disk_offload_off_or_no_sidecar_is_not_refused():
     ):
         engram = EngramSettings.from_mapping(command_line_engram(argv))
         assert ple_path(engram, sidecar_on=True) == "sidecar"
-    on = EngramSettings.from_mapping(command_line_engram(["--engram-config.disk_offload"]))
+    # vLLM's argparse keeps the last --engram-config whole; the dotted keys become one last JSON
+    argv = ["--engram-config", '{"disk_offload": true}', "--engram-config", '{"use_thp": false}']
+    assert command_line_engram(argv) == {"use_thp": False}
+    argv = ["--engram-config", '{"cpu_offload": false}', "--engram-config.disk_offload", "true"]
+    assert command_line_engram(argv) == {"disk_offload": True}
+    on = EngramSettings.from_mapping(command_line_engram(argv))
     assert ple_path(on, sidecar_on=False) == "disk_offload"
 
 

@@ -134,31 +134,34 @@ def refuse_sidecar_with_disk_offload(sidecar_on: bool, disk_offload: bool) -> No
 
 
 def command_line_engram(argv: Sequence[str]) -> dict[str, Any]:
-    """The ``--engram-config`` keys of a ``vllm serve`` command line.
+    """The ``--engram-config`` keys of a ``vllm serve`` command line, as vLLM 0.34 resolves them.
 
-    Reads the JSON form (``--engram-config '{...}'`` or ``--engram-config={...}``) and vLLM's
-    dotted form (``--engram-config.disk_offload true``, ``--engram-config.disk_offload=true``,
-    or a bare ``--engram-config.disk_offload`` for true), underscores or dashes. Dotted values
-    are read as JSON (``true``/``false``), as vLLM's argument parser does.
-
-    A YAML ``--config FILE`` (vLLM's config file) is read first, its ``engram-config`` (or
-    ``engram_config``) mapping or JSON text; the command line's keys override it, as in vLLM.
+    Read as vllm/utils/argparse_utils.py does: a YAML ``--config FILE``'s ``engram-config``
+    becomes a JSON ``--engram-config`` placed before the command line's; the dotted form
+    (``--engram-config.disk_offload true`` or ``...=true``; the value is the next argument,
+    read as JSON) is collected into one JSON object appended last; argparse keeps the last
+    ``--engram-config``, whole (objects are replaced, not merged).
 
     Raises:
         PluginError: the JSON form is not a JSON object; the config file cannot be read.
     """
     args = list(argv)
-    out = _config_file_engram(args)
+    last: dict[str, Any] = _config_file_engram(args)
+    dotted: dict[str, Any] = {}
+    skip = False
     for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
         name, eq, value = arg.partition("=")
-        head, dot, key = name.replace("_", "-").partition(".")
-        if head != FLAG:
+        head, dot, key = name.partition(".")
+        if head.replace("_", "-") != FLAG:
             continue
         if not eq:
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            value = nxt if nxt is not None and not nxt.startswith("--") else ("true" if dot else "")
+            value = args[i + 1] if i + 1 < len(args) else ""
+            skip = True
         if dot:
-            out[key.replace("-", "_")] = _json_value(value)
+            dotted[key] = _json_value(value)
             continue
         try:
             parsed = json.loads(value)
@@ -166,8 +169,8 @@ def command_line_engram(argv: Sequence[str]) -> dict[str, Any]:
             raise PluginError(f"{FLAG}: not valid JSON: {value!r}") from None
         if not isinstance(parsed, dict):
             raise PluginError(f"{FLAG}: expected a JSON object, found {value!r}")
-        out.update(parsed)
-    return out
+        last = parsed
+    return dotted or last
 
 
 def _config_file_engram(args: list[str]) -> dict[str, Any]:
