@@ -78,10 +78,21 @@ def register() -> None:
         return
     # With disk_offload vLLM 0.34 builds a layer class the sidecar does not replace: refuse here,
     # where the command line is visible, rather than serve without the sidecar.
-    disk_offload = command_line_engram(sys.argv).get("disk_offload") is True
-    refuse_sidecar_with_disk_offload(settings.ple_sidecar is not None, disk_offload)
+    refuse_sidecar_with_disk_offload(settings.ple_sidecar is not None, _disk_offload_on_argv())
     require_checked(installed_vllm_version(), settings.allow_untested_vllm)
     apply_parts(settings.parts, settings)
+
+
+def _disk_offload_on_argv() -> bool:
+    """``disk_offload`` in this process's ``--engram-config`` (or its YAML ``--config``).
+
+    A command line this reader cannot parse is left to vLLM, which reports it itself (or is not
+    vLLM's: a worker launcher's own ``--config``), as ``command_line_config`` does.
+    """
+    try:
+        return command_line_engram(sys.argv).get("disk_offload") is True
+    except PluginError:
+        return False
 
 
 def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:
