@@ -491,3 +491,108 @@ def test_check_cli_names_a_refused_switch(tmp_path):
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert "FLASHNEXT_PLE_PLACEMENT='bogus'" in p.stdout + p.stderr
     assert "no FLASHNEXT_PLE_SIDECAR" not in p.stdout + p.stderr
+
+
+ENGRAM_JSON = "--engram-config"
+
+
+@pytest.mark.parametrize(
+    "argv, version, gpu, path",
+    [
+        ([], "0.33.0", SM120, "pinned host table"),
+        ([ENGRAM_JSON, '{"cpu_offload": false}'], "0.32.0", SM120, "table on the GPU"),
+        ([f"{ENGRAM_JSON}.cpu_offload", "false"], "0.33.0", SM120, "table on the GPU"),
+        ([f"{ENGRAM_JSON}.disk_offload=true"], "0.34.0", SM120, "disk offload"),
+        ([ENGRAM_JSON, '{"disk_offload": true, "cpu_offload": true}'], "0.34.0", SM120,
+         "disk offload"),  # 0.34: disk_offload takes precedence
+        ([f"{ENGRAM_JSON}.dp_shared_memory", "true"], "0.34.0", SM120, "pinned host table"),
+    ],
+)  # fmt: skip
+def test_engram_config_says_which_ple_path_vllm_takes(tmp_path, argv, version, gpu, path):
+    rows, _ = checks_for(model(tmp_path), argv, gpu=gpu, version=version)
+    row = rows["engram-config"]
+    assert row.status == "pass" and path in row.why, row
+
+
+@pytest.mark.parametrize(
+    "argv, version, named",
+    [
+        ([f"{ENGRAM_JSON}.disk_offload", "true"], "0.33.0", "0.34.0 added it"),
+        ([ENGRAM_JSON, '{"disk_offload": true, "use_thp": false}'], "0.32.0+cpu",
+         "disk_offload: vLLM 0.32.0+cpu has no"),
+        ([ENGRAM_JSON, '{"disk_offload": true}'], "0.34.0+cpu", "CUDA only"),
+        ([ENGRAM_JSON, '{"disk_ofload": true}'], "0.34.0", "unknown key(s) ['disk_ofload']"),
+        ([ENGRAM_JSON, '{"disk_offload": "yes"}'], "0.34.0", "disk_offload='yes': expected true"),
+        ([f"{ENGRAM_JSON}.cpu_offload", "1"], "0.34.0", "cpu_offload=1: expected true or false"),
+        ([ENGRAM_JSON, '{"cpu_offload": false, "dp_shared_memory": true}'], "0.34.0",
+         "dp_shared_memory requires cpu_offload=true"),
+        ([ENGRAM_JSON, '{"use_thp": true, "dp_shared_memory": true}'], "0.34.0",
+         "use_thp requires"),
+        ([ENGRAM_JSON, "[1]"], "0.34.0", "expected a JSON object"),
+    ],
+)  # fmt: skip
+def test_engram_config_contradictions_fail_in_one_line(tmp_path, argv, version, named):
+    rows, _ = checks_for(model(tmp_path), argv, version=version)
+    row = rows["engram-config"]
+    assert row.status == "fail" and row.blocking and named in row.why, row
+    assert "\n" not in row.why
+
+
+def test_sidecar_with_disk_offload_is_refused_by_check_as_by_the_plugin(tmp_path):
+    from flashnext.errors import PluginError
+    from flashnext.integrations.vllm.engram import refuse_sidecar_with_disk_offload
+
+    root = model(tmp_path)
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "sidecar")}
+    rows, _ = checks_for(root, [ENGRAM_JSON, '{"disk_offload": true}'], env=env, version="0.34.0")
+    with pytest.raises(PluginError) as plugin:
+        refuse_sidecar_with_disk_offload(True, True)
+    assert rows["engram-config"].status == "fail"
+    assert rows["engram-config"].why == str(plugin.value)
+    assert "FLASHNEXT_PLE_SIDECAR" in str(plugin.value) and "disk_offload" in str(plugin.value)
+    # without disk_offload the sidecar is the path
+    rows, _ = checks_for(root, [f"{ENGRAM_JSON}.cpu_offload=false"], env=env, version="0.34.0")
+    assert (
+        rows["engram-config"].status == "pass" and "flashnext sidecar" in rows["engram-config"].why
+    )
+    # the CLI exits 1 on it
+    blocked = run(
+        "check", "--model", root, "--gpu", "sm90,cuda13.0", "--vllm-version", "0.34.0",
+        "--env", f"FLASHNEXT_PLE_SIDECAR={tmp_path / 'sidecar'}",
+        "--", "--engram-config.disk_offload", "true",
+    )  # fmt: skip
+    assert blocked.returncode == 1 and "engram-config" in blocked.stdout, blocked.stdout
+
+
+def test_engram_config_from_vllms_yaml_config_file(tmp_path):
+    """vLLM's --config FILE: its engram-config is read, and the command line overrides it."""
+    root = model(tmp_path)
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max-model-len: 8192\nengram-config:\n  disk_offload: true\n")
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "sidecar")}
+    rows, _ = checks_for(root, ["--config", str(cfg)], version="0.34.0")
+    assert rows["engram-config"].status == "pass" and "disk offload" in rows["engram-config"].why
+    rows, _ = checks_for(root, [f"--config={cfg}"], env=env, version="0.34.0")
+    assert (
+        rows["engram-config"].status == "fail"
+        and "FLASHNEXT_PLE_SIDECAR" in rows["engram-config"].why
+    )
+    argv = ["--config", str(cfg), "--engram-config.disk_offload", "false"]
+    rows, _ = checks_for(root, argv, env=env, version="0.34.0")
+    assert rows["engram-config"].status == "pass" and "sidecar" in rows["engram-config"].why
+    cfg.write_text('engram_config: \'{"use_thp": "yes"}\'\n')
+    rows, _ = checks_for(root, ["--config", str(cfg)], version="0.34.0")
+    assert rows["engram-config"].status == "fail" and "use_thp='yes'" in rows["engram-config"].why
+    rows, _ = checks_for(root, ["--config", str(tmp_path / "missing.yaml")], version="0.34.0")
+    assert rows["engram-config"].status == "fail" and "missing.yaml" in rows["engram-config"].why
+
+
+def test_disk_offload_keeps_no_table_in_host_memory_or_the_plan(tmp_path):
+    root = model(tmp_path)
+    argv = ["--engram-config", '{"disk_offload": true}']
+    rows, _ = checks_for(root, argv, host=1 << 30, version="0.34.0")
+    assert (
+        rows["ple-host-memory"].status == "pass" and "disk offload" in rows["ple-host-memory"].why
+    )
+    pinned, _ = checks_for(root, [], host=1 << 30, version="0.34.0")
+    assert "GiB host RAM" in pinned["ple-host-memory"].why  # vLLM's pinned table is counted

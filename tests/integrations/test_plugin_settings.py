@@ -160,3 +160,81 @@ def test_bad_cache_switches_are_refused_in_one_line(env, config, named):
     with pytest.raises(PluginError) as exc:
         PluginSettings.resolve(env=env, additional_config=config)
     assert named in str(exc.value) and "\n" not in str(exc.value)
+
+
+REGISTER = (
+    "import sys\n"
+    "from flashnext.errors import PluginError\n"
+    "from flashnext.integrations.vllm import _installed, register\n"
+    "try:\n"
+    "    register()\n"
+    "except PluginError as exc:\n"
+    "    print('refused:', exc, '| installed:', sorted(_installed))\n"
+)
+
+
+@pytest.mark.parametrize(
+    "engram",
+    [
+        ["--engram-config", '{"disk_offload": true}'],
+        ['--engram-config={"disk_offload": true, "cpu_offload": false}'],
+        ["--engram-config.disk_offload", "true"],
+        ["--engram_config.disk_offload=true"],
+    ],
+)
+def test_register_refuses_the_sidecar_with_vllms_disk_offload(tmp_path, engram):
+    """vLLM 0.34 builds its disk-offload layer, which the sidecar does not replace: refused in
+    one line naming both switches, before anything is applied (a real process, its argv)."""
+    import os
+    import subprocess
+    import sys
+
+    section = json.dumps({"flashnext": {"ple_sidecar": str(tmp_path)}})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNEXT_")}
+    for how_on, extra_env in (
+        (["--additional-config", section], {}),
+        ([], {"FLASHNEXT_PLE_SIDECAR": str(tmp_path)}),
+    ):
+        argv = ["serve", "/m", *how_on, *engram]
+        out = subprocess.run(
+            [sys.executable, "-c", REGISTER, *argv], env={**env, **extra_env},
+            capture_output=True, text=True, timeout=120, check=True,
+        ).stdout  # fmt: skip
+        assert out.count("\n") == 1 and "refused:" in out, out
+        assert "FLASHNEXT_PLE_SIDECAR" in out and "disk_offload=true" in out, out
+        assert out.rstrip().endswith("| installed: []"), out
+
+
+def test_disk_offload_off_or_no_sidecar_is_not_refused():
+    from flashnext.integrations.vllm.engram import EngramSettings, command_line_engram, ple_path
+
+    for argv in (
+        ["--engram-config", '{"disk_offload": false}'],
+        ["--engram-config.cpu_offload", "false"],
+        [],
+    ):
+        engram = EngramSettings.from_mapping(command_line_engram(argv))
+        assert ple_path(engram, sidecar_on=True) == "sidecar"
+    # vLLM's argparse keeps the last --engram-config whole; the dotted keys become one last JSON
+    argv = ["--engram-config", '{"disk_offload": true}', "--engram-config", '{"use_thp": false}']
+    assert command_line_engram(argv) == {"use_thp": False}
+    argv = ["--engram-config", '{"cpu_offload": false}', "--engram-config.disk_offload", "true"]
+    assert command_line_engram(argv) == {"disk_offload": True}
+    on = EngramSettings.from_mapping(command_line_engram(argv))
+    assert ple_path(on, sidecar_on=False) == "disk_offload"
+
+
+def test_register_reads_the_yaml_config_file_for_disk_offload(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("engram-config:\n  disk_offload: true\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHNEXT_")}
+    env["FLASHNEXT_PLE_SIDECAR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", REGISTER, "serve", "/m", "--config", str(cfg)], env=env,
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "refused:" in out and "disk_offload=true" in out and "| installed: []" in out, out

@@ -365,3 +365,42 @@ def test_config_only_plan_beside_other_safetensors(
     code_bare, out_bare, _ = run_in_process([*argv, "--model", QWEN4], capsys)
     assert (code, out.replace(str(tmp_path / "config.json"), "M")) == (
         code_bare, out_bare.replace(str(QWEN4), "M"))  # fmt: skip
+
+
+def test_engram_paths_count_their_host_and_device_bytes() -> None:
+    """disk_offload: no table, its staging buffers (0.34's __init__: ids, pinned and pageable
+    rows on the host; rows, bf16 decode and row ids on the GPU); cpu_offload: one pinned table
+    per DP replica, one per node with dp_shared_memory."""
+    base = PlanRequest(96 * GIB, 0.92, max_model_len=32768, ple_format="nvfp4", tp=2)
+    g = PLEGeometry.from_config(_qwen4().config, 0)
+    row = g.width // 2 + g.width // 16  # packed E2M1 + fp8 block scales
+    tokens = 4096
+    disk = make_plan(
+        _qwen4(),
+        dataclasses.replace(base, ple_disk_offload=True, max_num_batched_tokens=tokens, dp=3),
+    )
+    slots = tokens * g.num_heads
+    dev = {i.name: i.bytes for i in disk.device_items}
+    host = {i.name: i.bytes for i in disk.host_items}
+    assert dev["PLE disk-offload staging"] == slots * row + slots * g.width * 2 + slots * 8
+    assert host["PLE disk-offload staging (no table)"] == (slots * 8 + 2 * slots * row) * 2 * 3
+    assert not any("PLE table" in name for name in [*dev, *host])
+    table = g.num_rows * row
+    pinned = make_plan(_qwen4(), dataclasses.replace(base, dp=3))
+    shared = make_plan(_qwen4(), dataclasses.replace(base, dp=3, dp_shared_memory=True))
+    assert {i.name: i.bytes for i in pinned.host_items}["PLE table (nvfp4, pinned)"] == 3 * table
+    assert {i.name: i.bytes for i in shared.host_items}["PLE table (nvfp4, pinned)"] == table
+    on_gpu = make_plan(_qwen4(), dataclasses.replace(base, ple_placement="device"))
+    freed = disk.fit.available_bytes - on_gpu.fit.available_bytes
+    assert freed == table // 2 - dev["PLE disk-offload staging"]
+
+
+def test_plan_cli_reads_engram_config(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB", "--ple-format", "nvfp4",
+            "--max-model-len", "32768"]  # fmt: skip
+    code, out, _ = run_in_process([*base, "--engram-config", '{"disk_offload": true}'], capsys)
+    assert code == 0 and "PLE disk-offload staging" in out and "PLE table" not in out, out
+    code, out, _ = run_in_process([*base, "--engram-config", '{"cpu_offload": false}'], capsys)
+    assert "PLE table on GPU" in out, out
+    code, _, err = run_in_process([*base, "--engram-config", '{"disk_ofload": true}'], capsys)
+    assert code != 0 and "disk_ofload" in err and err.count("\n") <= 2, err

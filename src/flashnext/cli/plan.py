@@ -106,6 +106,26 @@ def _ple_options() -> list[Callable[[Any], Any]]:
             callback=_size,
             help="Device cache of hot PLE rows per PLE layer, e.g. 2GiB (FLASHNEXT_PLE_CACHE).",
         ),
+        click.option(
+            "--engram-config",
+            "engram_config",
+            help="vLLM's --engram-config JSON: disk_offload (no table, staging buffers), "
+            "cpu_offload=false (table on the GPU), dp_shared_memory (one pinned copy per node).",
+        ),
+        click.option(
+            "--dp",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Data-parallel replicas on the node (each pins its own table).",
+        ),
+        click.option(
+            "--max-num-batched-tokens",
+            type=click.IntRange(min=1),
+            default=8192,
+            show_default=True,
+            help="vLLM's; sizes disk offload's staging buffers.",
+        ),
     ]
 
 
@@ -233,7 +253,7 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         host_memory=_host_memory(kw),
         worker_host_bytes=kw["worker_host_memory"] or WORKER_HOST_BYTES,
         ple_format=kw["ple_format"],
-        ple_placement=as_placement(kw["ple_placement"][0]),
+        ple_placement=_engram_placement(kw, as_placement(kw["ple_placement"][0])),
         ple_residency=as_residency(_residency(kw)),
         ple_gpu_cache_rows=kw["ple_gpu_cache_rows"],
         ple_cache=kw["ple_cache"] or 0,
@@ -245,6 +265,7 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         cuda_graphs=kw["device"] == "cuda" and not kw["enforce_eager"],
         weights_format=kw["weights_format"],
         mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"],
+        **_engram_fields(kw),
     )
     try:  # every flag's value and combination before any work: usage errors (exit 2)
         req.check()
@@ -256,6 +277,35 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         except PlanError as exc:
             raise click.BadParameter(str(exc), param_hint=f"--{flag.replace('_', '-')}") from None
     return req
+
+
+def _engram(kw: dict[str, Any]) -> Any:
+    """``--engram-config`` read by the plugin's own reader (the keys and values check refuses)."""
+    from flashnext.errors import FlashnextError
+    from flashnext.integrations.vllm.engram import EngramSettings, command_line_engram
+
+    raw = kw.get("engram_config")
+    try:
+        return EngramSettings.from_mapping(command_line_engram(["--engram-config", raw or "{}"]))
+    except FlashnextError as exc:
+        raise click.BadParameter(str(exc), param_hint="--engram-config") from None
+
+
+def _engram_placement(kw: dict[str, Any], given: Any) -> Any:
+    """vLLM's own table: cpu_offload=false puts it on the GPU (the --ple-placement default is
+    vLLM's pinned table)."""
+    engram = _engram(kw)
+    return "device" if kw.get("engram_config") and not engram.cpu_offload else given
+
+
+def _engram_fields(kw: dict[str, Any]) -> dict[str, Any]:
+    engram = _engram(kw)
+    return {
+        "ple_disk_offload": engram.disk_offload,
+        "dp": kw["dp"],
+        "dp_shared_memory": engram.shared_host_copy(kw["dp"]),
+        "max_num_batched_tokens": kw["max_num_batched_tokens"],
+    }
 
 
 #: The most of a log that is read: vLLM's memory lines come at start-up; 1 GiB is far past them.

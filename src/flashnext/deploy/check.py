@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
+from flashnext.deploy.engram import engram_verdict, plan_fields
 from flashnext.deploy.gpu import GpuSpec
 from flashnext.deploy.quant_layout import config_quant, layer_formats
 from flashnext.deploy.serve_args import ServeArgs
@@ -381,6 +382,10 @@ def check_ple_host_memory(ctx: CheckContext) -> Check:
     if not tables:
         return Check("ple-host-memory", "skip", "no PLE table in the checkpoint", blocking=False)
     sidecar = ctx.args.env.get("FLASHNEXT_PLE_SIDECAR")
+    if plan_fields(ctx.args.raw, 1)["ple_disk_offload"]:
+        return Check("ple-host-memory", "pass", "vLLM's disk offload: no table in host RAM "
+                     "(rows read from the checkpoint files; `flashnext plan` counts its buffers)",
+                     blocking=False)  # fmt: skip
     tp = ctx.args.tensor_parallel_size
     total = sum(t.nbytes for t in tables)
     per_worker = -(-total // tp)
@@ -481,6 +486,13 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
                  f"{where}{cache.why}")  # fmt: skip
 
 
+def check_engram_config(ctx: CheckContext) -> Check:
+    """vLLM's ``--engram-config``: the PLE path it takes, or what it or the plugin refuse."""
+    a = ctx.args
+    verdict = engram_verdict(a.raw, a.env, ctx.text_config, ctx.vllm_version, ctx.gpu)
+    return Check("engram-config", *verdict)
+
+
 def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> tuple[str, Any]:
     """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM: its prefix
     and the opened sidecar."""
@@ -548,6 +560,8 @@ def check_memory_plan(ctx: CheckContext) -> Check:
             tp=a.tensor_parallel_size,
             host_memory=ctx.host_memory,
             **_planned_ple(a.ple_cpu_offload, _plugin_settings(ctx)),
+            **plan_fields(a.raw, a.int_flag("--data-parallel-size") or 1),
+            max_num_batched_tokens=a.int_flag("--max-num-batched-tokens") or 8192,
         )
         plan = make_plan(load_model(ctx.model_dir), req)
     except (FlashnextError, ValueError) as exc:
@@ -639,6 +653,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_plugin_switches,
     check_ple_host_memory,
     check_ple_sidecar,
+    check_engram_config,
     check_memory_plan,
 )
 

@@ -123,8 +123,17 @@ class ServeArgs:
 
     @property
     def ple_cpu_offload(self) -> bool:
-        """vLLM 0.33 keeps the PLE table in pinned host RAM unless engram cpu_offload is false."""
-        return bool(self.json_flag("--engram-config").get("cpu_offload", True))
+        """vLLM keeps the PLE table in pinned host RAM unless engram cpu_offload is false or
+        (0.34) disk_offload is true; the JSON and dotted ``--engram-config`` forms are read."""
+        from flashnext.integrations.vllm.engram import command_line_engram
+
+        try:
+            engram = command_line_engram(self.raw)
+        except FlashnextError:
+            return True  # vLLM's default; the engram-config check reports the bad value
+        return (
+            engram.get("cpu_offload", True) is not False and engram.get("disk_offload") is not True
+        )
 
 
 def vllm_int(flag: str, value: str) -> int:

@@ -25,6 +25,7 @@ from flashnext.kernels.cache_plan import (
 )
 from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
 from flashnext.plan import vllm_kv
+from flashnext.plan.engram import disk_offload_staging, pinned_table_copies
 from flashnext.plan.model import ModelShape, PlanError, host_has_avx512_bf16, kv_spec, model_shape
 from flashnext.plan.sizes import gib
 from flashnext.plan.weights import Weights, estimate, from_headers
@@ -70,6 +71,12 @@ class PlanRequest:
     cuda_graphs: bool = True
     weights_format: str = "nvfp4"
     mamba_ssm_cache_dtype: str = "auto"
+    # vLLM's --engram-config (flashnext.plan.engram): disk_offload (0.34) keeps no table; data
+    # parallel replicas pin one table each, or one per node with dp_shared_memory
+    ple_disk_offload: bool = False
+    dp: int = 1
+    dp_shared_memory: bool = False
+    max_num_batched_tokens: int = 8192
 
     def check(self) -> None:
         """Raise :class:`PlanError` naming the first flag out of range."""
@@ -85,7 +92,14 @@ class PlanRequest:
             raise PlanError(
                 f"--ple-residency {self.ple_residency!r}: expected one of {', '.join(RESIDENCIES)}"
             )
-        for name in ("max_num_seqs", "tp", "gpu_memory"):
+        if self.ple_disk_offload and (
+            self.ple_placement == "staged" or self.ple_cache or self.ple_gpu_cache_rows
+        ):
+            raise PlanError(
+                "--engram-config disk_offload with a flashnext placement or cache: vLLM's disk "
+                "offload replaces the table (and refuses the sidecar); plan one of them"
+            )
+        for name in ("max_num_seqs", "tp", "gpu_memory", "dp", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive")
         if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0 or self.ple_cache < 0:
@@ -215,6 +229,18 @@ def _ple_bytes(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[
     return total, row, fmt
 
 
+def _staging(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[int, int]:
+    """(host, device) bytes of vLLM's disk-offload staging buffers for one worker."""
+    _table, row, fmt = _ple_bytes(model, shape, req)
+    layers = []
+    for d in range(len(shape.ple_layers)):
+        g = PLEGeometry.from_config(model.config, d)
+        layers.append((g.num_heads, g.width, row // len(shape.ple_layers)))
+    width = layers[0][1] if layers else 0
+    nvfp4 = fmt == "nvfp4" or (fmt == "as stored" and 16 * layers[0][2] == 9 * width)
+    return disk_offload_staging(layers, req.max_num_batched_tokens, nvfp4)
+
+
 def _device_items(
     model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights
 ) -> list[Item]:
@@ -227,7 +253,9 @@ def _device_items(
     ]
     if req.num_speculative_tokens and weights.by_kind.get("mtp"):
         items.append(Item("weights: mtp draft", weights.by_kind["mtp"] // req.tp, weights.source))
-    if table and req.ple_placement == "device":
+    if table and req.ple_disk_offload:
+        items.append(Item("PLE disk-offload staging", _staging(model, shape, req)[1], "vLLM 0.34"))
+    elif table and req.ple_placement == "device":
         items.append(Item("PLE table on GPU", table // req.tp, fmt))
     if table and req.ple_gpu_cache_rows:
         cache = req.ple_gpu_cache_rows * row_bytes
@@ -260,8 +288,13 @@ def _host_items(
     given = req.worker_host_bytes != WORKER_HOST_BYTES
     source = "given (--worker-host-memory)" if given else "assumed (seed 004)"
     items = [Item("vLLM worker process", req.worker_host_bytes, source)]
-    if table and req.ple_placement == "pinned":
-        items.append(Item(f"PLE table ({fmt}, pinned)", table, "committed RAM"))
+    if table and req.ple_disk_offload:
+        staging = _staging(model, shape, req)[0] * req.tp * req.dp
+        items.append(Item("PLE disk-offload staging (no table)", staging, "per worker x workers"))
+    elif table and req.ple_placement == "pinned":
+        copies = pinned_table_copies(req.dp, req.dp_shared_memory)
+        note = "committed RAM" + (f", {copies} DP copies" if copies > 1 else "")
+        items.append(Item(f"PLE table ({fmt}, pinned)", table * copies, note))
     if table and req.ple_placement == "staged" and req.ple_residency == "resident":
         items.append(Item(f"PLE table ({fmt}, staged, resident)", table, "committed RAM"))
     if table and req.ple_placement == "staged" and req.ple_residency == "mmap":

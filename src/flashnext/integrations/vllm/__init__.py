@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from types import ModuleType
 from typing import Any
 
 from flashnext import __version__ as FLASHNEXT_VERSION
 from flashnext.errors import PluginError
+from flashnext.integrations.vllm.engram import command_line_engram, refuse_sidecar_with_disk_offload
 from flashnext.integrations.vllm.settings import PluginSettings
 from flashnext.integrations.vllm.versions import installed_vllm_version, require_checked
 
@@ -58,11 +60,13 @@ def register() -> None:
     Reads the switches visible at start-up (:meth:`PluginSettings.at_startup`: the environment
     and the command line's ``--additional-config``). With no part switched on it registers and
     patches nothing (one debug line). Otherwise it refuses an unchecked vLLM version, then
-    checks every part switched on and installs them all.
+    checks every part switched on and installs them all. The sidecar with vLLM's
+    ``--engram-config`` disk_offload on the command line is refused (:mod:`.engram`).
 
     Raises:
-        PluginError: a bad setting, an unchecked vLLM version with a part switched on, or a
-            part whose preconditions do not hold (then nothing at all was applied).
+        PluginError: a bad setting, the sidecar with disk_offload, an unchecked vLLM version
+            with a part switched on, or a part whose preconditions do not hold (then nothing
+            at all was applied).
     """
     _use_vllm_log_handlers()
     settings = PluginSettings.at_startup()
@@ -72,8 +76,23 @@ def register() -> None:
                         "; nothing registered")
         )  # fmt: skip
         return
+    # With disk_offload vLLM 0.34 builds a layer class the sidecar does not replace: refuse here,
+    # where the command line is visible, rather than serve without the sidecar.
+    refuse_sidecar_with_disk_offload(settings.ple_sidecar is not None, _disk_offload_on_argv())
     require_checked(installed_vllm_version(), settings.allow_untested_vllm)
     apply_parts(settings.parts, settings)
+
+
+def _disk_offload_on_argv() -> bool:
+    """``disk_offload`` in this process's ``--engram-config`` (or its YAML ``--config``).
+
+    A command line this reader cannot parse is left to vLLM, which reports it itself (or is not
+    vLLM's: a worker launcher's own ``--config``), as ``command_line_config`` does.
+    """
+    try:
+        return command_line_engram(sys.argv).get("disk_offload") is True
+    except PluginError:
+        return False
 
 
 def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:
