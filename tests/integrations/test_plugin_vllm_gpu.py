@@ -385,3 +385,20 @@ def test_loader_fix_gives_disk_offload_the_whole_table(world, vllm_pinned, table
         batch = _batch(rng, tokens)
         ours, theirs = _step(layer, batch), _step(vllm_pinned, batch)
         assert np.array_equal(_bits(ours), _bits(theirs)), f"T={tokens}"
+
+
+@needs_disk_offload
+def test_sidecar_with_disk_offload_is_refused_by_the_layer(world, table):
+    """``disk_offload`` reached the model by a way start-up cannot read (a config object, as
+    ``LLM(engram_config=...)`` builds one) while the sidecar is on: vLLM's disk-offload layer,
+    which the sidecar does not replace, refuses naming both switches instead of serving without
+    the sidecar; with the sidecar off it is vLLM's own layer."""
+    from flashnext.errors import PluginError
+
+    apply_parts(("ple_sidecar",), PluginSettings())
+    additional = {"flashnext": {"ple_sidecar": str(table[1].path)}}
+    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_SIDECAR.*disk_offload=true"):
+        _build(True, additional, disk_offload=True)
+    emb = _build(True, None, disk_offload=True).ngram_embedding
+    assert type(emb).__name__ == "Qwen4ExpPLEDiskOffloadEmbedding"
+    assert type(emb).__module__.startswith("vllm.")

