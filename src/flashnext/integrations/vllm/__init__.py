@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from types import ModuleType
 from typing import Any
 
 from flashnext import __version__ as FLASHNEXT_VERSION
 from flashnext.errors import PluginError
-from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import installed_vllm_version, require_checked
 
 __all__ = ["LOG_PREFIX", "PluginSettings", "logger", "plugin_line", "register"]
@@ -74,6 +75,23 @@ def register() -> None:
         return
     require_checked(installed_vllm_version(), settings.allow_untested_vllm)
     apply_parts(settings.parts, settings)
+    _reach_every_rank(settings)
+
+
+def _reach_every_rank(settings: PluginSettings) -> None:
+    """Carry the switches to workers without our command line (Ray), and have the driver
+    check every rank once its executor is up (:mod:`.ranks`)."""
+    from flashnext.integrations.vllm import ranks
+
+    carried = ranks.carry_to_workers(command_line_config(sys.argv))
+    if carried:
+        logger.debug(plugin_line("ranks", f"set {', '.join(carried)} for the workers"))
+    ranks.install_rank_check(settings.parts, lambda line: logger.info(plugin_line("ranks", line)))
+
+
+def installed_parts() -> set[str]:
+    """The parts installed in this process."""
+    return set(_installed)
 
 
 def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:
