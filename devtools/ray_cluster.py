@@ -56,10 +56,12 @@ class RayCluster:
 
     def _start(self, args: list[str], env: dict[str, str], log: Path) -> None:
         with open(log, "w") as out:
-            subprocess.run(
+            done = subprocess.run(
                 [str(self.ray), "start", *args], env={**env, **RAY_ENV}, stdout=out,
-                stderr=subprocess.STDOUT, check=True, timeout=180,
+                stderr=subprocess.STDOUT, timeout=180,
             )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"ray start {' '.join(args)} failed:\n{log.read_text()[-4000:]}")
 
     def start(self) -> RayCluster:
         """Start both nodes (``ray start`` returns once its node runs) and note their pids."""

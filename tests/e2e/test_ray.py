@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,14 +85,16 @@ def nodes(
     made = Nodes(root, (slices[0], slices[1]))
     made.overlay = e2e_runtime.overlay
     ray = ensure_ray(e2e_runtime.python)
-    port = free_port()
-    made.cluster = RayCluster(ray, root / "ray", port, (made.env(0), made.env(1)))
-    (root / "ray").mkdir()
+    # Ray's socket paths must stay short, and pytest's numbered temp dirs are removed by other
+    # pytest runs (it keeps the last three), so the cluster's directory is its own.
+    ray_root = Path(tempfile.mkdtemp(prefix="fxray-"))
+    made.cluster = RayCluster(ray, ray_root, free_port(), (made.env(0), made.env(1)))
     try:
         made.cluster.start()
         yield made
     finally:
         made.cluster.stop()
+        shutil.rmtree(ray_root, ignore_errors=True)
 
 
 def ray_server(
