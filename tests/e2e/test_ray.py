@@ -158,6 +158,14 @@ def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
         for rank, ip in enumerate(NODES):
             assert f"rank {rank} on node {ip} " in lines[rank], lines
             assert "ple_sidecar applied, sidecar table" in lines[rank], lines
+        assert server.proc is not None
+        run_ok(
+            "record", "capture", "--url", server.url, "--pid", server.proc.pid,
+            "--output", tmp_path / "record.json",
+        )  # fmt: skip
+        plugin_log = json.loads((tmp_path / "record.json").read_text())["plugin_log"]
+        for rank, ip in enumerate(NODES):
+            assert any(f"ranks: rank {rank} on node {ip} " in ln for ln in plugin_log), plugin_log
         code, record = validate_ab(pool.healthy("int4"), server, tmp_path / "ab", IDENTITY_TOKENS)
         s = record["summary"]
         print(f"\nE2E-RAY-{how}-{executor} {json.dumps(s)}")

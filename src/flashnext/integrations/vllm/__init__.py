@@ -29,6 +29,7 @@ from typing import Any
 
 from flashnext import __version__ as FLASHNEXT_VERSION
 from flashnext.errors import PluginError
+from flashnext.integrations.vllm import ranks
 from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import installed_vllm_version, require_checked
 
@@ -81,17 +82,10 @@ def register() -> None:
 def _reach_every_rank(settings: PluginSettings) -> None:
     """Carry the switches to workers without our command line (Ray), and have the driver
     check every rank once its executor is up (:mod:`.ranks`)."""
-    from flashnext.integrations.vllm import ranks
-
     carried = ranks.carry_to_workers(command_line_config(sys.argv))
     if carried:
         logger.debug(plugin_line("ranks", f"set {', '.join(carried)} for the workers"))
     ranks.install_rank_check(settings.parts, lambda line: logger.info(plugin_line("ranks", line)))
-
-
-def installed_parts() -> set[str]:
-    """The parts installed in this process."""
-    return set(_installed)
 
 
 def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) -> list[str]:
@@ -109,6 +103,7 @@ def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) ->
         for part, module in modules:
             line = module.install()
             _installed.add(part)
+            ranks.PARTS.add(part)
             if not line.startswith(LOG_PREFIX):
                 line = plugin_line(part, line)
             logger.info(line)

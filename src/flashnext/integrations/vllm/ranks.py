@@ -46,6 +46,8 @@ PER_SLICE_KEYS = ("shards", "rows_present", "slice", "flashnext_version", "num_s
 #: Seconds the driver waits for every rank's report.
 REPORT_TIMEOUT_S = 120.0
 
+#: The parts installed in this process (by :func:`flashnext.integrations.vllm.apply_parts`).
+PARTS: set[str] = set()
 #: This process's sidecars: layer prefix -> {"path", "identity"} (filled as layers open rows).
 SIDECARS: dict[str, dict[str, str]] = {}
 
@@ -115,7 +117,6 @@ def report(worker: Any) -> dict[str, Any]:
     rank = getattr(worker, "rank", None)
     try:
         from flashnext import __version__ as version
-        from flashnext.integrations import vllm as plugin
         from flashnext.integrations.vllm import ranks
     except ImportError as exc:
         host = socket.gethostname()
@@ -125,7 +126,7 @@ def report(worker: Any) -> dict[str, Any]:
         "rank": rank,
         "node": ranks.node_name(),
         "flashnext": version,
-        "parts": sorted(plugin.installed_parts()),
+        "parts": sorted(ranks.PARTS),
         "sidecars": dict(ranks.SIDECARS),
     }
 
