@@ -110,7 +110,9 @@ def ray_server(
         **env,
     }
     args = [*E2E_ARGS, *RAY_ARGS, *extra]
-    return VllmServer(rt.python, model, nodes.root / "logs" / log, args, driver_env)
+    log_dir = nodes.root / "logs" / log
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return VllmServer(rt.python, model, log_dir, args, driver_env)
 
 
 def _boot_fails(server: VllmServer) -> tuple[int, str]:
