@@ -106,7 +106,6 @@ def ray_server(
         **rt.env(plugin=True),
         **RAY_ENV,
         "RAY_ADDRESS": nodes.cluster.address,
-        "VLLM_HOST_IP": HEAD_IP,
         **env,
     }
     args = [*E2E_ARGS, *RAY_ARGS, *extra]
