@@ -213,3 +213,24 @@ def test_a_node_with_another_sidecar_stops_the_boot(
     assert f"rank 1 on node {WORKER_IP} " in log and "every rank must serve slices" in log, log[
         -4000:
     ]
+
+
+def test_swapped_slices_name_the_rank_and_node(
+    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path]
+) -> None:
+    """Node 0 holds rank 1's slice and node 1 rank 0's: each rank lacks its rows, and the
+    refusal says which rank on which node."""
+    nodes.relink(0, "sidecar", nodes.slices[1])
+    nodes.relink(1, "sidecar", nodes.slices[0])
+    try:
+        server = ray_server(
+            e2e_runtime, checkpoints["tiny"], nodes, "swapped", [],
+            FLASHNEXT_PLE_SIDECAR="~/sidecar",
+        )  # fmt: skip
+        code, log = _boot_fails(server)
+    finally:
+        for i in (0, 1):
+            nodes.relink(i, "sidecar", nodes.slices[i])
+    assert code != 0, log[-4000:]
+    named = [f"rank {r} on node {ip} " for r, ip in enumerate(NODES)]
+    assert any(n in log for n in named) and "which it does not hold" in log, log[-4000:]
