@@ -180,8 +180,7 @@ def check_reports(reports: Sequence[Mapping[str, Any]], parts: Sequence[str]) ->
         lines.append(
             f"{where}: {', '.join(r.get('parts', ())) or 'nothing'} applied"
             + (f", sidecar table {', '.join(tables)}" if tables else "")
-            + f" (flashnext {r['flashnext']})"
-        )
+        )  # plugin_line adds the version, which every rank shares by now
     return lines
 
 
