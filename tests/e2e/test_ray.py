@@ -145,6 +145,8 @@ def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
     """Each rank serves its own slice (rows 0..4160 from node 0, 4160..8320 from node 1), the
     driver logs both ranks' lines, and the answers are TP=1's (int4, the same table)."""
     env = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1" if executor == "v2" else "0"}
+    if executor == "legacy":  # it places rank 0 on the driver's node: the head's address
+        env["VLLM_HOST_IP"] = HEAD_IP
     extra: list[str] = []
     if how == "env":
         env["FLASHNEXT_PLE_SIDECAR"] = "~/sidecar"
