@@ -25,6 +25,8 @@ RAY_PIN = "ray==2.60.0"
 RAY_MARKER = ".flashnext-ray-install-complete"
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 #: What every ``ray start`` and the serving driver need: no token auth on loopback.
+#: Set in each ``ray start``'s environment; every process of the cluster inherits it.
+MARK = "FXE2E_RAY_CLUSTER"
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -57,7 +59,7 @@ class RayCluster:
     def _start(self, args: list[str], env: dict[str, str], log: Path) -> None:
         with open(log, "w") as out:
             done = subprocess.run(
-                [str(self.ray), "start", *args], env={**env, **RAY_ENV}, stdout=out,
+                [str(self.ray), "start", *args], env={**env, **RAY_ENV, MARK: str(self.root)}, stdout=out,
                 stderr=subprocess.STDOUT, timeout=180,
             )  # fmt: skip
         if done.returncode != 0:
@@ -85,18 +87,12 @@ class RayCluster:
         return self
 
     def _ours(self) -> list[int]:
-        """Processes started since :meth:`start` whose command line names our temp dirs or
-        port (Ray daemonizes, so they are not our children)."""
-        keys = (str(self.root), self.address, f"--port={self.port}")
-        out = []
-        for pid in set(_pids()) - self._before:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if any(k in cmd for k in keys):
-                out.append(pid)
-        return out
+        """Processes started since :meth:`start` that belong to this cluster: :data:`MARK` in
+        their environment, or the cluster's directory in their command line or open files (Ray
+        daemonizes and renames its agents, which overwrites both their command line and
+        environment; their logs stay open under the cluster's directory)."""
+        mark, root = f"{MARK}={self.root}".encode(), str(self.root)
+        return [pid for pid in set(_pids()) - self._before if _belongs(pid, mark, root)]
 
     def stop(self) -> None:
         """Kill the cluster's processes (and its workers started since) by pid."""
@@ -110,3 +106,15 @@ class RayCluster:
 
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _belongs(pid: int, mark: bytes, root: str) -> bool:
+    proc = Path(f"/proc/{pid}")
+    try:
+        if mark in (proc / "environ").read_bytes().split(b"\0"):
+            return True
+        if root in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+            return True
+        return any(os.readlink(fd).startswith(root) for fd in (proc / "fd").iterdir())
+    except OSError:  # ended meanwhile, or not ours to read
+        return False
