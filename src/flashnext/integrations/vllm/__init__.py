@@ -29,8 +29,9 @@ from typing import Any
 
 from flashnext import __version__ as FLASHNEXT_VERSION
 from flashnext.errors import PluginError
+from flashnext.integrations.vllm import ranks
 from flashnext.integrations.vllm.engram import command_line_engram, refuse_sidecar_with_disk_offload
-from flashnext.integrations.vllm.settings import PluginSettings
+from flashnext.integrations.vllm.settings import PluginSettings, command_line_config
 from flashnext.integrations.vllm.versions import installed_vllm_version, require_checked
 
 __all__ = ["LOG_PREFIX", "PluginSettings", "logger", "plugin_line", "register"]
@@ -81,6 +82,16 @@ def register() -> None:
     refuse_sidecar_with_disk_offload(settings.ple_sidecar is not None, _disk_offload_on_argv())
     require_checked(installed_vllm_version(), settings.allow_untested_vllm)
     apply_parts(settings.parts, settings)
+    _reach_every_rank(settings)
+
+
+def _reach_every_rank(settings: PluginSettings) -> None:
+    """Carry the switches to workers without our command line (Ray), and have the driver
+    check every rank once its executor is up (:mod:`.ranks`)."""
+    carried = ranks.carry_to_workers(command_line_config(sys.argv))
+    if carried:
+        logger.debug(plugin_line("ranks", f"set {', '.join(carried)} for the workers"))
+    ranks.install_rank_check(settings.parts, lambda line: logger.info(plugin_line("ranks", line)))
 
 
 def _disk_offload_on_argv() -> bool:
@@ -110,6 +121,7 @@ def apply_parts(parts: tuple[str, ...] | list[str], settings: PluginSettings) ->
         for part, module in modules:
             line = module.install()
             _installed.add(part)
+            ranks.PARTS.add(part)
             if not line.startswith(LOG_PREFIX):
                 line = plugin_line(part, line)
             logger.info(line)

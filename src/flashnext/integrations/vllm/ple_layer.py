@@ -53,7 +53,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
 )
 
 from flashnext.errors import PluginError
-from flashnext.integrations.vllm import logger, plugin_line, settings_for_model
+from flashnext.integrations.vllm import logger, plugin_line, ranks, settings_for_model
 from flashnext.integrations.vllm.engram import refuse_sidecar_with_disk_offload
 from flashnext.integrations.vllm.settings import PluginSettings
 from flashnext.kernels import serving
@@ -126,19 +126,25 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
     end = layer.shard_indices.org_vocab_end_index
     device = torch.empty(0).device  # vLLM builds the model under its target device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    rows, sidecar = serving.open_rows(
-        settings.ple_sidecar,
-        layer.prefix,
-        (layer.org_vocab_size, layer.embedding_dim),
-        (start, end),
-        serving.layer_geometry(_text_config(vllm_config), layer.prefix),
-        settings.ple_placement,
-        device,
-        free,
-        max_ids,
-        settings.ple_cache,
-        settings.ple_profile,
-    )
+    try:
+        rows, sidecar = serving.open_rows(
+            settings.ple_sidecar,
+            layer.prefix,
+            (layer.org_vocab_size, layer.embedding_dim),
+            (start, end),
+            serving.layer_geometry(_text_config(vllm_config), layer.prefix),
+            settings.ple_placement,
+            device,
+            free,
+            max_ids,
+            settings.ple_cache,
+            settings.ple_profile,
+        )
+    except Exception as exc:  # which rank and node could not serve (a slice lacking its rows)
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"rank {layer.tp_rank} on node {ranks.node_name()}: {exc.args[0]}",)
+        raise
+    ranks.note_sidecar(layer.prefix, sidecar.path, sidecar.meta)
     choice = rows.choice
     logger.info(
         plugin_line(
@@ -146,7 +152,7 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
             f"{layer.prefix} <- {sidecar.path} ({sidecar.format}, rows {start}..{end} of "
             f"{sidecar.num_rows}, ETP rank {layer.tp_rank}/{layer.tp_size}, "
             f"{choice.placement}: {choice.reason}; {rows.cache.describe()}; "
-            f"replaces {layer.embedding_method.replaced})",
+            f"node {ranks.node_name()}; replaces {layer.embedding_method.replaced})",
         )
     )
     return rows
@@ -362,10 +368,10 @@ def _disk_offload_class() -> type | None:
     return Qwen4ExpPLEDiskOffloadEmbedding
 
 
-_GUARDS: list[type] = []
+_GUARDS: list[Any] = []  # classes made at run time, with a vllm_class
 
 
-def _guards() -> tuple[type, ...]:
+def _guards() -> tuple[Any, ...]:
     """The disk-offload guard (one class per process, so a second install is a no-op), or ()
     on a vLLM without the disk-offload layer."""
     if not _GUARDS:
@@ -376,7 +382,7 @@ def _guards() -> tuple[type, ...]:
     return tuple(_GUARDS)
 
 
-def _disk_offload_guard(own: type) -> type:
+def _disk_offload_guard(own: Any) -> Any:
     """A stand-in registered for vLLM's disk-offload layer: the sidecar does not replace that
     layer, so with the sidecar on it refuses, whichever way ``disk_offload`` was switched on
     (the command line is refused at start-up already; ``LLM(engram_config=...)`` or a config

@@ -33,8 +33,9 @@ Nothing is registered in a process unless a part is switched on when vLLM calls
 :func:`~flashnext.integrations.vllm.register`: in the environment, or in an
 ``--additional-config`` JSON on the command line that started the process (the form
 ``--additional-config '{"flashnext": {...}}'`` or ``--additional-config={...}``;
-:meth:`PluginSettings.at_startup`). vLLM's worker processes see the same command line (fork
-inherits it, spawn copies it). A config given another way (``LLM(additional_config=...)``, a
+:meth:`PluginSettings.at_startup`). vLLM's ``mp`` workers see the same command line (fork
+inherits it, spawn copies it); Ray workers do not, so the driver writes those switches into its
+``FLASHNEXT_*`` variables for them (:mod:`.ranks`). A config given another way (``LLM(additional_config=...)``, a
 YAML ``--config``, the dotted ``--additional-config.flashnext.x`` form) is read at model build
 only when a part is already switched on; switch the sidecar on through the environment there.
 

@@ -1,0 +1,238 @@
+"""TP=2 across two Ray nodes on loopback (127.0.0.2 head, 127.0.0.3 worker), one cluster for the
+module, stopped by pid (devtools.ray_cluster).
+
+Each node is a machine of its own as far as the plugin can tell: its own ``HOME`` (the sidecar is
+named ``~/sidecar``, one path for every node, as a deployment names it) holding its own ``flashnext
+ple slice`` of the int4 sidecar, and its own ``PYTHONPATH`` directory holding ``flashnext`` (a
+link to src/flashnext). A test re-points a node's links to make that node lack flashnext or
+serve another sidecar; the cluster itself is started once.
+
+Every way the probe of issue 41 found the plugin silently not applied has a test:
+``--additional-config`` under Ray (no worker sees the command line), the legacy executor (it
+copies listed prefixes only), a node without flashnext, a node with another sidecar, and Ray's
+log dedup hiding a rank's line (the driver logs every rank's line itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devtools.e2e.runtime import BASE_ENV, PLUGIN_ENTRY, SHIMS, SRC, E2eRuntime
+from devtools.e2e.servers import E2E_ARGS, ServerPool, log_text
+from devtools.ray_cluster import HEAD_IP, RAY_ENV, WORKER_IP, RayCluster, ensure_ray
+from devtools.vllm_cpu import VllmServer, free_port, numba_cache_env
+
+from ..cli.runner import run_ok
+from .conftest import IDENTITY_TOKENS, validate_ab
+
+NODES = (HEAD_IP, WORKER_IP)
+RAY_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
+
+
+class Nodes:
+    """The two nodes' homes and import directories, and the cluster over them."""
+
+    def __init__(self, root: Path, slices: tuple[Path, Path]):
+        self.root, self.slices = root, slices
+        self.homes = tuple(root / f"node{i}" for i in range(2))
+        for home, own in zip(self.homes, slices, strict=True):
+            (home / "py").mkdir(parents=True)
+            (home / "sidecar").symlink_to(own)
+            (home / "py" / "flashnext").symlink_to(SRC / "flashnext")
+        self.cluster: RayCluster | None = None
+
+    def env(self, i: int) -> dict[str, str]:
+        """What node ``i``'s ``ray start`` shell (so its workers) has."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHOME"}
+        paths = [SHIMS, self.overlay, PLUGIN_ENTRY, self.homes[i] / "py"]
+        return {
+            **env,
+            **BASE_ENV,
+            **numba_cache_env(),
+            "PYTHONPATH": os.pathsep.join(map(str, paths)),
+            "HOME": str(self.homes[i]),
+            "VLLM_HOST_IP": NODES[i],
+            "VLLM_CPU_OMP_THREADS_BIND": str(i),  # one core each: node i's worker on core i
+        }
+
+    def relink(self, i: int, name: str, target: Path | None) -> None:
+        """Point node ``i``'s ``sidecar`` or ``py/flashnext`` at ``target`` (None: remove)."""
+        link = self.homes[i] / name
+        link.unlink(missing_ok=True)
+        if target is not None:
+            link.symlink_to(target)
+
+    overlay: Path
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    e2e_runtime: E2eRuntime, sidecars: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Nodes]:
+    root = tmp_path_factory.mktemp("ray")
+    slices = []
+    for rank in (0, 1):
+        out = root / f"slice{rank}"
+        run_ok("ple", "slice", sidecars["int4"], out, "--tp", 2, "--ranks", rank, timeout=300)
+        slices.append(out)
+    made = Nodes(root, (slices[0], slices[1]))
+    made.overlay = e2e_runtime.overlay
+    ray = ensure_ray(e2e_runtime.python)
+    # Ray's socket paths must stay short, and pytest's numbered temp dirs are removed by other
+    # pytest runs (it keeps the last three), so the cluster's directory is its own.
+    ray_root = Path(tempfile.mkdtemp(prefix="fxray-"))
+    made.cluster = RayCluster(ray, ray_root, free_port(), (made.env(0), made.env(1)))
+    try:
+        made.cluster.start()
+        yield made
+    finally:
+        made.cluster.stop()
+        shutil.rmtree(ray_root, ignore_errors=True)
+
+
+def ray_server(
+    rt: E2eRuntime, model: Path, nodes: Nodes, log: str, extra: list[str], **env: str
+) -> VllmServer:
+    """A TP=2 server on the cluster; its driver runs here, beside the head node."""
+    assert nodes.cluster is not None
+    driver_env = {
+        **rt.env(plugin=True),
+        **RAY_ENV,
+        "RAY_ADDRESS": nodes.cluster.address,
+        **env,
+    }
+    args = [*E2E_ARGS, *RAY_ARGS, *extra]
+    log_dir = nodes.root / "logs" / log
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return VllmServer(rt.python, model, log_dir, args, driver_env)
+
+
+def _boot_fails(server: VllmServer) -> tuple[int, str]:
+    server.launch()
+    assert server.proc is not None
+    try:
+        code = server.proc.wait(timeout=420)
+    finally:
+        server.stop()
+    return code, log_text(server)
+
+
+def _rank_lines(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if "flashnext plugin: ranks: rank " in ln]
+
+
+@pytest.mark.parametrize(
+    ("how", "executor"),
+    [("env", "v2"), ("additional-config", "legacy")],
+    ids=["env-v2", "additional-config-legacy"],
+)
+def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
+    how: str,
+    executor: str,
+    nodes: Nodes,
+    pool: ServerPool,
+    e2e_runtime: E2eRuntime,
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    """Each rank serves its own slice (rows 0..4160 from node 0, 4160..8320 from node 1), the
+    driver logs both ranks' lines, and the answers are TP=1's (int4, the same table)."""
+    env = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1" if executor == "v2" else "0"}
+    if executor == "legacy":  # it places rank 0 on the driver's node: the head's address
+        env["VLLM_HOST_IP"] = HEAD_IP
+    extra: list[str] = []
+    if how == "env":
+        env["FLASHNEXT_PLE_SIDECAR"] = "~/sidecar"
+    else:  # neither a Ray worker nor (without the plugin's help) the legacy executor gets it
+        extra = ["--additional-config", json.dumps({"flashnext": {"ple_sidecar": "~/sidecar"}})]
+    server = ray_server(e2e_runtime, checkpoints["tiny"], nodes, f"{how}-{executor}", extra, **env)
+    try:
+        server.start()
+        log = log_text(server)
+        lines = _rank_lines(log)
+        assert len(lines) == 2, log[-4000:]
+        for rank, ip in enumerate(NODES):
+            assert f"rank {rank} on node {ip} " in lines[rank], lines
+            assert "ple_sidecar applied, sidecar table" in lines[rank], lines
+        assert server.proc is not None
+        run_ok(
+            "record", "capture", "--url", server.url, "--pid", server.proc.pid,
+            "--output", tmp_path / "record.json",
+        )  # fmt: skip
+        plugin_log = json.loads((tmp_path / "record.json").read_text())["plugin_log"]
+        for rank, ip in enumerate(NODES):
+            assert any(f"ranks: rank {rank} on node {ip} " in ln for ln in plugin_log), plugin_log
+        code, record = validate_ab(pool.healthy("int4"), server, tmp_path / "ab", IDENTITY_TOKENS)
+        s = record["summary"]
+        print(f"\nE2E-RAY-{how}-{executor} {json.dumps(s)}")
+        assert s["errors"] == 0 and s["differing"] == 0 and s["token_agreement"] == 1.0, s
+        assert code == 0
+    finally:
+        server.stop()
+
+
+def test_a_node_without_flashnext_stops_the_boot(
+    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path]
+) -> None:
+    """Node 1 cannot import flashnext: its rank would serve the checkpoint's own rows."""
+    nodes.relink(1, "py/flashnext", None)
+    try:
+        server = ray_server(
+            e2e_runtime, checkpoints["tiny"], nodes, "missing", [],
+            FLASHNEXT_PLE_SIDECAR="~/sidecar",
+        )  # fmt: skip
+        code, log = _boot_fails(server)
+    finally:
+        nodes.relink(1, "py/flashnext", SRC / "flashnext")
+    assert code != 0, log[-4000:]
+    assert f"rank 1 on node {WORKER_IP} " in log and "flashnext is not installed there" in log, log[
+        -4000:
+    ]
+
+
+def test_a_node_with_another_sidecar_stops_the_boot(
+    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path], sidecars: dict[str, Path]
+) -> None:
+    """Node 1's ``~/sidecar`` is the nvfp4 sidecar of the same table: it would serve, slightly
+    differently, without complaint."""
+    nodes.relink(1, "sidecar", sidecars["nvfp4"])
+    try:
+        server = ray_server(
+            e2e_runtime, checkpoints["tiny"], nodes, "other-sidecar", [],
+            FLASHNEXT_PLE_SIDECAR="~/sidecar",
+        )  # fmt: skip
+        code, log = _boot_fails(server)
+    finally:
+        nodes.relink(1, "sidecar", nodes.slices[1])
+    assert code != 0, log[-4000:]
+    assert f"rank 1 on node {WORKER_IP} " in log and "every rank must serve slices" in log, log[
+        -4000:
+    ]
+
+
+def test_swapped_slices_name_the_rank_and_node(
+    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path]
+) -> None:
+    """Node 0 holds rank 1's slice and node 1 rank 0's: each rank lacks its rows, and the
+    refusal says which rank on which node."""
+    nodes.relink(0, "sidecar", nodes.slices[1])
+    nodes.relink(1, "sidecar", nodes.slices[0])
+    try:
+        server = ray_server(
+            e2e_runtime, checkpoints["tiny"], nodes, "swapped", [],
+            FLASHNEXT_PLE_SIDECAR="~/sidecar",
+        )  # fmt: skip
+        code, log = _boot_fails(server)
+    finally:
+        for i in (0, 1):
+            nodes.relink(i, "sidecar", nodes.slices[i])
+    assert code != 0, log[-4000:]
+    named = [f"rank {r} on node {ip} " for r, ip in enumerate(NODES)]
+    assert any(n in log for n in named) and "which it does not hold" in log, log[-4000:]
