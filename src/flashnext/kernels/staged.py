@@ -73,6 +73,11 @@ class StagedTable:
             page-table faults (a 32 GB int4 table: 8M pages, a few seconds; the pages must
             already be in the page cache or this reads the file).
         workers: host threads gathering a step's rows (numba's threads; default: up to 8).
+        cold_hints: ``"off"`` (default), ``"on"`` or ``"auto"``: a step first asks the kernel to
+            read the pages of the rows it gathers (``madvise(MADV_WILLNEED)`` per page run), for
+            a table whose pages are not in the page cache; auto hints only while the process
+            takes major page faults (``flashnext.kernels._cold``). Pair it with
+            ``prefault=False``.
     """
 
     def __init__(
@@ -83,13 +88,14 @@ class StagedTable:
         device: Any = "cuda",
         prefault: bool = True,
         workers: int | None = None,
+        cold_hints: str = "off",
     ):
         self.table = table
         self.layout = record_layout(table.codec, table.width)
         self.device = torch.device(device)
         self.max_ids = int(max_ids)
         self._stager = _staging.HostStager(
-            table.stored(), self.layout, table.row_range, self.max_ids, workers
+            table.stored(), self.layout, table.row_range, self.max_ids, workers, cold_hints
         )
         self._slot_bytes = self._stager.slot_bytes
         pin = self.device.type != "cpu"
