@@ -795,8 +795,6 @@ class HostStager:
     ):
         if max_ids > 1 << POS_BITS:
             raise KernelError(f"max_ids is {max_ids}, at most {1 << POS_BITS}")
-        if cold_hints not in _cold.MODES:
-            raise KernelError(f"cold_hints is {cold_hints!r}, expected one of {_cold.MODES}")
         self._contexts: list[np.ndarray] | None = None  # per slot, built at the first step
         self.src = row_source(stored, layout)
         self.record_bytes = layout.record_bytes
@@ -821,12 +819,10 @@ class HostStager:
         self._scratch = np.empty(2 * (min(self.max_ids, HASH_IDS) // GROUP) + 2, np.int64)
         self._rows, self._shards = self.src.rows, self.src.shards  # built once, not per step
         self._slots: list[tuple[np.ndarray, np.ndarray, int]] = []
-        self.cold_hints = cold_hints
-        self._watch = _cold.FaultWatch() if cold_hints == "auto" else None
-        # hint_rows' page runs (one per row and field before merging); none when off
-        runs = self.max_ids * self.src.row_bytes.size if cold_hints != "off" else 0
-        self._runs = np.empty((runs, 2), np.int64)
         self._hint_contexts: list[np.ndarray] | None = None
+        self._runs = np.empty((0, 2), np.int64)
+        self._watch: _cold.FaultWatch | None = None
+        self.cold_hints = cold_hints  # checked, with its watch and buffer, by __setattr__
 
     #: What a step context holds besides addresses that never change: setting one rebuilds
     #: the contexts at the next step (benchmarks change the knobs between steps).
@@ -837,12 +833,22 @@ class HostStager:
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "memo_lines":
             value = checked_memo_lines(value)
+        if name == "cold_hints":
+            self._set_cold_hints(value)
         object.__setattr__(self, name, value)
         if name == "memo_lines" and getattr(self, "slot_map", None) is not None:
             self._fit_memo()
         if name in HostStager._CONTEXT_INPUTS:
             object.__setattr__(self, "_contexts", None)
             object.__setattr__(self, "_hint_contexts", None)
+
+    def _set_cold_hints(self, mode: str) -> None:
+        if mode not in _cold.MODES:
+            raise KernelError(f"cold_hints is {mode!r}, expected one of {_cold.MODES}")
+        object.__setattr__(self, "_watch", _cold.FaultWatch() if mode == "auto" else None)
+        runs = self.max_ids * self.src.row_bytes.size  # one per row and field before merging
+        if mode != "off" and self._runs.shape[0] < runs:
+            object.__setattr__(self, "_runs", np.empty((runs, 2), np.int64))
 
     def _context(self, slot: int) -> np.ndarray:
         """Slot ``slot``'s step context for :func:`stage_step` (int64 [CONTEXT_WORDS]); the

@@ -126,6 +126,15 @@ class StagedTable:
         return self._stager.offsets(n_ids, n_unique)
 
     @property
+    def cold_hints(self) -> str:
+        """The ``cold_hints`` mode (settable between steps: ``"off"``, ``"on"``, ``"auto"``)."""
+        return str(self._stager.cold_hints)
+
+    @cold_hints.setter
+    def cold_hints(self, mode: str) -> None:
+        self._stager.cold_hints = mode
+
+    @property
     def slot_map(self) -> np.ndarray | None:
         """The device cache's slot of each served row (int32 ``[hi - lo]``, -1 = not cached;
         host RAM), or None without a cache."""
