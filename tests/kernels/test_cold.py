@@ -83,6 +83,7 @@ def test_auto_follows_major_faults_with_hysteresis():
     # reproducible on a shared machine's page cache).
     count = [0]
     watch = _cold.FaultWatch(every=4, off_after=3, faults=lambda: count[0])
+    assert [watch.step() for _ in range(3)] == [True, True, False]  # starts on, 3 quiet: off
     assert [watch.step() for _ in range(8)] == [False] * 8  # warm: reads every 4th step
     count[0] += 5
     assert [watch.step() for _ in range(4)] == [False, False, False, True]

@@ -96,16 +96,18 @@ def major_faults() -> int:
 class FaultWatch:
     """Whether a step hints its rows' pages (mode ``"auto"`` of ``cold_hints``).
 
-    While off it reads the major fault count every ``every`` steps (a warm decode step of
-    ~30 us then pays a getrusage call, ~1 us, every ``every`` steps) and switches on when it
-    grew; while on, it reads it every step and switches off after ``off_after`` steps in a row
-    without one (the hinted reads themselves leave the gather only minor faults, so a table
+    It starts on: a table's first steps are the ones most likely cold (after a start, the
+    bench's cold section; on the H200 a watch that started off left the first two cold steps
+    unhinted). While on, it reads the major fault count every step and switches off after
+    ``off_after`` steps in a row without one; while off, it reads it every ``every`` steps (a
+    warm decode step of ~30 us then pays a getrusage call, ~1 us, every ``every`` steps) and
+    switches on when it grew (the hinted reads leave the gather only minor faults, so a table
     that stays cold comes back on within ``every`` steps).
     """
 
     def __init__(self, every: int = 8, off_after: int = 64, faults=major_faults):  # type: ignore[no-untyped-def]
         self.every, self.off_after, self._faults = int(every), int(off_after), faults
-        self.on = False
+        self.on = True
         self._last = faults()
         self._count = 0  # steps since the last read (off) / quiet steps in a row (on)
 
