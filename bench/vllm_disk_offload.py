@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rows", type=positive_int, default=ROWS, help="table rows (default released)")
     ap.add_argument("--sizes", type=comma_ints, default=[32, 512, 8192], help="tokens per step")
     ap.add_argument("--cold-steps", type=positive_int, default=2, help="steps timed after eviction")
+    ap.add_argument("--cold-hints", default="off",
+                    help="comma list of our cold_hints modes (off, on, auto), each timed cold")
+    ap.add_argument("--warm-hints", default="off", help="our cold_hints mode in the warm steps")
     ap.add_argument("--root", type=Path, default=Path("/tmp/flashnext-vllm-disk-offload"),
                     help="where the tables are written (deleted after each format)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=None, help="id and table seed (default random)")
@@ -196,6 +199,12 @@ class Ours:
             staged.lookup(self.out(t))
         self.graphs[t] = (staged, graph)
 
+    def hints(self, mode: str) -> None:
+        """Every table of this side (graph-staged ones too) on ``cold_hints`` ``mode``."""
+        self.staged.cold_hints = mode
+        for staged, _ in self.graphs.values():
+            staged.cold_hints = mode
+
     def step(self, graph: bool, ids: np.ndarray) -> Any:
         """One step for host ids [T, 16] (in the captured graph or not); bf16 [T, 2560]."""
         import torch
@@ -264,6 +273,7 @@ class Run:
                 steps = self.ids(kind, t, STEPS.get(t, 6) + 1)
                 for side in ours.values():
                     side.capture(t, steps[0])
+                    side.hints(self.args.warm_hints)
                 # step 0 warms every side (compiles, first touch); the rest are timed
                 times: dict[str, list[float]] = {c: [] for c in ("vllm", *CASES)}
                 for i, ids in enumerate(steps):
@@ -317,20 +327,25 @@ class Run:
             for t in self.args.sizes:
                 steps = self.ids(kind, t, self.args.cold_steps)
                 base = None
-                for case in ("vllm", *CASES):
+                modes = self.args.cold_hints.split(",")
+                for case, mode in [("vllm", ""), *((c, m) for c in CASES for m in modes)]:
                     if case == "vllm":
                         step = functools.partial(vllm_step, emb, fmt)
                     else:
                         cached, graph = CASES[case]
+                        ours[cached].hints(mode)
                         step = functools.partial(ours[cached].step, graph)
                     left = evict(files)
                     times = [self.timed(step, ids) for ids in steps]
                     extra: dict[str, Any] = {"cached_bytes_after_evict": left}
                     if base is not None:
                         extra["x_vllm"] = round(base / statistics.median(times), 1)
+                        extra["cold_hints"] = mode
                     name = "vllm disk offload" if case == "vllm" else case
                     row = self.record(fmt, f"cold {name}", kind, t, times, extra)
                     base = row["us"] if base is None else base
+        for side in ours.values():
+            side.hints(self.args.warm_hints)
 
     @staticmethod
     def timed(step: Any, ids: np.ndarray) -> float:

@@ -57,6 +57,7 @@ import numba
 import numpy as np
 
 from flashnext.errors import KernelError
+from flashnext.kernels import _cold
 from flashnext.kernels.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2 of counts
     HIT_BLOCK,
     MEMO_LINE_BYTES,
@@ -775,9 +776,12 @@ class HostStager:
         row_range: the rows served ``[lo, hi)``; other ids give ``inverse = -1``.
         max_ids: the most ids one step may stage.
         workers: numba threads for a big step's gather (default: up to 8).
+        cold_hints: ``"off"``, ``"on"`` or ``"auto"``: whether a step first asks the kernel
+            to read the pages of the rows it gathers (:mod:`flashnext.kernels._cold`; auto:
+            while the process takes major page faults).
 
     Raises:
-        KernelError: ``max_ids`` is above ``2 ** POS_BITS``.
+        KernelError: ``max_ids`` is above ``2 ** POS_BITS``, or an unknown ``cold_hints``.
     """
 
     def __init__(
@@ -787,6 +791,7 @@ class HostStager:
         row_range: tuple[int, int],
         max_ids: int,
         workers: int | None = None,
+        cold_hints: str = "off",
     ):
         if max_ids > 1 << POS_BITS:
             raise KernelError(f"max_ids is {max_ids}, at most {1 << POS_BITS}")
@@ -814,6 +819,10 @@ class HostStager:
         self._scratch = np.empty(2 * (min(self.max_ids, HASH_IDS) // GROUP) + 2, np.int64)
         self._rows, self._shards = self.src.rows, self.src.shards  # built once, not per step
         self._slots: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self._hint_contexts: list[np.ndarray] | None = None
+        self._runs = np.empty((0, 2), np.int64)
+        self._watch: _cold.FaultWatch | None = None
+        self.cold_hints = cold_hints  # checked, with its watch and buffer, by __setattr__
 
     #: What a step context holds besides addresses that never change: setting one rebuilds
     #: the contexts at the next step (benchmarks change the knobs between steps).
@@ -824,11 +833,22 @@ class HostStager:
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "memo_lines":
             value = checked_memo_lines(value)
+        if name == "cold_hints":
+            self._set_cold_hints(value)
         object.__setattr__(self, name, value)
         if name == "memo_lines" and getattr(self, "slot_map", None) is not None:
             self._fit_memo()
         if name in HostStager._CONTEXT_INPUTS:
             object.__setattr__(self, "_contexts", None)
+            object.__setattr__(self, "_hint_contexts", None)
+
+    def _set_cold_hints(self, mode: str) -> None:
+        if mode not in _cold.MODES:
+            raise KernelError(f"cold_hints is {mode!r}, expected one of {_cold.MODES}")
+        object.__setattr__(self, "_watch", _cold.FaultWatch() if mode == "auto" else None)
+        runs = self.max_ids * self.src.row_bytes.size  # one per row and field before merging
+        if mode != "off" and self._runs.shape[0] < runs:
+            object.__setattr__(self, "_runs", np.empty((runs, 2), np.int64))
 
     def _context(self, slot: int) -> np.ndarray:
         """Slot ``slot``'s step context for :func:`stage_step` (int64 [CONTEXT_WORDS]); the
@@ -836,6 +856,20 @@ class HostStager:
         if self._contexts is None:
             self._contexts = [self._build_context(words) for words, _, _ in self._slots]
         return self._contexts[slot]
+
+    def _hint_context(self, slot: int) -> np.ndarray:
+        """:meth:`_context` with ``serial_rows`` -1: :func:`stage_step` only dedups, so that
+        the rows can be hinted before they are gathered."""
+        if self._hint_contexts is None:
+            self._hint_contexts = [self._build_context(w) for w, _, _ in self._slots]
+            for ctx in self._hint_contexts:
+                ctx[_SERIAL_ROWS] = -1
+        return self._hint_contexts[slot]
+
+    def _hinting(self) -> bool:
+        if self._watch is not None:
+            return self._watch.step()
+        return self.cold_hints == "on"
 
     def _build_context(self, words: np.ndarray) -> np.ndarray:
         src = self.src
@@ -874,7 +908,7 @@ class HostStager:
         words = slot[: self.slot_bytes].view(np.int32)
         fwords = slot[: self.slot_bytes].view(np.float32)
         self._slots.append((words, fwords, int(slot.ctypes.data)))
-        self._contexts = None
+        self._contexts = self._hint_contexts = None
         return len(self._slots) - 1
 
     def offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
@@ -892,11 +926,14 @@ class HostStager:
         inverse and gather the unique rows' records (and scale_2); returns the unique count.
 
         A small step is one numba call on this thread; a big one reads the slot map (or sorts
-        its keys with numpy) and gathers on numba's threads.
+        its keys with numpy) and gathers on numba's threads. A hinted step (``cold_hints``)
+        dedups first, hints the rows to gather (:func:`_cold.hint_rows`), then gathers.
         """
         cached = self.slot_map is not None
+        hinting = self.cold_hints != "off" and self._hinting()
         if not (cached and flat.size >= self.parallel_ids and self.workers > 1):
-            n = stage_step(flat, self._context(slot))
+            ctx = self._hint_context(slot) if hinting else self._context(slot)
+            n = stage_step(flat, ctx)
             if n >= 0:
                 return n  # deduplicated and gathered in the one call
         lo, hi = self.row_range
@@ -916,6 +953,9 @@ class HostStager:
         else:
             n = -n - 1  # deduplicated; too many rows for this thread alone
         dst = addr + rec_at
+        if hinting:
+            _cold.hint_rows(uniq, n, self.src.seg_start, self.src.bases, self.src.row_bytes,
+                            self._runs)  # fmt: skip
         if n <= serial:
             gather_into(uniq, 0, n, *rows, dst, rb, *shards, fwords, s2_at >> 2, self.depth)
         else:

@@ -109,6 +109,8 @@ class GraphStagedTable(StagedTable):
     Raises:
         KernelError: not a CUDA device, ``wait`` is neither (or ``"spin"`` with
             ``copy_slot``), or the driver library is missing.
+
+    ``cold_hints`` is :class:`StagedTable`'s.
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class GraphStagedTable(StagedTable):
         workers: int | None = None,
         copy_slot: bool = False,
         wait: str | None = None,
+        cold_hints: str = "off",
     ):
         if torch.device(device).type != "cuda":
             raise KernelError(f"graph-staged lookups need a CUDA device, found {device!r}")
@@ -133,7 +136,9 @@ class GraphStagedTable(StagedTable):
                 "slot; a copied slot (copy_slot=True) waits with wait='stream'"
             )
         self.shape = (int(shape[0]), int(shape[1]))
-        super().__init__(table, self.shape[0] * self.shape[1], 1, device, prefault, workers)
+        super().__init__(
+            table, self.shape[0] * self.shape[1], 1, device, prefault, workers, cold_hints
+        )
         self._flag = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
         self._flag_np = self._flag.numpy()
         self._flag_uva = UvaPointer(self._flag)

@@ -73,6 +73,11 @@ class StagedTable:
             page-table faults (a 32 GB int4 table: 8M pages, a few seconds; the pages must
             already be in the page cache or this reads the file).
         workers: host threads gathering a step's rows (numba's threads; default: up to 8).
+        cold_hints: ``"off"`` (default), ``"on"`` or ``"auto"``: a step first asks the kernel to
+            read the pages of the rows it gathers (``madvise(MADV_WILLNEED)`` per page run), for
+            a table whose pages are not in the page cache; auto hints only while the process
+            takes major page faults (``flashnext.kernels._cold``). Pair it with
+            ``prefault=False``.
     """
 
     def __init__(
@@ -83,13 +88,14 @@ class StagedTable:
         device: Any = "cuda",
         prefault: bool = True,
         workers: int | None = None,
+        cold_hints: str = "off",
     ):
         self.table = table
         self.layout = record_layout(table.codec, table.width)
         self.device = torch.device(device)
         self.max_ids = int(max_ids)
         self._stager = _staging.HostStager(
-            table.stored(), self.layout, table.row_range, self.max_ids, workers
+            table.stored(), self.layout, table.row_range, self.max_ids, workers, cold_hints
         )
         self._slot_bytes = self._stager.slot_bytes
         pin = self.device.type != "cpu"
@@ -118,6 +124,15 @@ class StagedTable:
     def _offsets(self, n_ids: int, n_unique: int) -> tuple[int, int, int]:
         """Byte offsets of scale_2 and the records in a slot, and the used length."""
         return self._stager.offsets(n_ids, n_unique)
+
+    @property
+    def cold_hints(self) -> str:
+        """The ``cold_hints`` mode (settable between steps: ``"off"``, ``"on"``, ``"auto"``)."""
+        return str(self._stager.cold_hints)
+
+    @cold_hints.setter
+    def cold_hints(self, mode: str) -> None:
+        self._stager.cold_hints = mode
 
     @property
     def slot_map(self) -> np.ndarray | None:
