@@ -118,6 +118,13 @@ def run_here(
     saved_streams = sys.stdin, sys.stdout, sys.stderr
     sys.argv = [str(Path(flashnext.__file__).with_name("__main__.py")), *argv]  # as `-m` has it
     os.environ.update({**BASE_ENV, **(env or {})})
+    # rich fixes a console's width when it is made with COLUMNS set: make it the call's, as a
+    # process started with this environment would have it
+    from flashnext.cli import _common
+
+    consoles = [(c, c._width, c._height) for c in (_common.out_console, _common.err_console)]
+    for console, _, _ in consoles:
+        console.size = (int(os.environ["COLUMNS"]), 25)
     code = 0
     try:
         if cwd is not None:
@@ -132,6 +139,8 @@ def run_here(
         traceback.print_exc(file=err)
         code = 1
     finally:
+        for console, width, height in consoles:
+            console._width, console._height = width, height
         sys.stdin, sys.stdout, sys.stderr = saved_streams
         sys.argv = saved_argv
         os.chdir(saved_cwd)

@@ -78,15 +78,17 @@ def test_the_streamed_table_matches_hf_and_torch(
 ) -> None:
     seed = 7
     out = tmp_path / "streamed"
+    # HF's own build of the same geometry (n-gram base 1024): names, shapes and buffers to match
+    reference = e2e_runtime.build_tiny_qwen4exp(tmp_path / "hf", seed=0, ngram_vocab_size_base=1024)
     e2e_runtime.run(
         [str(e2e_runtime.python), big_table.__file__, str(checkpoints["tiny"]), str(out),
          "1024", str(seed)]
     )  # fmt: skip
     config = json.loads((out / "config.json").read_text())
-    assert config == json.loads((checkpoints["geometry"] / "config.json").read_text())
+    assert config == json.loads((reference / "config.json").read_text())
     done = subprocess.run(
         [str(e2e_runtime.python), "-c", CHECK, str(Path(big_table.__file__).parent), str(out),
-         str(checkpoints["geometry"]), str(checkpoints["tiny"]), str(seed)],
+         str(reference), str(checkpoints["tiny"]), str(seed)],
         capture_output=True, text=True, env={**os.environ, **e2e_runtime.env()},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

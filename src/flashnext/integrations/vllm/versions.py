@@ -24,8 +24,9 @@ CHECKED: dict[str, str] = {
     "0.34.0": (
         "run: the wheel's Python tree on an H200 (devtools/vllm_gpu_carry.py --vllm 0.34.0; "
         "pytest tests/integrations/test_plugin_vllm_gpu.py tests/integrations/test_plugin_gpu.py:"
-        " 34 passed: every part's check, the sidecar layers bit for bit against vLLM's pinned "
-        "and disk-offload layers, shard_.weight into the disk offload, 2026-12-04)"
+        " 35 passed: every part's check, the sidecar layers bit for bit against vLLM's pinned "
+        "and disk-offload layers, shard_.weight into the disk offload, the disk-offload layer "
+        "refusing the sidecar, 2026-12-04)"
     ),
 }
 
