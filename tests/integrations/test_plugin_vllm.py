@@ -166,6 +166,10 @@ def test_entry_point_registers_once_and_twice_is_harmless(probes):
         facts, _ = probes[(world, rank)]
         assert facts["register_error"] is None
         assert facts["oot_after_load"] == REPLACED
+        # the command line's switch carried to workers that lack the argv (Ray)
+        carried = facts["carried_env"]
+        assert carried["FLASHNEXT_PLE_SIDECAR"].endswith("/sidecar_bf16"), carried
+        assert "FLASHNEXT_" in carried["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"].split(","), carried
         assert facts["second_register_error"] is None
         assert facts["oot_after_second"] == REPLACED
 
@@ -241,7 +245,7 @@ def test_geometry_mismatch_is_refused_naming_both(probes):
     geo = PLEGeometry.from_config(MODEL)
     wrong = PLEGeometry.from_config({**MODEL, "ngram_vocab_size_base": 1500})
     err = facts["mismatch_error"]
-    assert err.startswith("PluginError: sidecar ")
+    assert err.startswith("PluginError: rank 0 on node ") and "): sidecar " in err  # who refused
     assert str(probes["root"] / "wrong") in err
     assert f"{wrong.num_rows} rows x 32" in err and f"is {geo.num_rows} rows x 32" in err
 

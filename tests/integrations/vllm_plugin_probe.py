@@ -146,12 +146,18 @@ def main() -> None:
     setup["oot_when_off"] = oot_names()
     # As `vllm serve ... --additional-config '{"flashnext": {...}}'` starts a process.
     section = {"flashnext": {"ple_sidecar": spec["sidecars"]["bf16"]}}
-    own_argv = sys.argv
+    own_argv, own_env = sys.argv, dict(os.environ)
     sys.argv = ["vllm", "serve", "/model", "--additional-config", json.dumps(section)]
     try:
         setup["register_error"] = error_of(plugin_entry())
+        # the driver copies the command line's switches into FLASHNEXT_* for workers without
+        # its argv (Ray): said here, then undone, since this one process goes on to build layers
+        # of other --additional-config sections, which a server's one config never does
+        setup["carried_env"] = {k: v for k, v in os.environ.items() if own_env.get(k) != v}
     finally:
         sys.argv = own_argv
+        os.environ.clear()
+        os.environ.update(own_env)
     setup["oot_after_load"] = oot_names()
     setup["second_register_error"] = error_of(plugin_entry())
     setup["oot_after_second"] = oot_names()
