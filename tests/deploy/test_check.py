@@ -550,6 +550,12 @@ def test_sidecar_with_disk_offload_is_refused_by_check_as_by_the_plugin(tmp_path
     assert rows["engram-config"].status == "fail"
     assert rows["engram-config"].why == str(plugin.value)
     assert "FLASHNEXT_PLE_SIDECAR" in str(plugin.value) and "disk_offload" in str(plugin.value)
+    # the sidecar switched on by --additional-config alone, as the plugin reads it at boot
+    section = json.dumps({"flashnext": {"ple_sidecar": str(tmp_path / "sidecar")}})
+    argv = ["--additional-config", section, ENGRAM_JSON, '{"disk_offload": true}']
+    rows, _ = checks_for(root, argv, version="0.34.0")
+    assert rows["engram-config"].status == "fail", rows["engram-config"]
+    assert rows["engram-config"].why == str(plugin.value)
     # without disk_offload the sidecar is the path
     rows, _ = checks_for(root, [f"{ENGRAM_JSON}.cpu_offload=false"], env=env, version="0.34.0")
     assert (

@@ -489,7 +489,9 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
 def check_engram_config(ctx: CheckContext) -> Check:
     """vLLM's ``--engram-config``: the PLE path it takes, or what it or the plugin refuse."""
     a = ctx.args
-    verdict = engram_verdict(a.raw, a.env, ctx.text_config, ctx.vllm_version, ctx.gpu)
+    verdict = engram_verdict(
+        a.raw, a.env, ctx.text_config, ctx.vllm_version, ctx.gpu, _plugin_settings(ctx)
+    )
     return Check("engram-config", *verdict)
 
 

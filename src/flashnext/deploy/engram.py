@@ -39,13 +39,18 @@ def engram_verdict(
     text_config: Mapping[str, Any],
     vllm_version: str | None,
     gpu: GpuSpec,
+    plugin: PluginSettings | None = None,
 ) -> Verdict:
-    """The PLE path vLLM will take, or the contradiction vLLM or the plugin refuse at boot."""
+    """The PLE path vLLM will take, or the contradiction vLLM or the plugin refuse at boot.
+
+    ``plugin``: the switches as the plugin reads them at boot (the environment and
+    ``--additional-config``); None reads the environment alone.
+    """
     if not text_config.get("ple_layer_ids"):
         return "skip", "config.json has no ple_layer_ids: no PLE table", "", False
     try:
         engram = planned_engram(raw_args)
-        plugin = PluginSettings.from_env(env)
+        plugin = PluginSettings.from_env(env) if plugin is None else plugin
         path = ple_path(engram, plugin.ple_sidecar is not None)
     except FlashnextError as exc:
         return "fail", str(exc), "fix --engram-config or FLASHNEXT_PLE_SIDECAR", True
