@@ -18,11 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
-from flashnext.kernels.cache_plan import (
-    SLOT_MAP_BYTES,
-    slot_map_on_device,
-    staged_cache_host_bytes,
-)
 from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
 from flashnext.plan import vllm_kv
 from flashnext.plan.engram import disk_offload_staging, pinned_table_copies
@@ -31,6 +26,11 @@ from flashnext.plan.sizes import gib
 from flashnext.plan.weights import Weights, estimate, from_headers
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
+from flashnext.serve.cache_plan import (
+    SLOT_MAP_BYTES,
+    slot_map_on_device,
+    staged_cache_host_bytes,
+)
 
 #: Default non-weight, non-KV device memory when no startup log calibrates it.
 DEFAULT_HEADROOM = 4 << 30

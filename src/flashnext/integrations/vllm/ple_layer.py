@@ -17,10 +17,10 @@ so :func:`install` registers a subclass of each under the vLLM class's name. The
 - opens this rank's rows (vLLM's ETP rank, ``shard_indices.org_vocab_start_index`` ..
   ``org_vocab_end_index``; ids outside give zero rows, and the ranks' outputs are all-reduced over
   the ETP group exactly as vLLM does);
-- serves lookups through :class:`flashnext.kernels.serving.SidecarRows` (``GpuTable`` device or
+- serves lookups through :class:`flashnext.serve.serving.SidecarRows` (``GpuTable`` device or
   pinned/UVA, or ``StagedTable`` over a memory-mapped table, as
-  :func:`flashnext.kernels.serving.choose_placement` decides; :meth:`PLETable.lookup` in bf16 on
-  a CPU); all of that policy lives in :mod:`flashnext.kernels.serving`, tested without vLLM;
+  :func:`flashnext.serve.serving.choose_placement` decides; :meth:`PLETable.lookup` in bf16 on
+  a CPU); all of that policy lives in :mod:`flashnext.serve.serving`, tested without vLLM;
 - keeps the replaced class's contract: the same methods, shapes, prefetch buffer and errors. Rows
   come back already dequantized (bf16, cast to the layer's ``params_dtype``), so its
   ``dequantize`` only casts to the activation dtype.
@@ -56,8 +56,8 @@ from flashnext.errors import PluginError
 from flashnext.integrations.vllm import logger, plugin_line, ranks, settings_for_model
 from flashnext.integrations.vllm.engram import refuse_sidecar_with_disk_offload
 from flashnext.integrations.vllm.settings import PluginSettings
-from flashnext.kernels import serving
-from flashnext.kernels.serving import SidecarRows
+from flashnext.serve import serving
+from flashnext.serve.serving import SidecarRows
 
 PART = "ple_sidecar"
 #: Checkpoint tensor names (relative to ``...ngram_embedding.``) the layer takes and drops.
@@ -112,7 +112,7 @@ def _placeholder_weight(embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
 def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: int) -> SidecarRows:
     """Open, check and place the sidecar rows ``layer`` (a sidecar table layer) serves.
 
-    The policy is :func:`flashnext.kernels.serving.open_rows`; this reads its inputs from
+    The policy is :func:`flashnext.serve.serving.open_rows`; this reads its inputs from
     vLLM's layer and config, and logs the one line that says what is served.
 
     Raises:

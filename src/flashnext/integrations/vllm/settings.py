@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import parse_cache_size
 from flashnext.placement import PLACEMENT_SETTINGS, PlacementSetting
+from flashnext.serve.cache_plan import parse_cache_size
 
 #: The ``--additional-config`` section the plugin reads.
 CONFIG_SECTION = "flashnext"
@@ -82,7 +82,7 @@ class PluginSettings:
     Attributes:
         ple_sidecar: directory of the sidecar(s) serving the PLE tables, or None (off).
         ple_placement: where a GPU reads the rows (:mod:`flashnext.placement`; ``auto`` lets
-            :func:`flashnext.kernels.serving.choose_placement` decide).
+            :func:`flashnext.serve.serving.choose_placement` decide).
         ple_cache: device bytes for the hot-row cache (0 = off); used by the pinned and staged
             placements only.
         ple_profile: the hot-row profile file, or None (the sidecar's ``hot_rows.safetensors``

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
+from flashnext.serve.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.sizes import gib
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def host_residency(choice: PlacementChoice, setting: str) -> Residency:
     return "resident" if choice.placement == "cpu" and setting in ("device", "pinned") else "mmap"
 
 
-# -- the device cache of hot rows (planned by flashnext.kernels.cache_plan) ---------------------
+# -- the device cache of hot rows (planned by flashnext.serve.cache_plan) ---------------------
 def attach_cache(target: Any, profile: Any, cache_bytes: int) -> Any:
     """Fill the device cache of a pinned ``GpuTable`` or a ``StagedTable`` from ``profile``.
 

@@ -1,7 +1,7 @@
 """The device cache of hot rows in front of a pinned or staged table, planned without a GPU.
 
 What the plugin's ``FLASHNEXT_PLE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean, in
-the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext plan`` and ``flashnext
+the one place the plugin (:mod:`flashnext.serve.serving`), ``flashnext plan`` and ``flashnext
 check`` share (no torch, no vLLM, no GPU):
 
 - :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one

@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import plan_cache, plan_layer_cache, profile_path
-from flashnext.kernels.serving import (
+from flashnext.ple.destination import write_sidecar
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.preflight import PreflightError
+from flashnext.ple.sidecar import open_sidecar
+from flashnext.ple.table import open_table
+from flashnext.serve.cache_plan import plan_cache, plan_layer_cache, profile_path
+from flashnext.serve.serving import (
     PlacementChoice,
     SidecarRows,
     attach_cache,
@@ -26,11 +31,6 @@ from flashnext.kernels.serving import (
     open_rows,
     sidecar_dir_for,
 )
-from flashnext.ple.destination import write_sidecar
-from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
 from flashnext.synthetic import flash_next_config
 
 CONFIG = flash_next_config(
@@ -46,7 +46,7 @@ def _sidecar(path, geo, rng, fmt="int4"):
 
 def test_import_loads_no_torch_triton_vllm_or_numba():
     code = (
-        "import sys, flashnext.kernels.serving\n"
+        "import sys, flashnext.serve.serving\n"
         "heavy = [m for m in ('torch', 'triton', 'vllm', 'numba') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )

@@ -1,6 +1,6 @@
 """The device cache's plan without a GPU: the size setting, and the GPU bytes of the rows kept.
 
-The profile lookup, the hit rate and the per-layer plan are tested in tests/kernels/test_serving.py
+The profile lookup, the hit rate and the per-layer plan are tested in tests/serve/test_serving.py
 (with real sidecars and profiles); here, the parts no other test pins down.
 """
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
 from flashnext.ple.profile import HotRowProfile
+from flashnext.serve.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
 
 
 @pytest.mark.parametrize(
