@@ -130,21 +130,23 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
     from flashnext.ple.profile import PROFILE_NAME, default_profile_path
 
     if setting is None:
-        own = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
-        return next((p for p in own if p.is_file()), None)
-    if setting.is_file():
-        return setting
-    match = LAYER_INDEX.search(prefix)
-    layer = [setting / f"layer_{match.group(1)}"] if match else []
-    candidates = [d / PROFILE_NAME for d in layer] + [default_profile_path(d) for d in layer]
-    for candidate in [*candidates, setting / PROFILE_NAME]:
-        if candidate.is_file():
-            return candidate
-    raise PluginError(
-        f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a profile "
-        f"file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
-        f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text FILES...`"
-    )
+        candidates = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
+    elif setting.is_file():
+        candidates = [setting]
+    else:
+        match = LAYER_INDEX.search(prefix)
+        layer = [setting / f"layer_{match.group(1)}"] if match else []
+        candidates = [d / PROFILE_NAME for d in layer] + [default_profile_path(d) for d in layer]
+        candidates.append(setting / PROFILE_NAME)
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None and setting is not None:
+        raise PluginError(
+            f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a "
+            f"profile file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
+            f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text "
+            "FILES...`"
+        )
+    return found
 
 
 def plan_cache(
@@ -154,6 +156,7 @@ def plan_cache(
     record_bytes: int,
     row_range: tuple[int, int],
     num_rows: int,
+    *,
     placement: str = "staged",
     scale_2: bool = False,
 ) -> CachePlan:
@@ -210,20 +213,21 @@ def plan_layer_cache(
     from flashnext.kernels.records import record_layout
     from flashnext.ple.profile import load_profile
 
+    path = None
     if cache_bytes <= 0:
-        return CachePlan(0, None, reason="FLASHNEXT_PLE_CACHE is 0"), None
-    if placement not in CACHED_PLACEMENTS:
-        return CachePlan(cache_bytes, None, reason=f"the {placement} path has none"), None
-    path = profile_path(sidecar.path, setting, prefix)
-    if path is None:
-        why = f"no FLASHNEXT_PLE_PROFILE and no hot-row profile beside or in {sidecar.path}"
-        return CachePlan(cache_bytes, None, reason=why), None
-    profile = load_profile(path)
-    check_profile_table(profile, path, sidecar)
-    record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
-    scale_2 = sidecar.format == "nvfp4"
-    plan = plan_cache(profile, path, cache_bytes, record_bytes, row_range, sidecar.num_rows,
-                      placement, scale_2)  # fmt: skip
+        reason = "FLASHNEXT_PLE_CACHE is 0"
+    elif placement not in CACHED_PLACEMENTS:
+        reason = f"the {placement} path has none"
+    else:
+        path = profile_path(sidecar.path, setting, prefix)
+        reason = f"no FLASHNEXT_PLE_PROFILE and no hot-row profile beside or in {sidecar.path}"
+    plan, profile = CachePlan(max(0, cache_bytes), None, reason=reason), None
+    if path is not None:
+        profile = load_profile(path)
+        check_profile_table(profile, path, sidecar)
+        record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
+        plan = plan_cache(profile, path, cache_bytes, record_bytes, row_range, sidecar.num_rows,
+                          placement=placement, scale_2=sidecar.format == "nvfp4")  # fmt: skip
     return plan, profile
 
 

@@ -112,8 +112,8 @@ def _placeholder_weight(embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
 def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: int) -> SidecarRows:
     """Open, check and place the sidecar rows ``layer`` (a sidecar table layer) serves.
 
-    The policy is :func:`flashnext.serve.serving.open_rows`; this reads its inputs from
-    vLLM's layer and config, and logs the one line that says what is served.
+    The policy is :func:`flashnext.serve.serving.open_rows`; this builds its one request from
+    the plugin's settings and vLLM's layer and config, and logs the line that says what is served.
 
     Raises:
         PluginError: no sidecar for the layer, a geometry mismatch, or a placement that cannot fit.
@@ -125,25 +125,26 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
     start = layer.shard_indices.org_vocab_start_index
     end = layer.shard_indices.org_vocab_end_index
     device = torch.empty(0).device  # vLLM builds the model under its target device
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    request = serving.RowsRequest(
+        sidecar_root=settings.ple_sidecar,
+        prefix=layer.prefix,
+        shape=(layer.org_vocab_size, layer.embedding_dim),
+        row_range=(start, end),
+        model_config=_text_config(vllm_config),
+        placement=settings.ple_placement,
+        device=device,
+        device_free=torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
+        max_ids=max_ids,
+        cache_bytes=settings.ple_cache,
+        profile=settings.ple_profile,
+    )
     try:
-        rows, sidecar = serving.open_rows(
-            settings.ple_sidecar,
-            layer.prefix,
-            (layer.org_vocab_size, layer.embedding_dim),
-            (start, end),
-            serving.layer_geometry(_text_config(vllm_config), layer.prefix),
-            settings.ple_placement,
-            device,
-            free,
-            max_ids,
-            settings.ple_cache,
-            settings.ple_profile,
-        )
+        rows = serving.open_rows(request)
     except Exception as exc:  # which rank and node could not serve (a slice lacking its rows)
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (f"rank {layer.tp_rank} on node {ranks.node_name()}: {exc.args[0]}",)
         raise
+    sidecar = rows.sidecar
     ranks.note_sidecar(layer.prefix, sidecar.path, sidecar.meta)
     choice = rows.choice
     logger.info(
