@@ -114,6 +114,24 @@ def test_placement_choice():
         choose_placement("host", "cuda:0", 1)
 
 
+def test_placement_judges_pinned_by_the_host_memory_it_is_given(rng):
+    """``flashnext plan`` asks the plugin's own choice about a host it plans, not this one: a
+    table larger than this host's RAM fits a roomy planned host, a small one not a tight one."""
+    from flashnext.ple.preflight import DEFAULT_HEADROOM, HostMemory
+
+    big = int(rng.integers(1 << 40, 1 << 41))  # 1-2 TiB: more than this machine has
+    roomy = HostMemory(big + DEFAULT_HEADROOM, sources=("--host-memory",))
+    assert choose_placement("auto", "cuda:0", big, memory=roomy).placement == "pinned"
+    assert choose_placement("pinned", "cuda:0", big, memory=roomy).reason == "asked for"
+    small = int(rng.integers(1 << 20, 1 << 30))
+    tight = HostMemory(small + DEFAULT_HEADROOM - 1, sources=("--host-memory",))
+    auto = choose_placement("auto", "cuda:0", small, memory=tight)
+    assert auto.placement == "staged" and "pinned does not fit" in auto.reason
+    with pytest.raises(PreflightError, match=r"needs .* plus 2\.0 GiB headroom"):
+        choose_placement("pinned", "cuda:0", small, memory=tight)
+    assert choose_placement("auto", "cpu", big, memory=tight).placement == "cpu"
+
+
 def test_host_residency_follows_the_setting():
     cpu = PlacementChoice("cpu", "test")
     assert host_residency(cpu, "pinned") == host_residency(cpu, "device") == "resident"
