@@ -125,7 +125,7 @@ def test_quoted_command_parses(script: str, args: list[str], monkeypatch: pytest
     original = argparse.ArgumentParser.parse_args
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
     monkeypatch.setattr(sys, "argv", [str(ROOT / "bench" / script), *args])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setattr(sys, "path", [str(ROOT / "bench"), *sys.path])  # scripts extend it
     with pytest.raises(_Parsed) as parsed:
         try:
             runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
