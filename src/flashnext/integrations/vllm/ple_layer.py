@@ -163,8 +163,7 @@ def _text_config(vllm_config: Any) -> dict[str, Any] | None:
     """The model's text config as a dict, or None when vLLM has no model config (yet)."""
     model_config = getattr(vllm_config, "model_config", None)
     hf = getattr(model_config, "hf_text_config", None)
-    config = None if hf is None else hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
-    return config
+    return None if hf is None else hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
 # -- the layer -----------------------------------------------------------------------------
