@@ -22,6 +22,7 @@ MOST_SETTINGS_RETURNS = 3
 #: The host table modules: host/ once the ple/ split lands, until then their ple/ files.
 HOST_TABLE = ("table", "mapping", "lookup_kernels", "preflight", "profile", "pageout")
 PLE_LAYER = PKG / "integrations" / "vllm" / "ple_layer.py"
+Def = ast.FunctionDef | ast.AsyncFunctionDef
 
 _NUMBA = "numba entry point: each array is one argument (numba takes no struct of arrays)"
 _STAGED = "numba staged-path entry point; kernels/_layout.py's declared context replaces these"
@@ -61,12 +62,10 @@ def serving_path_files() -> list[Path]:
     return sorted(p for p in files if p.is_file())
 
 
-def functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+def functions(tree: ast.Module) -> Iterator[tuple[str, Def]]:
     """(qualified name, node) of every function and method, nested ones included."""
 
-    def visit(
-        node: ast.AST, prefix: str
-    ) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    def visit(node: ast.AST, prefix: str) -> Iterator[tuple[str, Def]]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
                 yield prefix + child.name, child
@@ -79,7 +78,7 @@ def functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.Asy
     yield from visit(tree, "")
 
 
-def positional(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+def positional(fn: Def) -> int:
     names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
     return len([n for n in names if n not in ("self", "cls")])
 
@@ -103,9 +102,6 @@ def test_no_function_in_the_serving_path_takes_more_than_six_positional_paramete
 
 
 # -- the walk of the plugin's settings ----------------------------------------------------------
-Def = ast.FunctionDef | ast.AsyncFunctionDef
-
-
 def returns(fn: Def) -> int:
     """Return statements of ``fn`` itself (not of functions or lambdas defined inside it)."""
     count, todo = 0, list(fn.body)
