@@ -104,7 +104,7 @@ def test_no_function_in_the_serving_path_takes_more_than_six_positional_paramete
 # -- the walk of the plugin's settings ----------------------------------------------------------
 def returns(fn: Def) -> int:
     """Return statements of ``fn`` itself (not of functions or lambdas defined inside it)."""
-    count, todo = 0, list(fn.body)
+    count, todo = 0, list[ast.AST](fn.body)
     while todo:
         node = todo.pop()
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
