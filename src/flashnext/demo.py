@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import SidecarError
 from flashnext.placement import RESIDENCIES
 from flashnext.ple.destination import DestinationLock, recorded_source, write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
-from flashnext.ple.quantize import SidecarSource, quantize_table
+from flashnext.ple.quantize import quantize_table
 from flashnext.ple.table import open_table
 from flashnext.synthetic import embedding_rows, flash_next_config
 from flashnext.text import EOS, corpus_files, token_stream, train_tokenizer

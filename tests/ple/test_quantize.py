@@ -3,10 +3,11 @@ import json
 import numpy as np
 import pytest
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import FormatError, SidecarError
 from flashnext.ple import open_sidecar, open_table, write_sidecar
 from flashnext.ple.formats import rel_rmse
-from flashnext.ple.quantize import STATE_NAME, SidecarSource, quantize_table
+from flashnext.ple.quantize import STATE_NAME, quantize_table
 from flashnext.records import check_record
 from flashnext.synthetic import embedding_rows
 

@@ -14,11 +14,12 @@ import numba
 import numpy as np
 import pytest
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import FormatError
 from flashnext.ple import formats as F
 from flashnext.ple import quantize_kernels as K
 from flashnext.ple.destination import write_sidecar
-from flashnext.ple.quantize import SidecarSource, quantize_table
+from flashnext.ple.quantize import quantize_table
 
 
 def _rows(rng: np.random.Generator, n: int = 96, width: int = 160) -> np.ndarray:

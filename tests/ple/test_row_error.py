@@ -13,8 +13,9 @@ import math
 import numpy as np
 import pytest
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.ple import open_table, write_sidecar
-from flashnext.ple.quantize import SidecarSource, quantize_table
+from flashnext.ple.quantize import quantize_table
 from flashnext.ple.row_error import BINS_PER_DECADE, RowErrors, summarize
 from tests.cli.runner import run_in_process
 
