@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.ple.destination import destination_problem
+from flashnext.store.destination import destination_problem
 
 from .inputs import ProfileInputs, build_profile_inputs
 from .runner import run_in_process

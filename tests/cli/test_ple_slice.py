@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from flashnext.errors import SidecarError
-from flashnext.ple import write_sidecar
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
+from flashnext.host.table import open_table
+from flashnext.store import write_sidecar
+from flashnext.store.sidecar import open_sidecar
 
 from .runner import run_here as run
 from .runner import run_in_process
@@ -137,7 +137,7 @@ def test_checkpoint_ple_prints_the_slice_command(cli_inputs, capsys):
 
 
 def test_the_hot_row_profile_comes_along_inside_the_slice(full, tmp_path, capsys):
-    from flashnext.ple.profile import HotRowProfile, load_profile, write_profile
+    from flashnext.store.profile import HotRowProfile, load_profile, write_profile
 
     ids = np.array([700, 3, 260, 999], dtype=np.int64)
     written = write_profile(full, HotRowProfile(ids, np.array([9, 5, 2, 1]), 20, {"layer": 0}))

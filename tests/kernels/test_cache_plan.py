@@ -11,7 +11,7 @@ import pytest
 
 from flashnext.errors import PluginError
 from flashnext.kernels.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
-from flashnext.ple.profile import HotRowProfile
+from flashnext.store.profile import HotRowProfile
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
+from flashnext.host.preflight import PreflightError
+from flashnext.host.table import open_table
 from flashnext.kernels.cache_plan import plan_cache, plan_layer_cache, profile_path
 from flashnext.kernels.serving import (
     PlacementChoice,
@@ -26,11 +28,9 @@ from flashnext.kernels.serving import (
     open_rows,
     sidecar_dir_for,
 )
-from flashnext.ple.destination import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
+from flashnext.store.destination import write_sidecar
+from flashnext.store.sidecar import open_sidecar
 from flashnext.synthetic import flash_next_config
 
 CONFIG = flash_next_config(
@@ -148,7 +148,7 @@ def test_cpu_rows_equal_the_tables_bf16_lookup(tmp_path, rng, fmt):
 # -- the hot-row device cache ------------------------------------------------------------------
 def _profiled(path, geo, rng, docs=6):
     """A real profile of random token documents, written into the sidecar at ``path``."""
-    from flashnext.ple.profile import build_profile, load_profile, write_profile
+    from flashnext.store.profile import build_profile, load_profile, write_profile
 
     tokens = [rng.integers(0, geo.vocab_size, size=int(rng.integers(20, 60))) for _ in range(docs)]
     write_profile(path, build_profile(geo, tokens))
@@ -199,7 +199,7 @@ def test_cache_plan_counts_the_rows_that_fit_and_their_hit_rate(tmp_path, rng, r
 
 
 def test_a_truncated_profile_counts_its_unprofiled_lookups_as_misses(tmp_path, rng):
-    from flashnext.ple.profile import HotRowProfile
+    from flashnext.store.profile import HotRowProfile
 
     ids = rng.permutation(1000)[:50].astype(np.int64)
     counts = np.sort(rng.integers(1, 100, size=50))[::-1].astype(np.int64)
@@ -247,7 +247,7 @@ def test_attach_cache_refuses_a_table_without_one():
 
 def test_the_plugin_serves_a_rank_from_a_slice_holding_its_rows(tmp_path, rng):
     from flashnext.errors import SidecarError
-    from flashnext.ple.slicing import plan_slice, write_slice
+    from flashnext.store.slicing import plan_slice, write_slice
 
     geo = PLEGeometry.from_config(CONFIG, layer_id=4)
     _sidecar(tmp_path / "full", geo, rng)

@@ -174,7 +174,7 @@ def check_sidecar(
         SidecarError: ``sidecar_dir`` is not a readable sidecar (from :func:`open_sidecar`).
     """
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.sidecar import open_sidecar
+    from flashnext.store.sidecar import open_sidecar
 
     sidecar = open_sidecar(sidecar_dir)
     config_path = plan.index.parent / "config.json"

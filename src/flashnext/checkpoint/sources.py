@@ -16,11 +16,11 @@ import numpy as np
 
 from flashnext.checkpoint.ple_tensors import CheckpointTableSource
 from flashnext.errors import CheckpointError, SidecarError
+from flashnext.host.table import PLETable, open_table
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.quantize import RowSource
-from flashnext.ple.sidecar import META_NAME, Sidecar, open_sidecar
-from flashnext.ple.table import PLETable, open_table
 from flashnext.safetensors_file import sha256_file
+from flashnext.store.quantize import RowSource
+from flashnext.store.sidecar import META_NAME, Sidecar, open_sidecar
 
 
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:

@@ -32,12 +32,9 @@ from flashnext.cli._common import (
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import Terminated, terminate_cleanly
 from flashnext.errors import SidecarError
-from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import DestinationLock, progress_kept, sidecar_holds
-from flashnext.ple.formats import FORMATS, get_codec
-from flashnext.ple.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
-from flashnext.ple.pageout import page_cache_pageout
-from flashnext.ple.preflight import (
+from flashnext.host.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
+from flashnext.host.pageout import page_cache_pageout
+from flashnext.host.preflight import (
     COMMAND_LINE,
     GIB,
     Preflight,
@@ -46,7 +43,19 @@ from flashnext.ple.preflight import (
     pageout_warning,
     preflight_table,
 )
-from flashnext.ple.profile import (
+from flashnext.placement import RESIDENCIES
+from flashnext.ple.formats import FORMATS, get_codec
+from flashnext.records import (
+    PLE_INFO,
+    PLE_LOOKUP,
+    PLE_PREFLIGHT,
+    PLE_PROFILE_SUMMARY,
+    PLE_QUANTIZE,
+    PLE_SLICE,
+    PLE_WARM,
+)
+from flashnext.store.destination import DestinationLock, progress_kept, sidecar_holds
+from flashnext.store.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
     HotRowProfile,
@@ -57,20 +66,11 @@ from flashnext.ple.profile import (
     profile_text_files,
     write_profile,
 )
-from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
-from flashnext.ple.sidecar import Sidecar, open_sidecar
-from flashnext.records import (
-    PLE_INFO,
-    PLE_LOOKUP,
-    PLE_PREFLIGHT,
-    PLE_PROFILE_SUMMARY,
-    PLE_QUANTIZE,
-    PLE_SLICE,
-    PLE_WARM,
-)
+from flashnext.store.row_error import DEFAULT_MAX_ROW_ERROR
+from flashnext.store.sidecar import Sidecar, open_sidecar
 
 if TYPE_CHECKING:  # the lookup path loads numba (~0.2 s): info, slice and profile never need it
-    from flashnext.ple.table import PLETable, Warming
+    from flashnext.host.table import PLETable, Warming
 
 
 @contextlib.contextmanager
@@ -271,7 +271,7 @@ def _quantize_locked(
     as_json: bool, lock: DestinationLock,
 ) -> None:  # fmt: skip
     from flashnext.checkpoint.sources import open_row_source
-    from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
+    from flashnext.store.quantize import effective_workers, quantize_table, usable_cpus
 
     with _bar(disable=as_json) as bar:
         task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
@@ -419,7 +419,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
     DIRECTORY may be a slice (`flashnext ple slice`): its rows are looked up where it holds
     them, and an id outside them is refused, naming the rows it holds.
     """
-    from flashnext.ple.table import open_table
+    from flashnext.host.table import open_table
 
     row_ids = _parse_ids(ids)
     if warm and residency == "resident":
@@ -508,7 +508,7 @@ def warm(directory: Path, as_json: bool) -> None:
     maps the table afterwards find their rows cached instead of reading them from disk. Warns
     when this host pages out page cache on its own (DAMON), and after how long.
     """
-    from flashnext.ple.table import open_table
+    from flashnext.host.table import open_table
 
     with open_table(directory, "mmap") as table:
         files = sorted({p for p, _, _ in table.file_ranges()})
@@ -854,7 +854,7 @@ def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: b
     DST must be new or empty (no file in it is replaced), or this command's own unfinished
     slice: an interrupted run resumes, keeping the shards it copied whole.
     """
-    from flashnext.ple.slicing import (
+    from flashnext.store.slicing import (
         plan_slice,
         slice_file_names,
         slice_owns,

@@ -499,7 +499,7 @@ def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> t
     """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM: its prefix
     and the opened sidecar."""
     from flashnext.kernels import serving
-    from flashnext.ple.sidecar import open_sidecar
+    from flashnext.store.sidecar import open_sidecar
 
     prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
     geometry = serving.layer_geometry(config, prefix)

@@ -57,6 +57,11 @@ import numba
 import numpy as np
 
 from flashnext.errors import KernelError
+
+# the address intrinsics of the CPU lookup kernels (one definition for both)
+from flashnext.host.lookup_kernels import _copy, _popcount, _prefetch, _ptr
+from flashnext.host.mapping import touch_pages
+from flashnext.host.table import PLETable, StoredTable
 from flashnext.kernels import _cold
 from flashnext.kernels.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2 of counts
     HIT_BLOCK,
@@ -64,11 +69,6 @@ from flashnext.kernels.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2
     MEMO_LINES,
 )
 from flashnext.kernels.records import RecordLayout
-
-# the address intrinsics of the CPU lookup kernels (one definition for both)
-from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch, _ptr
-from flashnext.ple.mapping import touch_pages
-from flashnext.ple.table import PLETable, StoredTable
 
 AHEAD = 32  # rows prefetched ahead of the copy (random page-cache reads: latency-bound)
 _MAP_AHEAD = 16  # ids whose slot-map entry is prefetched ahead of the dedup

@@ -23,9 +23,9 @@ from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
 from flashnext.sizes import gib
 
 if TYPE_CHECKING:
+    from flashnext.host.table import PLETable
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.sidecar import Sidecar
-    from flashnext.ple.table import PLETable
+    from flashnext.store.sidecar import Sidecar
 
 #: The serving path: a placement on a GPU, or ``cpu`` (host lookups on a CPU device).
 ServingPath = Placement | Literal["cpu"]
@@ -137,7 +137,7 @@ def choose_placement(
             hold the table.
         PreflightError: ``pinned`` asked but host memory cannot hold it.
     """
-    from flashnext.ple.preflight import DEFAULT_HEADROOM, PreflightError, check_fits
+    from flashnext.host.preflight import DEFAULT_HEADROOM, PreflightError, check_fits
 
     if setting not in PLACEMENT_SETTINGS:
         raise PluginError(f"placement {setting!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
@@ -290,9 +290,9 @@ def open_rows(
         SidecarError: the sidecar directory is not a valid sidecar.
         PreflightError: a pinned or resident copy does not fit in host memory.
     """
+    from flashnext.host.table import open_table
     from flashnext.kernels.records import record_layout
-    from flashnext.ple.sidecar import open_sidecar
-    from flashnext.ple.table import open_table
+    from flashnext.store.sidecar import open_sidecar
 
     sidecar = open_sidecar(sidecar_dir_for(root, prefix))
     check_geometry(sidecar, prefix, shape[0], shape[1], geometry)

@@ -1,4 +1,4 @@
-"""The slice plan (``flashnext.ple.slicing``): which rows each rank serves, which shards hold
+"""The slice plan (``flashnext.store.slicing``): which rows each rank serves, which shards hold
 them, and the refusals; the CLI, the copies and the lookups are in tests/cli/test_ple_slice.py."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from flashnext.errors import SidecarError
-from flashnext.ple import write_sidecar
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.slicing import plan_slice, rank_rows, write_slice
+from flashnext.store import write_sidecar
+from flashnext.store.sidecar import open_sidecar
+from flashnext.store.slicing import plan_slice, rank_rows, write_slice
 from flashnext.synthetic import embedding_rows
 
 ROWS, WIDTH, SHARD = 1000, 32, 128  # 8 shards, the last of 104 rows

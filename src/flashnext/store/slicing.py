@@ -5,18 +5,18 @@ tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its 
 :func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
 against the source's META.json (where it records one), copies the hot-row profile (beside
 or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
-:mod:`flashnext.ple.sidecar`). Every file is written under a temporary name and renamed when
-complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
+:mod:`flashnext.store.sidecar`). Every file is written under a temporary name and renamed when
+complete. A slice opens like any sidecar; :func:`flashnext.host.table.open_table` serves a
 ``row_range`` inside the rows present and refuses one outside, naming the missing rows.
 
-An interrupted slice resumes: the writers' state record (:data:`~flashnext.ple.sidecar.
+An interrupted slice resumes: the writers' state record (:data:`~flashnext.store.sidecar.
 STATE_NAME`, so readers refuse the directory as unfinished and name the command) is written
 first with the plan and each copied shard's sha256; the same command again keeps the shards
 whose files still hash to it (:func:`slice_owns` tells the destination rule which files are
 this slice's own).
 
 The destination rule (not an input, not inside one, no file replaced that this command did
-not write) is the caller's: :func:`flashnext.ple.destination.destination_problem`.
+not write) is the caller's: :func:`flashnext.store.destination.destination_problem`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from typing import Any
 from flashnext import __version__
 from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
-from flashnext.ple.destination import DestinationLock
-from flashnext.ple.profile import PROFILE_NAME, default_profile_path
-from flashnext.ple.sidecar import (
+from flashnext.safetensors_file import sha256_file
+from flashnext.store.destination import DestinationLock
+from flashnext.store.profile import PROFILE_NAME, default_profile_path
+from flashnext.store.sidecar import (
     FORMAT_VERSION,
     META_NAME,
     STATE_NAME,
@@ -43,7 +44,6 @@ from flashnext.ple.sidecar import (
     shard_name,
     write_state,
 )
-from flashnext.safetensors_file import sha256_file
 
 _CHUNK = 8 << 20  # bytes per read while copying
 

@@ -5,10 +5,11 @@ import pytest
 
 from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple import open_sidecar, open_table, write_sidecar
+from flashnext.host import open_table
 from flashnext.ple.formats import rel_rmse
-from flashnext.ple.quantize import STATE_NAME, quantize_table
 from flashnext.records import check_record
+from flashnext.store import open_sidecar, write_sidecar
+from flashnext.store.quantize import STATE_NAME, quantize_table
 from flashnext.synthetic import embedding_rows
 
 from ..seeding import seeded_rng
@@ -107,7 +108,7 @@ def test_non_finite_source_rows_are_named(tmp_path, rng):
     x[217, 9] = np.inf
     x[250, 0] = np.nan
     # a bf16 table written around the codec's own check, as a corrupt checkpoint would be
-    from flashnext.ple.destination import SidecarWriter
+    from flashnext.store.destination import SidecarWriter
 
     w = SidecarWriter(tmp_path / "bad", "bf16", 160, 300, 100)
     for i in range(3):

@@ -21,7 +21,7 @@ is held from before the run until the report is written.
 against a second writer, keep the resume state, hand out the writer, commit, clean up.
 
 - It is written only when it is missing, empty, or this command's own output for the same
-  source and settings: unfinished (its state record, :data:`~flashnext.ple.sidecar.STATE_NAME`,
+  source and settings: unfinished (its state record, :data:`~flashnext.store.sidecar.STATE_NAME`,
   matches) or finished (its META.json matches). Anything else is refused, naming what is there.
 - ``force`` replaces it, but the new table is written beside it (``.DST.flashnext-new``) and
   swapped in only once complete: the old contents stay intact until then. A ``force`` run that
@@ -61,7 +61,9 @@ from flashnext.atomic import atomic_write, final_name, is_temp_name, write_json
 from flashnext.errors import DestinationError, SidecarError
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.sidecar import (
+from flashnext.records import to_jsonable
+from flashnext.safetensors_file import sha256_file
+from flashnext.store.sidecar import (
     FORMAT_VERSION,
     META_NAME,
     STATE_NAME,
@@ -74,8 +76,6 @@ from flashnext.ple.sidecar import (
     write_shard_file,
     write_state,
 )
-from flashnext.records import to_jsonable
-from flashnext.safetensors_file import sha256_file
 
 __all__ = [
     "OWN_FILES",
@@ -568,7 +568,7 @@ def write_sidecar(
     """Quantize float32 ``rows`` [num_rows, width] to ``fmt`` and write a whole sidecar.
 
     Convenience for tables that fit in memory (tests, the demo); large tables stream through
-    :func:`flashnext.ple.quantize.quantize_table`. No destination checks: the caller owns
+    :func:`flashnext.store.quantize.quantize_table`. No destination checks: the caller owns
     ``path``.
     """
     rows = np.asarray(rows)

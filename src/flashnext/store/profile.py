@@ -6,13 +6,13 @@ not add files to its input, and the sidecar's own writer would not know the file
 
 - ``row_ids`` int64 [N]: global row ids, sorted by count descending, ties by id ascending;
 - ``counts`` int64 [N]: how many lookups of the profiled text hit each row (all > 0);
-- ``__metadata__`` ``{"record": <JSON text of a flashnext.ple.profile record>}``: the corpus
+- ``__metadata__`` ``{"record": <JSON text of a flashnext.store.profile record>}``: the corpus
   files (path, sha256, tokens), the tokenizer, the table geometry, the layer and
   ``total_lookups`` (tokens x heads, every lookup of the text, profiled rows or not) and
   ``coverage_by_table_share`` (the share of lookups the top 0.1%, 1% and 5% of the table's rows
   serve, counted before ``rows`` truncation).
 
-Consumers (the CPU hot tier of :func:`flashnext.ple.table.open_table`, the GPU row cache) take
+Consumers (the CPU hot tier of :func:`flashnext.host.table.open_table`, the GPU row cache) take
 the ``row_ids`` in order, or a prefix of them.
 
 :func:`profile_text_files` builds one from text files: tokenized with a ``tokenizers`` tokenizer
@@ -37,11 +37,11 @@ import numpy as np
 
 from flashnext._extras import require
 from flashnext.errors import SidecarError
-from flashnext.ple.destination import DestinationLock
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, make_record
 from flashnext.safetensors_file import SafetensorsError, read_header, read_tensor, write_file
+from flashnext.store.destination import DestinationLock
 from flashnext.user_files import read_user_file
 
 PROFILE_NAME = "hot_rows.safetensors"

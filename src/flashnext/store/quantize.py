@@ -6,10 +6,10 @@ read in blocks of ``block_rows`` rows, so memory stays at one shard's quantized 
 one float32 block per worker, never the whole table.
 
 The destination's rules (refusal, ``force``, lock, resume, commit) belong to
-:class:`~flashnext.ple.destination.SidecarDestination`; the README repeats them.
+:class:`~flashnext.store.destination.SidecarDestination`; the README repeats them.
 
 - Besides the relative RMSE, every shard measures its per-row error
-  (:mod:`flashnext.ple.row_error`): the worst row, a histogram for the 99.9th percentile, and
+  (:mod:`flashnext.store.row_error`): the worst row, a histogram for the 99.9th percentile, and
   the rows quantized to all-zero from a non-zero source.
 - A sidecar source whose shards fail their own recorded sha256 is refused unless
   ``ignore_checksums=True`` (the mismatch is then recorded in META.json's ``source``).
@@ -36,11 +36,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple import row_error
-from flashnext.ple.destination import DestinationLock, SidecarDestination, SidecarWriter
 from flashnext.ple.formats import Codec, get_codec, stored_non_finite
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.sidecar import (
+from flashnext.store import row_error
+from flashnext.store.destination import DestinationLock, SidecarDestination, SidecarWriter
+from flashnext.store.sidecar import (
     STATE_NAME,
     Sidecar,
     write_shard_file,
@@ -130,7 +130,7 @@ class QuantizeResult:
 CONVERSIONS = ("quantize", "copy")
 _COPY_METHOD = "copied from the source's stored tensors (exact)"
 #: ``auto``: the compiled kernels when they reproduce the numpy codec on this platform
-#: (:func:`~flashnext.ple.quantize_kernels.compiled_matches_reference`), else numpy.
+#: (:func:`~flashnext.store.quantize_kernels.compiled_matches_reference`), else numpy.
 ENGINES = ("auto", "numpy")
 
 
@@ -201,7 +201,7 @@ def _compiled(engine: str) -> bool:
     """Whether to run the compiled kernels (``compiled``: the caller has checked them)."""
     if engine in ("numpy", "compiled"):
         return engine == "compiled"
-    from flashnext.ple.quantize_kernels import compiled_matches_reference
+    from flashnext.store.quantize_kernels import compiled_matches_reference
 
     return compiled_matches_reference()
 
@@ -216,7 +216,7 @@ def _blocks(
         if not compiled:
             yield lo, _checked(block, lo), None
             continue
-        from flashnext.ple.quantize_kernels import block_absmax
+        from flashnext.store.quantize_kernels import block_absmax
 
         amax, bad = block_absmax(block)
         if bad >= 0:
@@ -243,7 +243,7 @@ def _quantize_rows(
     rows = row_error.RowErrors()
     for lo, block, _ in _blocks(source, start, end, block_rows, compiled):
         if compiled:
-            from flashnext.ple.quantize_kernels import quantize_block
+            from flashnext.store.quantize_kernels import quantize_block
 
             # each row's error comes from the kernel's own sums: dequantizing the block
             # again in numpy cost the nvfp4 quantizer ~40% of its throughput
@@ -445,7 +445,7 @@ def quantize_table(
 
     Args:
         source: float32 rows by range (:class:`RowSource`).
-        dst: destination directory (:class:`~flashnext.ple.destination.SidecarDestination`
+        dst: destination directory (:class:`~flashnext.store.destination.SidecarDestination`
             says what may be there; it may not be, hold or lie inside the source).
         fmt: ``bf16``, ``fp8``, ``int4`` or ``nvfp4``.
         rows_per_shard: rows per output shard (the last may hold fewer).
@@ -462,7 +462,7 @@ def quantize_table(
         max_row_error: the result's ``row_error["ok"]`` is False when a row's relative error
             exceeds it (the table is written either way; the CLI then exits 1).
         inputs: more paths ``dst`` must stay clear of (the source's own path always counts).
-        lock: a held :class:`~flashnext.ple.destination.DestinationLock` on ``dst`` (taken by
+        lock: a held :class:`~flashnext.store.destination.DestinationLock` on ``dst`` (taken by
             the caller before opening the source); else one is taken here.
 
     Raises:
