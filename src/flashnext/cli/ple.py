@@ -54,7 +54,7 @@ from flashnext.records import (
     PLE_SLICE,
     PLE_WARM,
 )
-from flashnext.store.destination import DestinationLock, progress_kept, sidecar_holds
+from flashnext.store.destination import DestinationLock, progress_kept
 from flashnext.store.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
@@ -844,34 +844,35 @@ def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               help="Tensor-parallel size the model is served with.")  # fmt: skip
 @click.option("--ranks", required=True, callback=_rank_list,
               help="The ranks this node serves, comma separated (e.g. 0,1).")  # fmt: skip
+@click.option("--force", is_flag=True,
+              help="Replace a DST that holds anything else (the old contents stay until the new "
+              "slice is complete).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
-def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: bool) -> None:
+def slice_(
+    sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], force: bool, as_json: bool
+) -> None:
     """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
 
     Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
     along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
     rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
-    DST must be new or empty (no file in it is replaced), or this command's own unfinished
-    slice: an interrupted run resumes, keeping the shards it copied whole.
+    DST must be new, empty, or this command's own slice of the same SIDECAR and ranks (an
+    interrupted run resumes, keeping the shards it copied whole); anything else is refused
+    unless --force.
     """
-    from flashnext.store.slicing import (
-        plan_slice,
-        slice_file_names,
-        slice_owns,
-        slice_params,
-        write_slice,
-    )
+    from flashnext.store.slicing import plan_slice, write_slice
 
     source = open_sidecar(sidecar)
     plan = plan_slice(source, tp, ranks)
-    params = slice_params(source, plan)
-    names = slice_file_names(plan, source)
-    check_output(dst, [sidecar], hint="DST", writes=names,
-                 owns=lambda path: slice_owns(path.parent, params),
-                 holds=lambda entry: sidecar_holds(entry) or entry.name in names)  # fmt: skip
+    # What DST holds is judged by the library, under the lock, as for `ple quantize`.
+    check_output(dst, [sidecar], hint="DST")
     with terminate_cleanly(), _bar(disable=as_json) as bar:
         task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
-        write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))
+        try:
+            write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n), force=force)
+        except Terminated:
+            click.echo(f"interrupted: {progress_kept(dst)}", err=True)
+            raise
     summary = {
         "source": str(sidecar),
         "destination": str(dst),
