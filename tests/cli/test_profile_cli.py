@@ -18,7 +18,7 @@ from flashnext.host import open_table
 from flashnext.host.preflight import GIB
 from flashnext.store.profile import load_profile
 
-from ..ple.test_preflight_fixtures import _limited
+from ..host.test_preflight_fixtures import _limited
 from .inputs import ProfileInputs, build_profile_inputs
 from .runner import run_in_process
 
