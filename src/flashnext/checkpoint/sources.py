@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from flashnext import hub_cache
 from flashnext.checkpoint.ple_tensors import CheckpointTableSource
 from flashnext.errors import CheckpointError, SidecarError
 from flashnext.host.table import PLETable, open_table
@@ -26,7 +27,7 @@ from flashnext.store.sidecar import META_NAME, Sidecar, open_sidecar
 def is_checkpoint(path: str | os.PathLike[str]) -> bool:
     """A model directory (config.json) or a hub-cache repo folder (snapshots/)."""
     root = Path(path)
-    return (root / "config.json").exists() or (root / "snapshots").is_dir()
+    return (root / "config.json").exists() or hub_cache.has_snapshots(root)
 
 
 def open_row_source(

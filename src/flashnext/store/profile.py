@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from flashnext import hub_cache
 from flashnext._extras import require
 from flashnext.errors import SidecarError
 from flashnext.ple.geometry import PLEGeometry
@@ -227,25 +228,10 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
 # -- building a profile from text files ---------------------------------------------------------
 
 
-def _hub_cache_dirs() -> list[Path]:
-    """Where huggingface_hub keeps downloaded models (its environment variables, then default)."""
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
-
-
 def _cached_tokenizer(name: str) -> Path | None:
     """``tokenizer.json`` of model ``name`` ("org/model") in the local Hugging Face cache."""
-    for cache in _hub_cache_dirs():
-        repo = cache / ("models--" + name.replace("/", "--"))
-        ref = repo / "refs" / "main"
-        snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else []
-        snapshots += sorted((repo / "snapshots").glob("*"))
-        for snap in snapshots:
+    for cache in hub_cache.cache_dirs():
+        for snap in hub_cache.snapshots(hub_cache.repo_folder(cache, name)):
             if (snap / "tokenizer.json").is_file():
                 return snap / "tokenizer.json"
     return None
@@ -294,7 +280,7 @@ def load_tokenizer(spec: str | None, geometry: PLEGeometry) -> tuple[Any, dict[s
         if cached is None:
             raise SidecarError(
                 f"--tokenizer {spec}: not a tokenizer.json, a directory with one, or a model in "
-                f"the local Hugging Face cache ({', '.join(map(str, _hub_cache_dirs()))}); "
+                f"the local Hugging Face cache ({', '.join(map(str, hub_cache.cache_dirs()))}); "
                 "nothing is downloaded: fetch the model's tokenizer.json and pass its path"
             )
         path, kind = cached, "hub-cache"
