@@ -153,3 +153,32 @@ def test_an_interrupt_leaves_no_worker_and_no_pool_thread(tmp_path, source, monk
         )
     managers = [t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"]
     assert managers == [] and multiprocessing.active_children() == []
+
+
+def test_quantize_from_opens_the_source_under_the_destinations_lock(tmp_path, source):
+    """The library takes the lock before the (long) opening of the source: a second writer is
+    refused before its source is opened, and the first holds the lock while it opens."""
+    from flashnext.store.destination import DestinationLock
+    from flashnext.store.quantize import quantize_from
+
+    src, _ = source
+    dst = tmp_path / "q"
+    opened = []
+
+    def open_source():
+        with pytest.raises(SidecarError, match="another flashnext process"):
+            DestinationLock(dst).acquire()  # held by quantize_from while the source opens
+        opened.append(src)
+        return SidecarSource(src)
+
+    refused = pytest.raises(SidecarError, match=r"another flashnext process \(pid \d+\)")
+    with DestinationLock(dst), refused:  # another writer holds dst: the source is never opened
+        quantize_from(open_source, dst, "int4")
+    assert opened == [] and not dst.exists()
+    seen = []
+    got, result = quantize_from(open_source, dst, "int4", on_source=seen.append)
+    assert opened == [src] and seen == [got] and isinstance(got, SidecarSource)
+    # rows per shard default to the source's (700); the result is quantize_table's own
+    assert result.shards_written == 5 and open_sidecar(dst).rows_per_shard == 700
+    alone = quantize_table(SidecarSource(src), tmp_path / "t", "int4", 700)
+    assert _files(dst) == _files(alone.sidecar.path)

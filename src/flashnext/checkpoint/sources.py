@@ -1,8 +1,8 @@
 """Rows to quantize or serve, from whatever directory the user names.
 
-Lives in :mod:`flashnext.checkpoint` rather than :mod:`flashnext.ple` because it dispatches to
-both: ``ple`` knows sidecars only and imports nothing above it. A sidecar source reads its
-rows through the host table, which the quantizer (a writer, below the table) cannot import.
+Lives in :mod:`flashnext.checkpoint` rather than :mod:`flashnext.store` because it dispatches
+to both checkpoints and sidecars, and a sidecar source reads its rows through the host table
+(:mod:`flashnext.host`), which the quantizer, a writer below the table, cannot import.
 """
 
 from __future__ import annotations

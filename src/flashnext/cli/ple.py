@@ -54,17 +54,14 @@ from flashnext.records import (
     PLE_SLICE,
     PLE_WARM,
 )
-from flashnext.store.destination import DestinationLock, progress_kept
+from flashnext.store.destination import progress_kept
 from flashnext.store.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
     HotRowProfile,
     default_profile_path,
-    layer_geometry,
     load_profile,
-    load_tokenizer,
-    profile_text_files,
-    write_profile,
+    profile_sidecar,
 )
 from flashnext.store.row_error import DEFAULT_MAX_ROW_ERROR
 from flashnext.store.sidecar import Sidecar, open_sidecar
@@ -258,63 +255,42 @@ def _quantize(
     max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
     as_json: bool,
 ) -> None:  # fmt: skip
-
-    # The lock before hashing SRC: a second writer into DST is refused at once, not after it.
-    with DestinationLock(dst) as lock:
-        _quantize_locked(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
-                         ignore_source_checksums, requantize, as_json, lock)  # fmt: skip
-
-
-def _quantize_locked(
-    src: Path, dst: Path, fmt: str, rows_per_shard: int | None, workers: int, layer: int | None,
-    max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
-    as_json: bool, lock: DestinationLock,
-) -> None:  # fmt: skip
     from flashnext.checkpoint.sources import open_row_source
-    from flashnext.store.quantize import effective_workers, quantize_table, usable_cpus
+    from flashnext.store.quantize import effective_workers, quantize_from, usable_cpus
 
     with _bar(disable=as_json) as bar:
-        task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
-        source = open_row_source(
-            src,
-            layer,
-            ignore_checksums=ignore_source_checksums,
-            progress=lambda n: bar.advance(task, n),
-        )
-        bar.remove_task(task)
-    if rows_per_shard is None:
-        rows_per_shard = source.rows_per_shard
-    shards = -(-source.num_rows // rows_per_shard)
-    if effective_workers(workers, shards) < workers:
-        note(
-            f"--workers {workers}: using {effective_workers(workers, shards)} "
-            f"({shards} shards, {usable_cpus()} usable CPUs)"
-        )
-    bytes_in = source.width * 4
-    with _bar(disable=as_json) as bar:
-        task = bar.add_task(f"{fmt}", total=source.num_rows, bytes_per_unit=bytes_in, unit="rows")
-        todo = [source.num_rows]
+        hashing = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
+        task = [hashing]  # the conversion's task, once the source says how many rows
+        todo = [0]
+
+        def open_source() -> Any:
+            return open_row_source(src, layer, ignore_checksums=ignore_source_checksums,
+                                   progress=lambda n: bar.advance(hashing, n))  # fmt: skip
+
+        def on_source(source: Any) -> None:
+            bar.remove_task(hashing)
+            shards = -(-source.num_rows // (rows_per_shard or source.rows_per_shard))
+            if effective_workers(workers, shards) < workers:
+                note(
+                    f"--workers {workers}: using {effective_workers(workers, shards)} "
+                    f"({shards} shards, {usable_cpus()} usable CPUs)"
+                )
+            todo[0] = source.num_rows
+            task[0] = bar.add_task(f"{fmt}", total=source.num_rows,
+                                   bytes_per_unit=source.width * 4, unit="rows")  # fmt: skip
 
         def on_shard(res: Any, rows: int) -> None:
             if res is None:  # kept from an earlier run: less to do, not rows done (the rate)
                 todo[0] -= rows
-                bar.update(task, total=todo[0])
+                bar.update(task[0], total=todo[0])
             else:
-                bar.advance(task, rows)
+                bar.advance(task[0], rows)
 
-        result = quantize_table(
-            source,
-            dst,
-            fmt,
-            rows_per_shard,
-            workers=workers,
-            geometry=getattr(source, "geometry", None),
-            on_shard=on_shard,
-            force=force,
-            requantize=requantize,
-            max_row_error=max_row_error,
-            lock=lock,
-        )
+        # The library takes DST's lock before hashing SRC: a second writer is refused at once.
+        source, result = quantize_from(
+            open_source, dst, fmt, rows_per_shard, on_source=on_source, workers=workers,
+            on_shard=on_shard, force=force, requantize=requantize, max_row_error=max_row_error,
+        )  # fmt: skip
     summary = result.summary(source, dst)
     if as_json:
         print_record(PLE_QUANTIZE, summary)
@@ -737,9 +713,18 @@ def profile(
     check_output(
         target, [sidecar_dir, *texts, tokenizer_file], hint="--output", expect="file", owns=_is_profile
     )
-    # The lock before the work: a second writer of the same file is refused at once.
-    with terminate_cleanly(), DestinationLock(target) as lock:
-        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json, lock)
+    with terminate_cleanly(), _bar(disable=as_json) as bar:
+        total = sum(p.stat().st_size for p in texts)
+        task = bar.add_task("hashing text", total=total, bytes_per_unit=1, unit="B")
+        # the library takes the profile's lock before the work: a second writer is refused
+        sidecar, found = profile_sidecar(sidecar_dir, texts, target, tokenizer=tokenizer,
+                                         layer=layer, rows=rows,
+                                         progress=lambda n: bar.advance(task, n))  # fmt: skip
+    summary = _profile_summary(found, target, sidecar.num_rows)
+    if as_json:
+        print_record(PLE_PROFILE_SUMMARY, summary)
+        return
+    _show_profile(summary)
 
 
 def _is_profile(path: Path) -> bool:
@@ -748,44 +733,6 @@ def _is_profile(path: Path) -> bool:
     except SidecarError:
         return False
     return True
-
-
-def _profile(
-    sidecar_dir: Path,
-    texts: tuple[Path, ...],
-    rows: int | None,
-    tokenizer: str | None,
-    layer: int | None,
-    target: Path,
-    as_json: bool,
-    lock: DestinationLock,
-) -> None:
-    sidecar = open_sidecar(sidecar_dir)
-    if sidecar.geometry is None:
-        raise SidecarError(
-            f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be computed; "
-            "re-create the sidecar with `flashnext ple quantize` from the checkpoint"
-        )
-    geometry = layer_geometry(sidecar.geometry, layer)
-    if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
-        raise SidecarError(
-            f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} rows, "
-            f"{sidecar_dir} has {sidecar.num_rows} x {sidecar.width}: profile it with its own layer"
-        )
-    tok, tok_meta = load_tokenizer(tokenizer, geometry)
-    with _bar(disable=as_json) as bar:
-        total = sum(p.stat().st_size for p in texts)
-        task = bar.add_task("hashing text", total=total, bytes_per_unit=1, unit="B")
-        found = profile_text_files(
-            geometry, texts, tok, tok_meta, rows, progress=lambda n: bar.advance(task, n)
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_profile(target, found, lock)
-    summary = _profile_summary(found, target, sidecar.num_rows)
-    if as_json:
-        print_record(PLE_PROFILE_SUMMARY, summary)
-        return
-    _show_profile(summary)
 
 
 def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[str, object]:

@@ -18,7 +18,9 @@ naming it; ``force`` lets the command replace its own names (other files stay). 
 is held from before the run until the report is written.
 
 **A sidecar destination** (:class:`SidecarDestination`): refuse or adopt what is there, lock it
-against a second writer, keep the resume state, hand out the writer, commit, clean up.
+against a second writer, keep the resume state, hand out the writer, commit, clean up. Every
+sidecar writer goes through it: the quantizer's :class:`SidecarWriter` (a whole table) and
+``ple slice``'s :class:`~flashnext.store.slicing.SliceWriter` (some ranks' shards).
 
 - It is written only when it is missing, empty, or this command's own output for the same
   source and settings: unfinished (its state record, :data:`~flashnext.store.sidecar.STATE_NAME`,
@@ -899,12 +901,12 @@ def _found(directory: Path) -> _Found:
     if "slice" in meta:  # some ranks' shards: which ranks is part of what the output is
         params["slice"] = meta["slice"]
     listed = meta.get("shards")
-    records = [r for r in (listed if isinstance(listed, list) else []) if isinstance(r, dict)]
-    # a slice lists only the shards it holds: a record's own file name says which shard it is
-    by_file = [shard_index(str(r.get("file", ""))) for r in records]
-    return _Found("finished", params, {
-        i if k is None else k: r for i, (k, r) in enumerate(zip(by_file, records, strict=True))
-    })  # fmt: skip
+    shards = {}
+    for i, record in enumerate(listed if isinstance(listed, list) else []):
+        if isinstance(record, dict):  # a slice lists only the shards it holds: the file says which
+            index = shard_index(str(record.get("file", "")))
+            shards[i if index is None else index] = record
+    return _Found("finished", params, shards)
 
 
 def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:

@@ -43,6 +43,7 @@ from flashnext.ple.hashing import ngram_ids
 from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, make_record
 from flashnext.safetensors_file import SafetensorsError, read_header, read_tensor, write_file
 from flashnext.store.destination import DestinationLock
+from flashnext.store.sidecar import Sidecar, open_sidecar
 from flashnext.user_files import read_user_file
 
 PROFILE_NAME = "hot_rows.safetensors"
@@ -348,6 +349,51 @@ def profile_text_files(
         raise SidecarError(f"{exc.filename}: cannot read the text file ({exc.strerror})") from None
     full_meta = {**profile.meta, "corpus": corpus, "tokens": sum(c["tokens"] for c in corpus)}
     return HotRowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
+
+
+def profile_sidecar(
+    sidecar_dir: str | os.PathLike[str],
+    texts: Sequence[str | os.PathLike[str]],
+    target: str | os.PathLike[str],
+    *,
+    tokenizer: str | None = None,
+    layer: int | None = None,
+    rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[Sidecar, HotRowProfile]:
+    """Profile ``texts`` for the sidecar at ``sidecar_dir`` (layer ordinal ``layer`` of its
+    recorded geometry) and write the profile to the file ``target``, holding ``target``'s
+    :class:`~flashnext.store.destination.DestinationLock` from before the work: a second
+    writer of the same file is refused at once. ``tokenizer`` and ``progress`` are as for
+    :func:`load_tokenizer` and :func:`profile_text_files`.
+
+    Returns:
+        The sidecar and the profile written.
+
+    Raises:
+        SidecarError: another process is writing ``target``; the sidecar records no geometry,
+            or ``layer``'s table has another shape; or as :func:`write_profile`.
+    """
+    out = Path(target)
+    with DestinationLock(out) as lock:
+        sidecar = open_sidecar(sidecar_dir)
+        if sidecar.geometry is None:
+            raise SidecarError(
+                f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be "
+                "computed; re-create the sidecar with `flashnext ple quantize` from the checkpoint"
+            )
+        geometry = layer_geometry(sidecar.geometry, layer)
+        if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
+            raise SidecarError(
+                f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} "
+                f"rows, {sidecar_dir} has {sidecar.num_rows} x {sidecar.width}: profile it with "
+                "its own layer"
+            )
+        tok, tok_meta = load_tokenizer(tokenizer, geometry)
+        found = profile_text_files(geometry, texts, tok, tok_meta, rows, progress=progress)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_profile(out, found, lock)
+    return sidecar, found
 
 
 def layer_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:

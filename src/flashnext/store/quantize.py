@@ -56,6 +56,7 @@ __all__ = [
     "StoredRowSource",
     "can_copy",
     "effective_workers",
+    "quantize_from",
     "quantize_shard",
     "quantize_table",
     "usable_cpus",
@@ -417,6 +418,40 @@ def _table_rmse(records: Iterable[Mapping[str, Any]]) -> float:
     sq_err = sum(float(r.get("sq_err", 0.0)) for r in records)
     sq_ref = sum(float(r.get("sq_ref", 0.0)) for r in records)
     return float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
+
+
+def quantize_from(
+    open_source: Callable[[], RowSource],
+    dst: str | os.PathLike[str],
+    fmt: str,
+    rows_per_shard: int | None = None,
+    *,
+    on_source: Callable[[RowSource], None] | None = None,
+    **options: Any,
+) -> tuple[RowSource, QuantizeResult]:
+    """:func:`quantize_table` of the source ``open_source()`` opens, opened under ``dst``'s
+    :class:`~flashnext.store.destination.DestinationLock`: opening a sidecar source hashes it
+    (minutes for a large table), and a second writer of ``dst`` is refused at once, not after.
+
+    ``rows_per_shard`` defaults to the source's own; ``on_source(source)`` is called once the
+    source is open, before a row is read (a progress bar learns the row count); ``options``
+    are :func:`quantize_table`'s keyword arguments (``lock`` aside: this holds it), with
+    ``geometry`` the source's when it has one.
+
+    Returns:
+        The opened source and the result.
+
+    Raises:
+        SidecarError: another process is writing ``dst``, or as :func:`quantize_table` and
+            the source's opener.
+    """
+    with DestinationLock(Path(dst)) as lock:
+        source = open_source()
+        if on_source is not None:
+            on_source(source)
+        per_shard = rows_per_shard if rows_per_shard is not None else source.rows_per_shard
+        options.setdefault("geometry", getattr(source, "geometry", None))
+        return source, quantize_table(source, dst, fmt, per_shard, lock=lock, **options)
 
 
 def quantize_table(
