@@ -54,7 +54,7 @@ class Fixes:
     skip: str = " Pass preflight=False to open_table to skip the check."
 
 
-#: The wording for callers of :func:`flashnext.ple.open_table` (the default).
+#: The wording for callers of :func:`flashnext.host.open_table` (the default).
 LIBRARY = Fixes()
 #: The wording for ``flashnext ple preflight`` and other commands.
 COMMAND_LINE = Fixes(
