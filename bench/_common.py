@@ -101,7 +101,7 @@ def build_sidecar(
     geometry: dict[str, Any] | None = None,
 ) -> Path:
     """A ``fmt`` sidecar ``root/fmt`` of ``rows`` random rows in the layout above."""
-    from flashnext.ple.destination import SidecarWriter
+    from flashnext.store.destination import SidecarWriter
 
     path = root / fmt
     writer = SidecarWriter(path, fmt, WIDTH, rows, shard_rows_for(rows, shard_rows), geometry)
@@ -125,8 +125,8 @@ def build_repeated(
     For timings that depend on which addresses are read, not on the values."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from flashnext.ple.destination import SidecarWriter
-    from flashnext.ple.sidecar import write_shard_file
+    from flashnext.store.destination import SidecarWriter
+    from flashnext.store.sidecar import write_shard_file
 
     path = root / fmt
     writer = SidecarWriter(path, fmt, WIDTH, rows, shard_rows_for(rows, shard_rows))

@@ -22,10 +22,10 @@ from typing import Any
 import numba
 import numpy as np
 
+from flashnext.host.lookup_kernels import _prefetch, _ptr
 from flashnext.kernels import _staging
 from flashnext.kernels._staging import POS_BITS, HostStager, prefault_pages, unique_sorted
 from flashnext.kernels.records import record_layout
-from flashnext.ple.lookup_kernels import _prefetch, _ptr
 
 _AHEAD = 8
 
@@ -331,6 +331,6 @@ def stager_layout(table: Any) -> Any:
 
 
 def open_table_mmap(path: Any) -> Any:
-    from flashnext.ple import open_table
+    from flashnext.host import open_table
 
     return open_table(path, "mmap")

@@ -61,11 +61,11 @@ import numpy as np
 from _common import build_sidecar
 
 from flashnext import __version__
-from flashnext.ple import open_table
+from flashnext.host import open_table
+from flashnext.host.preflight import page_cache_bytes
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
-from flashnext.ple.preflight import page_cache_bytes
-from flashnext.ple.profile import build_profile
+from flashnext.store.profile import build_profile
 from flashnext.synthetic import flash_next_config
 from flashnext.text import EOS, corpus_files, train_tokenizer
 

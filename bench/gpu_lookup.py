@@ -49,7 +49,7 @@ import numpy as np
 from _common import add_shard_rows_option, build_repeated, positive_int, shard_starts
 
 from flashnext import __version__
-from flashnext.ple import open_table
+from flashnext.host import open_table
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids

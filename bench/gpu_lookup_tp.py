@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 from _common import shard_rows_for
 
-from flashnext.ple import open_table, write_sidecar
+from flashnext.host import open_table
 from flashnext.ple.formats import get_codec
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 try:  # --help runs without torch

@@ -53,9 +53,9 @@ import ml_dtypes
 import numpy as np
 from _common import RELEASED_SHARDS, WIDTH, add_shard_rows_option, build_sidecar
 
-from flashnext.ple import open_table
-from flashnext.ple.lookup_kernels import default_threads
-from flashnext.ple.table import PLETable
+from flashnext.host import open_table
+from flashnext.host.lookup_kernels import default_threads
+from flashnext.host.table import PLETable
 from flashnext.records import dumps, make_record
 
 SIZES = (512, 131_072)

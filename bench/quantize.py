@@ -42,8 +42,8 @@ from flashnext import __version__
 from flashnext.checkpoint.sources import open_row_source
 from flashnext.ple.formats import E4M3, get_codec
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.quantize import quantize_table
-from flashnext.ple.quantize_kernels import (
+from flashnext.store.quantize import quantize_table
+from flashnext.store.quantize_kernels import (
     compiled_matches_reference,
     load_kernels,
     quantize_block,

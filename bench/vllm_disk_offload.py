@@ -58,8 +58,8 @@ import numpy as np
 from _common import RELEASED_SHARDS, build_repeated, positive_int, shard_rows_for
 
 from flashnext import __version__
-from flashnext.ple import open_table
-from flashnext.ple.preflight import page_cache_bytes
+from flashnext.host import open_table
+from flashnext.host.preflight import page_cache_bytes
 
 HEADS, WIDTH = 16, 160
 ROWS = 320_001_536

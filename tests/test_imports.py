@@ -31,7 +31,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),
     ("validate",),
     ("checkpoint",),
-    ("ple",),
+    ("host",),  # serving a sidecar from host RAM (the table, its kernels, preflight)
+    ("store",),  # sidecars on disk and every writer of them (quantize, slice, profile)
+    ("ple",),  # the contract: formats, geometry, hashing
     ("root",),  # text, records, safetensors_file, atomic, errors, synthetic, status, ...
     ("__init__",),  # the package's own __init__: imports nothing but the version
 )
@@ -203,25 +205,29 @@ def test_plan_check_and_ple_commands_do_not_load_numba() -> None:
     assert p.returncode == 0, p.stderr[-2000:]
 
 
-def test_ple_exports_load_lazily() -> None:
-    """``flashnext.ple`` exports the quantizer beside the sidecar writer, each name from the
-    module that defines it, loaded on first use."""
+def test_package_exports_load_lazily() -> None:
+    """``flashnext.ple``, ``flashnext.store`` and ``flashnext.host`` export each name from the
+    module that defines it, loaded on first use: the contract loads no sidecar code, the store
+    no table."""
     code = (
-        "import sys, flashnext.ple as ple\n"
-        "assert 'flashnext.ple.table' not in sys.modules\n"
-        "from flashnext.ple import quantize_table, write_sidecar\n"
-        "from flashnext.ple.quantize import quantize_table as q\n"
-        "from flashnext.ple.destination import write_sidecar as w\n"
+        "import sys, flashnext.ple as ple, flashnext.store as store, flashnext.host as host\n"
+        "assert 'flashnext.host.table' not in sys.modules\n"
+        "assert 'flashnext.store.sidecar' not in sys.modules\n"
+        "from flashnext.store import quantize_table, write_sidecar\n"
+        "from flashnext.store.quantize import quantize_table as q\n"
+        "from flashnext.store.destination import write_sidecar as w\n"
         "assert quantize_table is q and write_sidecar is w\n"
-        "for name in ple.__all__:\n"
-        "    assert getattr(ple, name) is not None, name\n"
-        "assert sorted(ple.__all__) == sorted(ple._EXPORTS)\n"
+        "assert 'flashnext.host.table' not in sys.modules\n"
+        "for package in (ple, store, host):\n"
+        "    for name in package.__all__:\n"
+        "        assert getattr(package, name) is not None, name\n"
+        "    assert sorted(package.__all__) == sorted(package._EXPORTS)\n"
         "try:\n"
-        "    ple.quantize_sidecar\n"
+        "    ple.open_table\n"
         "except AttributeError as exc:\n"
-        "    assert 'quantize_sidecar' in str(exc)\n"
+        "    assert 'open_table' in str(exc)\n"
         "else:\n"
-        "    raise AssertionError('quantize_sidecar exists')\n"
+        "    raise AssertionError('the contract exports the host table')\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -24,14 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import SidecarError
+from flashnext.host.table import open_table
 from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import DestinationLock, recorded_source, write_sidecar
 from flashnext.ple.formats import BF16, FORMATS, rel_rmse
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids, ngram_ids_packed
-from flashnext.ple.quantize import SidecarSource, quantize_table
-from flashnext.ple.table import open_table
+from flashnext.store.destination import DestinationLock, recorded_source, write_sidecar
+from flashnext.store.quantize import quantize_table
 from flashnext.synthetic import embedding_rows, flash_next_config
 from flashnext.text import EOS, corpus_files, token_stream, train_tokenizer
 
@@ -85,7 +86,7 @@ def run_demo(
     ``out_dir`` must be new, empty or an earlier demo's output (:func:`demo_output_problem`);
     an earlier demo's tables are rebuilt.
 
-    The whole run holds ``out_dir``'s :class:`~flashnext.ple.destination.DestinationLock`.
+    The whole run holds ``out_dir``'s :class:`~flashnext.store.destination.DestinationLock`.
 
     Raises:
         SidecarError: ``out_dir`` holds anything else, or another process is writing it.

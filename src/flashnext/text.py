@@ -3,7 +3,7 @@
 Text found on this machine (licence texts, the Python standard library's sources) stands in
 for real prompts, and a byte-level BPE trained on it gives token streams with the statistics of
 real text; no download. :mod:`flashnext.demo` times lookups with it and
-:mod:`flashnext.ple.profile` uses the same tokenizer for a table with the demo's vocabulary.
+:mod:`flashnext.store.profile` uses the same tokenizer for a table with the demo's vocabulary.
 """
 
 from __future__ import annotations

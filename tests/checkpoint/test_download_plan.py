@@ -7,8 +7,8 @@ from safetensors.numpy import save_file
 
 from flashnext.checkpoint.download_plan import check_sidecar, plan_download
 from flashnext.errors import CheckpointError
-from flashnext.ple.destination import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
+from flashnext.store.destination import write_sidecar
 from tests.checkpoint.builder import build_checkpoint, to_hf_cache
 
 

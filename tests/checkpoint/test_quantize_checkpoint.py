@@ -17,9 +17,9 @@ import pytest
 
 from flashnext.checkpoint import open_table_source
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple.quantize import STATE_NAME, quantize_table
-from flashnext.ple.sidecar import META_NAME
-from flashnext.ple.table import open_table
+from flashnext.host.table import open_table
+from flashnext.store.quantize import STATE_NAME, quantize_table
+from flashnext.store.sidecar import META_NAME
 
 from ..cli.runner import popen, run, run_in_process
 from .builder import build_checkpoint, rewrite
@@ -189,14 +189,14 @@ def test_rerun_keeps_shards_unless_the_checkpoint_changed(tmp_path):
 _MEASURE = """
 import sys
 from flashnext.checkpoint import open_table_source
-from flashnext.ple.quantize import quantize_table
+from flashnext.store.quantize import quantize_table
 
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 
-from flashnext.ple.quantize_kernels import compiled_matches_reference, load_kernels
+from flashnext.store.quantize_kernels import compiled_matches_reference, load_kernels
 
 src = open_table_source(sys.argv[1])
 src.read_rows(0, 4096)  # warm up numpy/ml_dtypes allocations

@@ -14,7 +14,7 @@ import click
 import numpy as np
 
 from flashnext.cli import cli
-from flashnext.ple import write_sidecar
+from flashnext.store import write_sidecar
 
 from ..checkpoint.builder import build_checkpoint
 from .runner import run_here as run

@@ -8,8 +8,8 @@ import copy
 
 import pytest
 
-from flashnext.ple.destination import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
+from flashnext.store.destination import write_sidecar
 
 from ..checkpoint.builder import build_checkpoint
 from ..checkpoint.test_download_plan import split_ple_into_own_file

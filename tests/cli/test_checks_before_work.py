@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from flashnext.ple.destination import write_sidecar
+from flashnext.store.destination import write_sidecar
 
 from .inputs import closed_port
 from .runner import run_in_process

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashnext.ple import write_sidecar
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..seeding import seeded_rng
@@ -193,7 +193,7 @@ def test_lookup_of_large_rows_prints_their_norm_without_overflow(tmp_path, capsy
     overflow warning and "norm inf" (issue 42)."""
     import warnings
 
-    from flashnext.ple import open_table
+    from flashnext.host import open_table
 
     from .runner import run_in_process
 

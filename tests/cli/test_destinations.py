@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.ple.destination import destination_problem
+from flashnext.store.destination import destination_problem
 
 from .inputs import ProfileInputs, build_profile_inputs
 from .runner import run_in_process
@@ -243,9 +243,9 @@ def test_every_writing_command_refuses_every_hostile_destination(
     before = _snapshot(tmp_path)
     code, _, err = run_in_process(cmd.argv(world, dst), capsys)
     lines = [line for line in err.splitlines() if line.strip()]
-    # ple quantize judges what a directory holds under its lock, knowing the source and the
-    # settings (its own unfinished table resumes): a refusal of the inputs there, exit 1
-    judged_later = command == "ple quantize" and case.startswith("a directory holding")
+    # ple quantize and ple slice judge what a directory holds under the lock, knowing the source
+    # and the settings (their own unfinished table resumes): a refusal of the inputs, exit 1
+    judged_later = command in ("ple quantize", "ple slice") and case.startswith("a directory holding")
     assert code == (1 if judged_later else 2), (code, err[-2000:])
     assert lines and lines[-1].startswith("error: ") and dst in lines[-1], err
     assert _snapshot(tmp_path) == before, "a refused command changed files"

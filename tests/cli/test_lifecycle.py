@@ -23,8 +23,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flashnext.ple import open_sidecar, open_table, write_sidecar
-from flashnext.ple.destination import SidecarWriter
+from flashnext.host import open_table
+from flashnext.store import open_sidecar, write_sidecar
+from flashnext.store.destination import SidecarWriter
 from flashnext.synthetic import embedding_rows
 
 from .runner import assert_one_line_error, drop_file_permission_override, popen
@@ -105,7 +106,7 @@ def test_1_a_symlinked_destination_is_the_directory_it_names(tmp_path, rng):
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert link.is_symlink() and open_sidecar(target).format == "int4"
     assert [p.name for p in tmp_path.iterdir() if "flashnext" in p.name] == []
-    from flashnext.ple.destination import DestinationLock
+    from flashnext.store.destination import DestinationLock
 
     with DestinationLock(target):  # a writer through the directory's own name
         proc = run("ple", "quantize", tmp_path / "src", link, "--format", "fp8", "--force")
@@ -410,7 +411,7 @@ def test_reader_refuses_unreadable_directory_in_one_error(tmp_path, rng):
     root = _good(tmp_path / "t", rng)
     root.chmod(0)
     code = (
-        "import sys\nfrom flashnext.ple import open_sidecar\nfrom flashnext.errors import "
+        "import sys\nfrom flashnext.store import open_sidecar\nfrom flashnext.errors import "
         "SidecarError\ntry:\n    open_sidecar(sys.argv[1])\nexcept SidecarError as e:\n"
         "    print(e)\n"
     )

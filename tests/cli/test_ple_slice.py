@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from flashnext.errors import SidecarError
-from flashnext.ple import write_sidecar
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
+from flashnext.host.table import open_table
+from flashnext.store import write_sidecar
+from flashnext.store.sidecar import open_sidecar
 
 from .runner import run_here as run
 from .runner import run_in_process
@@ -103,9 +103,15 @@ def test_a_changed_source_shard_is_refused_and_not_copied(full, tmp_path):
     assert sorted(q.name for q in (tmp_path / "out").iterdir()) == ["META.json"] + [
         f"shard_{k}.safetensors" for k in (1, 2, 3)]  # fmt: skip
     assert open_sidecar(tmp_path / "out").verify_checksums() == []
-    # another run's unfinished slice (other ranks) is not this command's: refused, kept
+    # another slice (other ranks) is not this command's: refused, kept, unless --force
+    before = {q.name: q.read_bytes() for q in (tmp_path / "out").iterdir()}
     other = run("ple", "slice", src, tmp_path / "out", "--tp", TP, "--ranks", 2)
-    assert other.returncode == 2 and "was not written by this command" in other.stderr
+    assert other.returncode == 1 and "a finished table that differs (slice" in other.stderr
+    assert "--force" in other.stderr and other.stderr.count("\n") == 1, other.stderr
+    assert {q.name: q.read_bytes() for q in (tmp_path / "out").iterdir()} == before
+    forced = run("ple", "slice", src, tmp_path / "out", "--tp", TP, "--ranks", 2, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert open_sidecar(tmp_path / "out").rows_present == ((384, 768),)
 
 
 def test_a_slice_missing_or_with_a_stray_shard_is_refused(full, tmp_path, capsys):
@@ -125,7 +131,7 @@ def test_dst_with_a_file_it_did_not_write_is_refused(full, tmp_path, capsys):
     dst.mkdir()
     (dst / "shard_1.safetensors").write_text("mine\n")
     code, _, err = run_in_process(["ple", "slice", full, dst, "--tp", TP, "--ranks", 1], capsys)
-    assert code == 2 and "was not written by this command" in err, err
+    assert code == 1 and "holds shard_1.safetensors but no flashnext META.json" in err, err
     assert (dst / "shard_1.safetensors").read_text() == "mine\n"
 
 
@@ -137,7 +143,7 @@ def test_checkpoint_ple_prints_the_slice_command(cli_inputs, capsys):
 
 
 def test_the_hot_row_profile_comes_along_inside_the_slice(full, tmp_path, capsys):
-    from flashnext.ple.profile import HotRowProfile, load_profile, write_profile
+    from flashnext.store.profile import HotRowProfile, load_profile, write_profile
 
     ids = np.array([700, 3, 260, 999], dtype=np.int64)
     written = write_profile(full, HotRowProfile(ids, np.array([9, 5, 2, 1]), 20, {"layer": 0}))

@@ -14,11 +14,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from flashnext.ple import open_table
-from flashnext.ple.preflight import GIB
-from flashnext.ple.profile import load_profile
+from flashnext.host import open_table
+from flashnext.host.preflight import GIB
+from flashnext.store.profile import load_profile
 
-from ..ple.test_preflight_fixtures import _limited
+from ..host.test_preflight_fixtures import _limited
 from .inputs import ProfileInputs, build_profile_inputs
 from .runner import run_in_process
 
@@ -147,8 +147,8 @@ def test_warm_reads_every_row_byte_and_lookup_warm_matches(inputs, capsys):
 
 
 def test_default_tokenizer_is_the_demo_bpe_for_a_demo_table(inputs, tmp_path, capsys):
-    from flashnext.ple import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
+    from flashnext.store import write_sidecar
     from flashnext.synthetic import flash_next_config
 
     config = flash_next_config(8192, 0, ngram_vocab_size_base=100, split_ngram_parts=2)
@@ -165,7 +165,7 @@ def test_default_tokenizer_is_the_demo_bpe_for_a_demo_table(inputs, tmp_path, ca
 def test_warm_fills_the_page_cache_after_eviction(inputs, tmp_path, capsys):
     import os
 
-    from flashnext.ple.preflight import page_cache_bytes
+    from flashnext.host.preflight import page_cache_bytes
 
     sidecar = tmp_path / "sidecar"
     shutil.copytree(inputs.sidecar, sidecar)

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from flashnext.atomic import temp_name, write_json
-from flashnext.ple import open_sidecar, write_sidecar
-from flashnext.ple.profile import load_profile
+from flashnext.store import open_sidecar, write_sidecar
+from flashnext.store.profile import load_profile
 from flashnext.synthetic import embedding_rows
 
 from .inputs import ProfileInputs, build_profile_inputs
@@ -262,14 +262,14 @@ def test_workers_are_capped_and_the_cap_is_said(tmp_path, rng, capsys):
 def test_demo_removes_the_temporary_directories_of_killed_runs_only(tmp_path):
     """Issue 42: a demo killed by SIGKILL leaves its /tmp/flashnext-demo-*; the next demo removes
     it, and every other dead run's, but never a live run's nor one it cannot judge."""
-    from flashnext.ple.destination import DestinationLock
+    from flashnext.store.destination import DestinationLock
 
     from .hooks import hooked
 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}
-    locked = ("flashnext.ple.destination:DestinationLock.acquire", "after", 1)
+    locked = ("flashnext.store.destination:DestinationLock.acquire", "after", 1)
     killed = subprocess.run(hooked(locked, "SIGKILL", "demo", "--base", "1000"), env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

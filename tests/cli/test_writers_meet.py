@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from flashnext.errors import SidecarError
-from flashnext.ple import open_sidecar, write_sidecar
-from flashnext.ple.destination import DestinationLock
+from flashnext.store import open_sidecar, write_sidecar
+from flashnext.store.destination import DestinationLock
 from flashnext.synthetic import embedding_rows
 
 from .hooks import hooked
@@ -145,7 +145,7 @@ def test_lock_in_one_process_is_exclusive_and_released(tmp_path):
 # -- issue 42: every writing command takes its destination's lock (the library takes it) --------
 #: After the NTH DestinationLock.acquire returns, the writer stops itself (SIGSTOP): the second
 #: writer then always meets a held lock, whatever the machine's speed.
-LOCKED = ("flashnext.ple.destination:DestinationLock.acquire", "after", 1)
+LOCKED = ("flashnext.store.destination:DestinationLock.acquire", "after", 1)
 
 
 def _writers(w: Any, openai_url: str) -> dict[str, tuple[list[object], str, int]]:

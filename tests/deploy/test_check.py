@@ -328,8 +328,8 @@ def test_check_does_not_load_numba(tmp_path):
     """`flashnext check` reads headers, configs and sidecar headers: the PLE table's numba
     kernels (seconds to import) are never loaded, also for a checkpoint with a PLE table served
     from a sidecar."""
-    from flashnext.ple.destination import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
+    from flashnext.store.destination import write_sidecar
 
     root = model(tmp_path)
     config = json.loads((root / "config.json").read_text())
@@ -361,8 +361,8 @@ def test_check_does_not_load_numba(tmp_path):
 
 def test_ple_sidecar_is_checked_as_the_plugin_will(tmp_path):
     """FLASHNEXT_PLE_SIDECAR in the planned environment: a sidecar per PLE layer, this geometry."""
-    from flashnext.ple.destination import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
+    from flashnext.store.destination import write_sidecar
 
     rng = current_test_rng("sidecar")
     root = model(tmp_path)
@@ -412,8 +412,8 @@ def test_memory_plan_counts_the_ple_cache_of_the_planned_environment(tmp_path):
 
 def _sidecar_for(tmp_path, root, name, **config_change):
     """A real int4 sidecar of this model's PLE layer (or of a changed geometry), its geometry."""
-    from flashnext.ple.destination import write_sidecar
     from flashnext.ple.geometry import PLEGeometry
+    from flashnext.store.destination import write_sidecar
 
     config = {**json.loads((root / "config.json").read_text()), **config_change}
     (layer_id,) = config["ple_layer_ids"]
@@ -428,7 +428,7 @@ def test_check_refuses_what_the_plugin_refuses_at_boot(tmp_path):
     """Whatever the plugin's own parser, geometry check or cache planner refuses, check fails
     (blocking) first, naming it: bad words and sizes, the two sources disagreeing, a sidecar of
     another geometry, a profile missing or made for another table."""
-    from flashnext.ple.profile import build_profile, default_profile_path, write_profile
+    from flashnext.store.profile import build_profile, default_profile_path, write_profile
 
     root = model(tmp_path)
     good, geo = _sidecar_for(tmp_path, root, "ple")

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from flashnext.deploy.record_diff import record_diff
-from flashnext.ple import write_sidecar
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..cli.inputs import Inputs, deployment_record

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashnext.ple import open_table, write_sidecar
+from flashnext.host import open_table
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids_packed
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows, flash_next_config
 
 torch = pytest.importorskip("torch", reason="torch not installed: pip install 'flashnext[gpu]'")

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from devtools.vllm_cpu import free_port, venv_child_env
-from flashnext.ple.destination import write_sidecar
+from flashnext.host.table import open_table
 from flashnext.ple.formats import rel_rmse
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.slicing import plan_slice, write_slice
-from flashnext.ple.table import open_table
+from flashnext.store.destination import write_sidecar
+from flashnext.store.sidecar import open_sidecar
+from flashnext.store.slicing import plan_slice, write_slice
 from tests.ple.reference import dequant64
 
 HERE = Path(__file__).parent

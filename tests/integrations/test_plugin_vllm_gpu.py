@@ -30,9 +30,9 @@ import logging
 import numpy as np
 import pytest
 
-from flashnext.ple import write_sidecar
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids_packed
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows, flash_next_config
 
 torch = pytest.importorskip("torch", reason="torch not installed: pip install 'flashnext[gpu]'")
@@ -244,7 +244,7 @@ def test_sidecar_layer_equals_vllm_pinned_layer(
 @pytest.fixture(scope="module")
 def profiled(table, geometry, tmp_path_factory):
     """(a real hot-row profile file of the sidecar's table, the token documents it counted)."""
-    from flashnext.ple.profile import build_profile, write_profile
+    from flashnext.store.profile import build_profile, write_profile
     from tests.seeding import seeded_rng
 
     gen = seeded_rng("plugin_vllm_gpu_profile")

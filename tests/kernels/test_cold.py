@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from flashnext.errors import KernelError
+from flashnext.host import open_table
 from flashnext.kernels import _cold
 from flashnext.kernels._staging import HostStager, row_source
 from flashnext.kernels.records import record_layout
-from flashnext.ple import open_table
 
 from .test_staging import HEADS, HI, LO, ROWS, _check_step, tables  # noqa: F401 (fixture)
 

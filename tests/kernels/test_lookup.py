@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from flashnext.errors import KernelError
-from flashnext.ple import open_table, write_sidecar
+from flashnext.host import open_table
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..ple.reference import dequant64
@@ -301,8 +302,8 @@ def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, copy_slot, wait,
 @pytest.mark.parametrize("fmt", ["nvfp4"] if not CUDA else ["int4", "nvfp4"])
 def test_a_sliced_rank_directory_serves_the_rank_like_the_full_sidecar(sidecars, fmt, rng,
                                                                        tmp_path):  # fmt: skip
-    from flashnext.ple.sidecar import open_sidecar
-    from flashnext.ple.slicing import plan_slice, rank_rows, write_slice
+    from flashnext.store.sidecar import open_sidecar
+    from flashnext.store.slicing import plan_slice, rank_rows, write_slice
 
     rows = rank_rows(ROWS, 4, 2)  # (500, 750): shards 3..5 of 128 rows
     source = open_sidecar(sidecars / fmt)

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from flashnext.errors import KernelError
+from flashnext.host import open_table
 from flashnext.kernels._staging import HostStager, flat_ids
 from flashnext.kernels.records import pack_records, record_layout
-from flashnext.ple import open_table, write_sidecar
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
 
 from ..seeding import seeded_rng

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.ple.profile import HotRowProfile
 from flashnext.serve.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
+from flashnext.store.profile import HotRowProfile
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.ple.destination import write_sidecar
+from flashnext.host.preflight import PreflightError
+from flashnext.host.table import open_table
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
 from flashnext.serve.cache_plan import plan_cache, plan_layer_cache, profile_path
 from flashnext.serve.serving import (
     PlacementChoice,
@@ -32,6 +30,8 @@ from flashnext.serve.serving import (
     open_rows,
     sidecar_dir_for,
 )
+from flashnext.store.destination import write_sidecar
+from flashnext.store.sidecar import open_sidecar
 from flashnext.synthetic import flash_next_config
 
 CONFIG = flash_next_config(
@@ -117,7 +117,7 @@ def test_placement_choice():
 def test_placement_judges_pinned_by_the_host_memory_it_is_given(rng):
     """``flashnext plan`` asks the plugin's own choice about a host it plans, not this one: a
     table larger than this host's RAM fits a roomy planned host, a small one not a tight one."""
-    from flashnext.ple.preflight import DEFAULT_HEADROOM, HostMemory
+    from flashnext.host.preflight import DEFAULT_HEADROOM, HostMemory
 
     big = int(rng.integers(1 << 40, 1 << 41))  # 1-2 TiB: more than this machine has
     roomy = HostMemory(big + DEFAULT_HEADROOM, sources=("--host-memory",))
@@ -174,7 +174,7 @@ def test_cpu_rows_equal_the_tables_bf16_lookup(tmp_path, rng, fmt):
 # -- the hot-row device cache ------------------------------------------------------------------
 def _profiled(path, geo, rng, docs=6):
     """A real profile of random token documents, written into the sidecar at ``path``."""
-    from flashnext.ple.profile import build_profile, load_profile, write_profile
+    from flashnext.store.profile import build_profile, load_profile, write_profile
 
     tokens = [rng.integers(0, geo.vocab_size, size=int(rng.integers(20, 60))) for _ in range(docs)]
     write_profile(path, build_profile(geo, tokens))
@@ -225,7 +225,7 @@ def test_cache_plan_counts_the_rows_that_fit_and_their_hit_rate(tmp_path, rng, r
 
 
 def test_a_truncated_profile_counts_its_unprofiled_lookups_as_misses(tmp_path, rng):
-    from flashnext.ple.profile import HotRowProfile
+    from flashnext.store.profile import HotRowProfile
 
     ids = rng.permutation(1000)[:50].astype(np.int64)
     counts = np.sort(rng.integers(1, 100, size=50))[::-1].astype(np.int64)
@@ -271,7 +271,7 @@ def test_attach_cache_refuses_a_table_without_one():
 
 def test_the_plugin_serves_a_rank_from_a_slice_holding_its_rows(tmp_path, rng):
     from flashnext.errors import SidecarError
-    from flashnext.ple.slicing import plan_slice, write_slice
+    from flashnext.store.slicing import plan_slice, write_slice
 
     geo = PLEGeometry.from_config(CONFIG, layer_id=4)
     _sidecar(tmp_path / "full", geo, rng)

@@ -11,20 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from flashnext import hub_cache
+from flashnext.checkpoint.ple_tensors import PLE_TENSOR
 from flashnext.errors import CheckpointError, FlashnextError, SidecarError
 from flashnext.user_files import JSON_LIMIT, UserFileError, read_user_text
 
 INDEX_NAME = "model.safetensors.index.json"
-#: Tensors of a PLE table (any layout) and its geometry buffers: a sidecar replaces them all.
-_PLE_TENSOR = re.compile(
-    r"(^|\.)ple\.ple_embedding\.(ngram_embedding\.|layer_multipliers$|ngram_heads_)"
-)
 Role = Literal["ple-only", "mixed", "weights"]
 
 
@@ -73,11 +70,8 @@ class DownloadPlan:
 
 
 def _repo_id_from_cache(path: Path) -> str | None:
-    """``org/name`` when ``path`` sits in a hub cache (``models--org--name/snapshots/rev``)."""
-    for part in (path, *path.parents):
-        if part.name.startswith("models--"):
-            return part.name[len("models--") :].replace("--", "/", 1)
-    return None
+    """``org/name`` when ``path`` sits in a hub cache (:mod:`flashnext.hub_cache`)."""
+    return hub_cache.repo_id_of(path)
 
 
 def _read_index(index: Path) -> tuple[dict[str, str], int | None]:
@@ -123,7 +117,7 @@ def plan_download(index_or_dir: str | os.PathLike[str], repo_id: str | None = No
     for tensor, fname in weight_map.items():
         c = counts.setdefault(fname, [0, 0])
         c[0] += 1
-        c[1] += bool(_PLE_TENSOR.search(tensor))
+        c[1] += bool(PLE_TENSOR.search(tensor))
     files = []
     for fname in sorted(counts):
         on_disk = index.parent / fname
@@ -174,7 +168,7 @@ def check_sidecar(
         SidecarError: ``sidecar_dir`` is not a readable sidecar (from :func:`open_sidecar`).
     """
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.sidecar import open_sidecar
+    from flashnext.store.sidecar import open_sidecar
 
     sidecar = open_sidecar(sidecar_dir)
     config_path = plan.index.parent / "config.json"

@@ -45,8 +45,8 @@ from typing import Any
 from flashnext.atomic import is_temp_name, write_json
 from flashnext.checkpoint.config import CONFIG_NAME, read_config
 from flashnext.errors import CheckpointError
-from flashnext.ple.destination import DestinationLock
 from flashnext.records import CHECKPOINT_OVERRIDE, make_record
+from flashnext.store.destination import DestinationLock
 
 OVERRIDES_KEY = "_flashnext_overrides"
 OVERRIDES_FILE = "FLASHNEXT_OVERRIDES.json"

@@ -71,7 +71,32 @@ _LAYER_RE = re.compile(
     r"^(?P<prefix>model\.language_model\.layers\.|model\.layers\.|language_model\.model\.layers\.)"
     r"(?P<L>0|[1-9]\d*)\.(?P<rest>.*)$"
 )
-_TABLE_HEAD = "ple.ple_embedding.ngram_embedding."
+#: The table's module in every tensor name, and the head before a table tensor's own name.
+TABLE_MODULE = "ngram_embedding"
+_TABLE_HEAD = f"ple.ple_embedding.{TABLE_MODULE}."
+#: Names relative to the PLE layer's ``ngram_embedding.`` (what vLLM's loader is handed).
+EMPTY_SHARD = f"{TABLE_MODULE}.shard_.weight"
+WHOLE_TABLE = f"{TABLE_MODULE}.weight"
+GLOBAL_SCALE = f"{TABLE_MODULE}.weight_scale"
+NUMBERED_SHARD = re.compile(rf"^{TABLE_MODULE}\.shard_\d+\.weight$")
+#: Any checkpoint prefix before the table: "<...>layers.{L}.ple.ple_embedding." (long, short
+#: and VL spellings all end so), or the PLE layer's own "ple_embedding.".
+TABLE_NAME_PREFIX = re.compile(
+    rf"^(?:(?:[\w.]*\.)?layers\.\d+\.ple\.)?(?:ple_embedding\.)?(?={TABLE_MODULE}\.)"
+)
+#: Tensor names relative to ``...ngram_embedding.`` that a PLE table layer takes (and, served
+#: from a sidecar, drops).
+TABLE_TENSOR = re.compile(r"^(shard_\d*\.)?(weight|weight_scale|weight_scale_2|input_scale)$")
+#: Tensors of a PLE table (any layout) and its geometry buffers: a sidecar replaces them all.
+PLE_TENSOR = re.compile(
+    rf"(^|\.)ple\.ple_embedding\.({TABLE_MODULE}\.|layer_multipliers$|ngram_heads_)"
+)
+
+
+def table_prefix(layer_index: int, prefix: str = "short") -> str:
+    """``{prefix}{L}.ple.ple_embedding.ngram_embedding``: the table of 0-based decoder layer
+    ``layer_index`` (the short spelling is also vLLM's module prefix of the layer)."""
+    return f"{PREFIXES[prefix]}{layer_index}.{_TABLE_HEAD[:-1]}"
 # Tensor names after the table head, from the formats' checkpoint spellings: per-row tensors
 # per piece (shard_{k}. / shard_.), and under the head itself the whole table's per-row
 # tensors or the one-per-table scalars.
@@ -176,7 +201,7 @@ class PLETableInfo:
     @property
     def name_prefix(self) -> str:
         """``{prefix}{L}.ple.ple_embedding.ngram_embedding``."""
-        return f"{PREFIXES[self.prefix]}{self.layer_index}.ple.ple_embedding.ngram_embedding"
+        return table_prefix(self.layer_index, self.prefix)
 
     @property
     def weights(self) -> list[TablePart]:
@@ -307,7 +332,7 @@ def _classify(names: Mapping[str, tuple[Path, TensorEntry]]) -> dict[int, _Layer
     """Group PLE table tensor names by 0-based layer index; raise on anything unrecognised."""
     layers: dict[int, _LayerNames] = {}
     for name in sorted(names):
-        is_table = "ngram_embedding" in name
+        is_table = TABLE_MODULE in name
         m = _LAYER_RE.match(name)
         if m is None:
             if is_table:

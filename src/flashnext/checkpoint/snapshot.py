@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
+from flashnext import hub_cache
 from flashnext.checkpoint.config import read_config
 from flashnext.errors import CheckpointError
 from flashnext.records import CHECKPOINT_VERIFY
@@ -142,24 +143,9 @@ def resolve_snapshot(path: str | os.PathLike[str]) -> tuple[Path, str]:
     if not root.is_dir():
         what = "not a directory" if root.exists() else "does not exist"
         raise CheckpointError(f"{root}: {what} (expected a downloaded model snapshot)")
-    snaps = root / "snapshots"
-    if (root / "blobs").is_dir() and snaps.is_dir():
-        ref = root / "refs" / "main"
-        if ref.is_file():
-            rev = ref.read_text().strip()
-            if not (snaps / rev).is_dir():
-                raise CheckpointError(
-                    f"{root}: refs/main points at revision {rev}, but snapshots/{rev} is missing"
-                )
-            return snaps / rev, "hf-cache"
-        revs = sorted(p for p in snaps.iterdir() if p.is_dir())
-        if len(revs) != 1:
-            raise CheckpointError(
-                f"{root}: {len(revs)} snapshots and no refs/main; pass one of "
-                + ", ".join(str(r) for r in revs[:5])
-            )
-        return revs[0], "hf-cache"
-    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+    if hub_cache.is_repo_folder(root):
+        return hub_cache.main_snapshot(root), "hf-cache"
+    if hub_cache.is_snapshot(root):
         return root, "hf-cache"
     if (root / HF_META_DIR).is_dir():
         return root, "local-dir"
@@ -185,7 +171,7 @@ def _snapshot_files(root: Path) -> list[Path]:
 def _incomplete_files(root: Path, layout: str) -> list[Path]:
     places = [root]
     if layout == "hf-cache":
-        places.append(root.parent.parent / "blobs")
+        places.append(hub_cache.blobs_of(root))
     found: list[Path] = []
     for place in places:
         for dirpath, _dirs, filenames in os.walk(place):

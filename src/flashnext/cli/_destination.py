@@ -1,6 +1,6 @@
 """Every writing command's destination check, as a click usage error (exit 2, before work).
 
-The rule itself is :func:`flashnext.ple.destination.destination_problem`; this only turns its
+The rule itself is :func:`flashnext.store.destination.destination_problem`; this only turns its
 answer into the one ``error:`` line naming the flag.
 """
 
@@ -16,7 +16,7 @@ import click
 from flashnext.cli._common import output_dir_problem
 
 if TYPE_CHECKING:
-    from flashnext.ple.destination import Expect
+    from flashnext.store.destination import Expect
 
 
 def check_output(
@@ -37,7 +37,7 @@ def check_output(
     if dst is None:
         return
     # Here, not at the top: validate and record load no numpy until they write something.
-    from flashnext.ple.destination import destination_problem
+    from flashnext.store.destination import destination_problem
 
     given = [p for p in inputs if p is not None]
     problem = destination_problem(

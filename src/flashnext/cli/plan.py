@@ -226,7 +226,7 @@ def _host_memory(kw: dict[str, Any]) -> int | None:
         raise click.UsageError("give --host-memory or --memory-cgroup, not both")
     from pathlib import Path
 
-    from flashnext.ple.preflight import named_cgroup_levels
+    from flashnext.host.preflight import named_cgroup_levels
 
     levels = named_cgroup_levels(Path(kw["memory_cgroup"]))
     if not levels:

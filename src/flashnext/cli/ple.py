@@ -32,12 +32,9 @@ from flashnext.cli._common import (
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import Terminated, terminate_cleanly
 from flashnext.errors import SidecarError
-from flashnext.placement import RESIDENCIES
-from flashnext.ple.destination import DestinationLock, progress_kept, sidecar_holds
-from flashnext.ple.formats import FORMATS, get_codec
-from flashnext.ple.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
-from flashnext.ple.pageout import page_cache_pageout
-from flashnext.ple.preflight import (
+from flashnext.host.inspect import SidecarInfo, checksum_bytes, inspect_sidecar, value_bytes
+from flashnext.host.pageout import page_cache_pageout
+from flashnext.host.preflight import (
     COMMAND_LINE,
     GIB,
     Preflight,
@@ -46,19 +43,8 @@ from flashnext.ple.preflight import (
     pageout_warning,
     preflight_table,
 )
-from flashnext.ple.profile import (
-    DEMO_TOKENIZER,
-    PROFILE_NAME,
-    HotRowProfile,
-    default_profile_path,
-    layer_geometry,
-    load_profile,
-    load_tokenizer,
-    profile_text_files,
-    write_profile,
-)
-from flashnext.ple.row_error import DEFAULT_MAX_ROW_ERROR
-from flashnext.ple.sidecar import Sidecar, open_sidecar
+from flashnext.placement import RESIDENCIES
+from flashnext.ple.formats import FORMATS, get_codec
 from flashnext.records import (
     PLE_INFO,
     PLE_LOOKUP,
@@ -68,9 +54,20 @@ from flashnext.records import (
     PLE_SLICE,
     PLE_WARM,
 )
+from flashnext.store.destination import progress_kept
+from flashnext.store.profile import (
+    DEMO_TOKENIZER,
+    PROFILE_NAME,
+    HotRowProfile,
+    default_profile_path,
+    load_profile,
+    profile_sidecar,
+)
+from flashnext.store.row_error import DEFAULT_MAX_ROW_ERROR
+from flashnext.store.sidecar import Sidecar, open_sidecar
 
 if TYPE_CHECKING:  # the lookup path loads numba (~0.2 s): info, slice and profile never need it
-    from flashnext.ple.table import PLETable, Warming
+    from flashnext.host.table import PLETable, Warming
 
 
 @contextlib.contextmanager
@@ -258,63 +255,42 @@ def _quantize(
     max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
     as_json: bool,
 ) -> None:  # fmt: skip
-
-    # The lock before hashing SRC: a second writer into DST is refused at once, not after it.
-    with DestinationLock(dst) as lock:
-        _quantize_locked(src, dst, fmt, rows_per_shard, workers, layer, max_row_error, force,
-                         ignore_source_checksums, requantize, as_json, lock)  # fmt: skip
-
-
-def _quantize_locked(
-    src: Path, dst: Path, fmt: str, rows_per_shard: int | None, workers: int, layer: int | None,
-    max_row_error: float, force: bool, ignore_source_checksums: bool, requantize: bool,
-    as_json: bool, lock: DestinationLock,
-) -> None:  # fmt: skip
     from flashnext.checkpoint.sources import open_row_source
-    from flashnext.ple.quantize import effective_workers, quantize_table, usable_cpus
+    from flashnext.store.quantize import effective_workers, quantize_from, usable_cpus
 
     with _bar(disable=as_json) as bar:
-        task = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
-        source = open_row_source(
-            src,
-            layer,
-            ignore_checksums=ignore_source_checksums,
-            progress=lambda n: bar.advance(task, n),
-        )
-        bar.remove_task(task)
-    if rows_per_shard is None:
-        rows_per_shard = source.rows_per_shard
-    shards = -(-source.num_rows // rows_per_shard)
-    if effective_workers(workers, shards) < workers:
-        note(
-            f"--workers {workers}: using {effective_workers(workers, shards)} "
-            f"({shards} shards, {usable_cpus()} usable CPUs)"
-        )
-    bytes_in = source.width * 4
-    with _bar(disable=as_json) as bar:
-        task = bar.add_task(f"{fmt}", total=source.num_rows, bytes_per_unit=bytes_in, unit="rows")
-        todo = [source.num_rows]
+        hashing = bar.add_task("sha256 of SRC", total=None, bytes_per_unit=1, unit="B")
+        task = [hashing]  # the conversion's task, once the source says how many rows
+        todo = [0]
+
+        def open_source() -> Any:
+            return open_row_source(src, layer, ignore_checksums=ignore_source_checksums,
+                                   progress=lambda n: bar.advance(hashing, n))  # fmt: skip
+
+        def on_source(source: Any) -> None:
+            bar.remove_task(hashing)
+            shards = -(-source.num_rows // (rows_per_shard or source.rows_per_shard))
+            if effective_workers(workers, shards) < workers:
+                note(
+                    f"--workers {workers}: using {effective_workers(workers, shards)} "
+                    f"({shards} shards, {usable_cpus()} usable CPUs)"
+                )
+            todo[0] = source.num_rows
+            task[0] = bar.add_task(f"{fmt}", total=source.num_rows,
+                                   bytes_per_unit=source.width * 4, unit="rows")  # fmt: skip
 
         def on_shard(res: Any, rows: int) -> None:
             if res is None:  # kept from an earlier run: less to do, not rows done (the rate)
                 todo[0] -= rows
-                bar.update(task, total=todo[0])
+                bar.update(task[0], total=todo[0])
             else:
-                bar.advance(task, rows)
+                bar.advance(task[0], rows)
 
-        result = quantize_table(
-            source,
-            dst,
-            fmt,
-            rows_per_shard,
-            workers=workers,
-            geometry=getattr(source, "geometry", None),
-            on_shard=on_shard,
-            force=force,
-            requantize=requantize,
-            max_row_error=max_row_error,
-            lock=lock,
-        )
+        # The library takes DST's lock before hashing SRC: a second writer is refused at once.
+        source, result = quantize_from(
+            open_source, dst, fmt, rows_per_shard, on_source=on_source, workers=workers,
+            on_shard=on_shard, force=force, requantize=requantize, max_row_error=max_row_error,
+        )  # fmt: skip
     summary = result.summary(source, dst)
     if as_json:
         print_record(PLE_QUANTIZE, summary)
@@ -419,7 +395,7 @@ def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_
     DIRECTORY may be a slice (`flashnext ple slice`): its rows are looked up where it holds
     them, and an id outside them is refused, naming the rows it holds.
     """
-    from flashnext.ple.table import open_table
+    from flashnext.host.table import open_table
 
     row_ids = _parse_ids(ids)
     if warm and residency == "resident":
@@ -508,7 +484,7 @@ def warm(directory: Path, as_json: bool) -> None:
     maps the table afterwards find their rows cached instead of reading them from disk. Warns
     when this host pages out page cache on its own (DAMON), and after how long.
     """
-    from flashnext.ple.table import open_table
+    from flashnext.host.table import open_table
 
     with open_table(directory, "mmap") as table:
         files = sorted({p for p, _, _ in table.file_ranges()})
@@ -737,9 +713,18 @@ def profile(
     check_output(
         target, [sidecar_dir, *texts, tokenizer_file], hint="--output", expect="file", owns=_is_profile
     )
-    # The lock before the work: a second writer of the same file is refused at once.
-    with terminate_cleanly(), DestinationLock(target) as lock:
-        _profile(sidecar_dir, texts, rows, tokenizer, layer, target, as_json, lock)
+    with terminate_cleanly(), _bar(disable=as_json) as bar:
+        total = sum(p.stat().st_size for p in texts)
+        task = bar.add_task("hashing text", total=total, bytes_per_unit=1, unit="B")
+        # the library takes the profile's lock before the work: a second writer is refused
+        sidecar, found = profile_sidecar(sidecar_dir, texts, target, tokenizer=tokenizer,
+                                         layer=layer, rows=rows,
+                                         progress=lambda n: bar.advance(task, n))  # fmt: skip
+    summary = _profile_summary(found, target, sidecar.num_rows)
+    if as_json:
+        print_record(PLE_PROFILE_SUMMARY, summary)
+        return
+    _show_profile(summary)
 
 
 def _is_profile(path: Path) -> bool:
@@ -748,44 +733,6 @@ def _is_profile(path: Path) -> bool:
     except SidecarError:
         return False
     return True
-
-
-def _profile(
-    sidecar_dir: Path,
-    texts: tuple[Path, ...],
-    rows: int | None,
-    tokenizer: str | None,
-    layer: int | None,
-    target: Path,
-    as_json: bool,
-    lock: DestinationLock,
-) -> None:
-    sidecar = open_sidecar(sidecar_dir)
-    if sidecar.geometry is None:
-        raise SidecarError(
-            f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be computed; "
-            "re-create the sidecar with `flashnext ple quantize` from the checkpoint"
-        )
-    geometry = layer_geometry(sidecar.geometry, layer)
-    if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
-        raise SidecarError(
-            f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} rows, "
-            f"{sidecar_dir} has {sidecar.num_rows} x {sidecar.width}: profile it with its own layer"
-        )
-    tok, tok_meta = load_tokenizer(tokenizer, geometry)
-    with _bar(disable=as_json) as bar:
-        total = sum(p.stat().st_size for p in texts)
-        task = bar.add_task("hashing text", total=total, bytes_per_unit=1, unit="B")
-        found = profile_text_files(
-            geometry, texts, tok, tok_meta, rows, progress=lambda n: bar.advance(task, n)
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_profile(target, found, lock)
-    summary = _profile_summary(found, target, sidecar.num_rows)
-    if as_json:
-        print_record(PLE_PROFILE_SUMMARY, summary)
-        return
-    _show_profile(summary)
 
 
 def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[str, object]:
@@ -844,34 +791,35 @@ def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
               help="Tensor-parallel size the model is served with.")  # fmt: skip
 @click.option("--ranks", required=True, callback=_rank_list,
               help="The ranks this node serves, comma separated (e.g. 0,1).")  # fmt: skip
+@click.option("--force", is_flag=True,
+              help="Replace a DST that holds anything else (the old contents stay until the new "
+              "slice is complete).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
-def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: bool) -> None:
+def slice_(
+    sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], force: bool, as_json: bool
+) -> None:
     """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
 
     Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
     along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
     rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
-    DST must be new or empty (no file in it is replaced), or this command's own unfinished
-    slice: an interrupted run resumes, keeping the shards it copied whole.
+    DST must be new, empty, or this command's own slice of the same SIDECAR and ranks (an
+    interrupted run resumes, keeping the shards it copied whole); anything else is refused
+    unless --force.
     """
-    from flashnext.ple.slicing import (
-        plan_slice,
-        slice_file_names,
-        slice_owns,
-        slice_params,
-        write_slice,
-    )
+    from flashnext.store.slicing import plan_slice, write_slice
 
     source = open_sidecar(sidecar)
     plan = plan_slice(source, tp, ranks)
-    params = slice_params(source, plan)
-    names = slice_file_names(plan, source)
-    check_output(dst, [sidecar], hint="DST", writes=names,
-                 owns=lambda path: slice_owns(path.parent, params),
-                 holds=lambda entry: sidecar_holds(entry) or entry.name in names)  # fmt: skip
+    # What DST holds is judged by the library, under the lock, as for `ple quantize`.
+    check_output(dst, [sidecar], hint="DST")
     with terminate_cleanly(), _bar(disable=as_json) as bar:
         task = bar.add_task("copy", total=plan.nbytes, bytes_per_unit=1, unit="B")
-        write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n))
+        try:
+            write_slice(source, dst, plan, progress=lambda n: bar.advance(task, n), force=force)
+        except Terminated:
+            click.echo(f"interrupted: {progress_kept(dst)}", err=True)
+            raise
     summary = {
         "source": str(sidecar),
         "destination": str(dst),

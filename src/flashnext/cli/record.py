@@ -45,8 +45,8 @@ def capture(
 ) -> None:  # fmt: skip
     """Capture a record of the server at URL (launch found by port when no --pid/--container)."""
     from flashnext.deploy.record import capture as do_capture
-    from flashnext.ple.destination import write_text_locked
     from flashnext.records import dumps
+    from flashnext.store.destination import write_text_locked
 
     if container and pid:
         raise click.UsageError("give at most one of --container and --pid")
@@ -145,7 +145,7 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
 def restore(a: Path, write_to: Path | None, do_exec: bool) -> None:
     """Print (or write) the command that relaunches what record A describes."""
     from flashnext.deploy.record_diff import restore_command
-    from flashnext.ple.destination import write_text_locked
+    from flashnext.store.destination import write_text_locked
 
     check_output(write_to, [a], hint="--write", expect="file", owns=_is_script)
     rec = _load(a)

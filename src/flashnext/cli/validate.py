@@ -33,7 +33,7 @@ from flashnext.errors import ValidationError
 from flashnext.records import dumps
 
 if TYPE_CHECKING:
-    from flashnext.ple.destination import ReportDestination
+    from flashnext.store.destination import ReportDestination
     from flashnext.validate.ab import AbConfig
     from flashnext.validate.ab_answers import RecordedSide
     from flashnext.validate.deployment import DeploymentProbe
@@ -290,7 +290,7 @@ def run_cli(opts: dict[str, Any], argv: list[str]) -> int:
 
 def _report_destination(out_dir: Path, names: Sequence[str], force: bool) -> ReportDestination:
     """The report directory, refused (a usage error, before any work) where its rule says."""
-    from flashnext.ple.destination import ReportDestination
+    from flashnext.store.destination import ReportDestination
 
     dest = ReportDestination(out_dir, names, force=force)
     problem = dest.problem()

@@ -498,10 +498,11 @@ def check_engram_config(ctx: CheckContext) -> Check:
 def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> tuple[str, Any]:
     """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM: its prefix
     and the opened sidecar."""
-    from flashnext.ple.sidecar import open_sidecar
+    from flashnext.checkpoint.ple_tensors import table_prefix
     from flashnext.serve import serving
+    from flashnext.store.sidecar import open_sidecar
 
-    prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
+    prefix = table_prefix(layer_id - 1)
     geometry = serving.layer_geometry(config, prefix)
     if geometry is None:
         raise PluginError(f"{prefix}: config.json describes no PLE geometry for this layer")

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashnext import hub_cache
 from flashnext.deploy.process import (
     LaunchInfo,
     ProcessError,
@@ -163,7 +164,7 @@ def checkpoint_identity(model_dir: str | Path) -> dict[str, Any]:
     if not root.is_dir():
         return {"path": str(root), "present": False}
     files = sorted(p for p in root.iterdir() if p.name.endswith(".safetensors"))
-    revision = root.name if root.parent.name == "snapshots" else None
+    revision = hub_cache.snapshot_revision(root)
     return {
         "path": str(root.resolve()),
         "present": True,

@@ -57,13 +57,13 @@ import numba
 import numpy as np
 
 from flashnext.errors import KernelError
-from flashnext.kernels import _cold
-from flashnext.kernels.records import RecordLayout
 
 # the address intrinsics of the CPU lookup kernels (one definition for both)
-from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch, _ptr
-from flashnext.ple.mapping import touch_pages
-from flashnext.ple.table import PLETable, StoredTable
+from flashnext.host.lookup_kernels import _copy, _popcount, _prefetch, _ptr
+from flashnext.host.mapping import touch_pages
+from flashnext.host.table import PLETable, StoredTable
+from flashnext.kernels import _cold
+from flashnext.kernels.records import RecordLayout
 from flashnext.serve.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2 of counts
     HIT_BLOCK,
     MEMO_LINE_BYTES,

@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from flashnext.errors import KernelError
+from flashnext.host.table import PLETable
 from flashnext.kernels._staging import flat_ids
 from flashnext.kernels.staged import StagedBatch, StagedTable
 from flashnext.kernels.table import UvaPointer, torch
-from flashnext.ple.table import PLETable
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
 WAITS = ("spin", "stream")

@@ -32,11 +32,11 @@ from typing import Any
 import numpy as np
 
 from flashnext.errors import KernelError
+from flashnext.host.table import PLETable
 from flashnext.kernels import _staging
 from flashnext.kernels._staging import flat_ids, prefault_pages
 from flashnext.kernels.records import record_layout
 from flashnext.kernels.table import CacheInfo, UvaPointer, _lookup, code_luts, hot_row_ids, torch
-from flashnext.ple.table import PLETable
 
 
 @dataclass(frozen=True)

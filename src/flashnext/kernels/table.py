@@ -23,10 +23,10 @@ import numpy as np
 
 from flashnext._extras import require
 from flashnext.errors import KernelError
+from flashnext.host.table import PLETable, StoredTable
 from flashnext.kernels.records import RecordLayout, pack_records, record_layout
 from flashnext.placement import Placement
 from flashnext.ple.formats import E2M1_CODES, E4M3, Codec
-from flashnext.ple.table import PLETable, StoredTable
 
 torch = require("torch", "gpu", "GPU PLE lookups")
 require("triton", "gpu", "GPU PLE lookups")
@@ -84,7 +84,7 @@ def hot_row_ids(hot_rows: Any) -> np.ndarray:
 class GpuTable:
     """Rows ``[row_start, row_end)`` of one table as records the lookup kernel reads.
 
-    Build with :meth:`from_table` (an opened :class:`~flashnext.ple.table.PLETable`) or
+    Build with :meth:`from_table` (an opened :class:`~flashnext.host.table.PLETable`) or
     :meth:`from_records` (records already packed, e.g. by a benchmark).
     """
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashnext.checkpoint.ple_tensors import EMPTY_SHARD, GLOBAL_SCALE
 from flashnext.plan.model import PlanError
 from flashnext.records import REDACTED, SECRET_NAME
 
@@ -147,17 +148,17 @@ PATTERNS: tuple[Pattern, ...] = (
     ),
     _p(
         "ple_empty_shard_name",
-        r"There is no module or parameter named '?(?P<name>[\w.]*?ngram_embedding\.shard_\.weight)",
+        r"There is no module or parameter named '?(?P<name>[\w.]*?" + re.escape(EMPTY_SHARD) + ")",
         True,
         "the checkpoint names its PLE table with an empty shard index",
         "There is no module or parameter named",
     ),
     _p(
         "ple_weight_scale_rejected",
-        r"(?P<name>ngram_embedding\.weight_scale)\b.*(?:no module or parameter|unexpected)",
+        "(?P<name>" + re.escape(GLOBAL_SCALE) + r")\b.*(?:no module or parameter|unexpected)",
         True,
         "this vLLM cannot load a quantized PLE table (global weight_scale)",
-        "ngram_embedding.weight_scale",
+        GLOBAL_SCALE,
         name_before=True,
     ),
     _p(

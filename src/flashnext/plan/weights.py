@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flashnext.checkpoint.ple_tensors import TABLE_MODULE
 from flashnext.checkpoint.snapshot import tensor_map
 from flashnext.plan.model import ModelShape, PlanError
 from flashnext.ple.geometry import PLEGeometry, text_config
@@ -29,7 +30,7 @@ KINDS = (
     "other",
 )
 _RULES = (
-    ("ple_table", ("ngram_embedding",)),
+    ("ple_table", (TABLE_MODULE,)),
     ("mtp", ("mtp.",)),
     ("vision", ("visual.", "vision")),
     ("experts", (".experts.",)),

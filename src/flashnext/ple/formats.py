@@ -5,7 +5,7 @@ row width, group size, per-shard scalars, pad values, and how a Hugging Face che
 a table in the format. Everything that needs one (the sidecar reader and writer, ``PLETable``,
 checkpoint discovery, the quantizer, the GPU kernels) reads it from here. A codec turns
 float32 rows into the tensors stored for them and back; it knows bytes, not files
-(:mod:`flashnext.ple.sidecar` owns files).
+(:mod:`flashnext.store.sidecar` owns files).
 
 Sidecar tensors (the public quantized-PLE-tables card: sidecars written by other tools read
 unchanged). ``n`` rows, width ``w``, ``g = w / GROUP``:

@@ -29,8 +29,8 @@ from flashnext.errors import PluginError
 from flashnext.sizes import SIZE_HINT, SizeError, byte_count, gib
 
 if TYPE_CHECKING:
-    from flashnext.ple.profile import HotRowProfile
-    from flashnext.ple.sidecar import Sidecar
+    from flashnext.store.profile import HotRowProfile
+    from flashnext.store.sidecar import Sidecar
 
 #: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -127,7 +127,7 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
     Raises:
         PluginError: ``setting`` is given but holds no profile for this layer.
     """
-    from flashnext.ple.profile import PROFILE_NAME, default_profile_path
+    from flashnext.store.profile import PROFILE_NAME, default_profile_path
 
     if setting is None:
         candidates = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
@@ -211,7 +211,7 @@ def plan_layer_cache(
         SidecarError: the profile file is not a valid profile.
     """
     from flashnext.kernels.records import record_layout
-    from flashnext.ple.profile import load_profile
+    from flashnext.store.profile import load_profile
 
     path = None
     if cache_bytes <= 0:

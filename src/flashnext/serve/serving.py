@@ -23,10 +23,10 @@ from flashnext.serve.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.sizes import gib
 
 if TYPE_CHECKING:
+    from flashnext.host.preflight import HostMemory
+    from flashnext.host.table import PLETable
     from flashnext.ple.geometry import PLEGeometry
-    from flashnext.ple.preflight import HostMemory
-    from flashnext.ple.sidecar import Sidecar
-    from flashnext.ple.table import PLETable
+    from flashnext.store.sidecar import Sidecar
 
 #: The serving path: a placement on a GPU, or ``cpu`` (host lookups on a CPU device).
 ServingPath = Placement | Literal["cpu"]
@@ -147,7 +147,7 @@ def choose_placement(
             hold the table.
         PreflightError: ``pinned`` asked but host memory cannot hold it.
     """
-    from flashnext.ple.preflight import PreflightError, check_fits
+    from flashnext.host.preflight import PreflightError, check_fits
 
     if setting not in PLACEMENT_SETTINGS:
         raise PluginError(f"placement {setting!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
@@ -172,7 +172,7 @@ def _check_asked(
 ) -> None:
     """Refuse a placement asked for by name that cannot hold ``table_bytes`` (see
     :func:`choose_placement`)."""
-    from flashnext.ple.preflight import DEFAULT_HEADROOM, check_fits
+    from flashnext.host.preflight import DEFAULT_HEADROOM, check_fits
 
     what = f"{gib(table_bytes)} of PLE rows"
     if (
@@ -327,9 +327,9 @@ def open_rows(request: RowsRequest) -> SidecarRows:
         SidecarError: the sidecar directory is not a valid sidecar.
         PreflightError: a pinned or resident copy does not fit in host memory.
     """
+    from flashnext.host.table import open_table
     from flashnext.kernels.records import record_layout
-    from flashnext.ple.sidecar import open_sidecar
-    from flashnext.ple.table import open_table
+    from flashnext.store.sidecar import open_sidecar
 
     r = request
     sidecar = open_sidecar(sidecar_dir_for(r.sidecar_root, r.prefix))

@@ -5,9 +5,9 @@ Each file is rendered and written on its own, to a temporary name renamed when c
 without matplotlib costs that file only, and the caller still prints the summary and ``--json``
 on stdout, then names every file that could not be written. Text is written as UTF-8; a path
 or argument that is not valid UTF-8 (an undecodable ``--out``) appears backslash-escaped. Each
-file is noted as this report's (:func:`~flashnext.ple.destination.remember_written`) before it
+file is noted as this report's (:func:`~flashnext.store.destination.remember_written`) before it
 is renamed into place, so a later run may replace it and nothing else
-(:class:`~flashnext.ple.destination.ReportDestination`).
+(:class:`~flashnext.store.destination.ReportDestination`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from flashnext.atomic import atomic_write
 from flashnext.errors import MissingExtraError, ValidationError
-from flashnext.ple.destination import remember_written
+from flashnext.store.destination import remember_written
 
 Render = Callable[[], bytes | str]
 

@@ -35,26 +35,24 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import flashnext
+from flashnext.checkpoint.ple_tensors import (
+    EMPTY_SHARD,
+    GLOBAL_SCALE,
+    NUMBERED_SHARD,
+    TABLE_MODULE,
+    TABLE_NAME_PREFIX,
+    WHOLE_TABLE,
+)
 from flashnext.errors import PluginError
 from flashnext.integrations.vllm.versions import checked_text, installed_vllm_version
 
 NGRAM_MODULE = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 PLE_MODULE = "vllm.models.qwen4_exp.common.ple"
 
-EMPTY_SHARD = "ngram_embedding.shard_.weight"
-WHOLE_TABLE = "ngram_embedding.weight"
-GLOBAL_SCALE = "ngram_embedding.weight_scale"
-_NUMBERED_SHARD = re.compile(r"^ngram_embedding\.shard_\d+\.weight$")
-# Any checkpoint prefix before the table: "<...>layers.{L}.ple.ple_embedding." (long, short
-# and VL spellings all end so), or the PLE layer's own "ple_embedding.".
-_PREFIX = re.compile(
-    r"^(?:(?:[\w.]*\.)?layers\.\d+\.ple\.)?(?:ple_embedding\.)?(?=ngram_embedding\.)"
-)
 _LOAD_WEIGHTS_PARAMS = ["self", "weights"]
 _PATCHED = "__flashnext_loader_fix__"
 
@@ -137,14 +135,14 @@ def install() -> str:
 def relative_name(name: str) -> str:
     """``name`` relative to the n-gram embedding module: checkpoint prefixes in front of
     ``ngram_embedding.`` removed; other names unchanged."""
-    return _PREFIX.sub("", name, count=1)
+    return TABLE_NAME_PREFIX.sub("", name, count=1)
 
 
 def full_name(module: Any, rel: str) -> str:
     """vLLM's full name of ``rel`` (``ngram_embedding.<rest>``) in ``module``, for messages:
     the table layer's prefix (``model.layers.{L}.ple.ple_embedding.ngram_embedding``) and rest."""
     prefix = getattr(module.ngram_embedding, "prefix", "")
-    head = "ngram_embedding."
+    head = f"{TABLE_MODULE}."
     return f"{prefix}.{rel[len(head) :]}" if prefix and rel.startswith(head) else rel
 
 
@@ -164,7 +162,7 @@ def _wrap_load_weights(original: Callable[..., set[str]]) -> Callable[..., set[s
                     load_global_scale(self, full_name(self, rel), tensor)
                     handled.add(GLOBAL_SCALE)
                 else:
-                    if rel == WHOLE_TABLE or _NUMBERED_SHARD.match(rel):
+                    if rel == WHOLE_TABLE or NUMBERED_SHARD.match(rel):
                         _check_rows_dtype(self, full_name(self, rel), tensor)
                     yield rel, tensor
 

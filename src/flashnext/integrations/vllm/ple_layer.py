@@ -37,7 +37,6 @@ switched on at start-up; a model built while it is off for that model (its
 from __future__ import annotations
 
 import inspect
-import re
 import threading
 from typing import Any, ClassVar
 
@@ -52,6 +51,7 @@ from vllm.models.qwen4_exp.common.ngram_embedding import (
     Qwen4ExpPLEPinnedHostEmbedding,
 )
 
+from flashnext.checkpoint.ple_tensors import TABLE_TENSOR
 from flashnext.errors import PluginError
 from flashnext.integrations.vllm import logger, plugin_line, ranks, settings_for_model
 from flashnext.integrations.vllm.engram import refuse_sidecar_with_disk_offload
@@ -60,8 +60,6 @@ from flashnext.serve import serving
 from flashnext.serve.serving import SidecarRows
 
 PART = "ple_sidecar"
-#: Checkpoint tensor names (relative to ``...ngram_embedding.``) the layer takes and drops.
-TABLE_TENSOR = re.compile(r"^(shard_\d*\.)?(weight|weight_scale|weight_scale_2|input_scale)$")
 #: vLLM's constructor arguments the replacement reads (bound against vLLM's own signature).
 READ_ARGS = ("embedding_method", "num_ngram_heads", "max_total_tokens")
 #: What vLLM's ``Qwen4ExpPLEPinnedHostEmbedding.__init__`` assigns, and the replacement assigns

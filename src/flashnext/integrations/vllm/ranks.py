@@ -41,7 +41,7 @@ from flashnext.integrations.vllm.settings import CONFIG_SECTION, ENV_NAMES
 #: The variable vLLM's Ray executors read for extra prefixes to copy to the workers.
 RAY_PREFIXES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
 ENV_PREFIX = "FLASHNEXT_"
-#: META.json keys that differ between slices of one table (:mod:`flashnext.ple.slicing`).
+#: META.json keys that differ between slices of one table (:mod:`flashnext.store.slicing`).
 PER_SLICE_KEYS = ("shards", "rows_present", "slice", "flashnext_version", "num_shards")
 #: Seconds the driver waits for every rank's report.
 REPORT_TIMEOUT_S = 120.0

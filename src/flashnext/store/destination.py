@@ -18,10 +18,12 @@ naming it; ``force`` lets the command replace its own names (other files stay). 
 is held from before the run until the report is written.
 
 **A sidecar destination** (:class:`SidecarDestination`): refuse or adopt what is there, lock it
-against a second writer, keep the resume state, hand out the writer, commit, clean up.
+against a second writer, keep the resume state, hand out the writer, commit, clean up. Every
+sidecar writer goes through it: the quantizer's :class:`SidecarWriter` (a whole table) and
+``ple slice``'s :class:`~flashnext.store.slicing.SliceWriter` (some ranks' shards).
 
 - It is written only when it is missing, empty, or this command's own output for the same
-  source and settings: unfinished (its state record, :data:`~flashnext.ple.sidecar.STATE_NAME`,
+  source and settings: unfinished (its state record, :data:`~flashnext.store.sidecar.STATE_NAME`,
   matches) or finished (its META.json matches). Anything else is refused, naming what is there.
 - ``force`` replaces it, but the new table is written beside it (``.DST.flashnext-new``) and
   swapped in only once complete: the old contents stay intact until then. A ``force`` run that
@@ -49,10 +51,10 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import numpy as np
 
@@ -61,7 +63,9 @@ from flashnext.atomic import atomic_write, final_name, is_temp_name, write_json
 from flashnext.errors import DestinationError, SidecarError
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.sidecar import (
+from flashnext.records import to_jsonable
+from flashnext.safetensors_file import sha256_file
+from flashnext.store.sidecar import (
     FORMAT_VERSION,
     META_NAME,
     STATE_NAME,
@@ -74,8 +78,6 @@ from flashnext.ple.sidecar import (
     write_shard_file,
     write_state,
 )
-from flashnext.records import to_jsonable
-from flashnext.safetensors_file import sha256_file
 
 __all__ = [
     "OWN_FILES",
@@ -83,11 +85,11 @@ __all__ = [
     "ReportDestination",
     "SidecarDestination",
     "SidecarWriter",
+    "TableWriter",
     "destination_problem",
     "progress_kept",
     "recorded_source",
     "remember_written",
-    "sidecar_holds",
     "write_sidecar",
     "write_text_locked",
 ]
@@ -159,19 +161,6 @@ def _strangers(path: Path, holds: Callable[[Path], bool]) -> str | None:
         "writes only into a new or empty directory or its own earlier output: choose another "
         "path (or remove them yourself)"
     )
-
-
-def sidecar_holds(entry: Path) -> bool:
-    """Whether ``entry`` may sit in a sidecar directory being written: a file named as a
-    sidecar writer names its files (shards, META.json, run state, their temporaries)."""
-    if not (entry.is_file() and not entry.is_symlink()):
-        return False
-    if entry.name in (META_NAME, STATE_NAME):  # a record of ours is a JSON object
-        try:
-            return isinstance(json.loads(entry.read_text(encoding="utf-8")), dict)
-        except (OSError, ValueError):
-            return False
-    return SidecarDestination._ours(entry.name, 1 << 20)
 
 
 def _shape_problem(path: Path, expect: Expect) -> str | None:
@@ -431,6 +420,9 @@ class SidecarWriter:
     workers: :meth:`adopt` counts a shard written elsewhere); each lands atomically.
     """
 
+    #: Files besides shards, META.json and the state record that this writer creates.
+    extra_names: ClassVar[tuple[str, ...]] = ()
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -477,6 +469,11 @@ class SidecarWriter:
     def params(self) -> dict[str, Any]:
         """The identity of this output: settings and the source's identity."""
         return {"settings": self.settings, "source": self.source}
+
+    @property
+    def indices(self) -> Sequence[int]:
+        """The shard indices this output holds: all of the table's."""
+        return range(self.num_shards)
 
     def shard_rows(self, index: int) -> tuple[int, int]:
         """Global row range ``[start, end)`` of shard ``index``."""
@@ -568,7 +565,7 @@ def write_sidecar(
     """Quantize float32 ``rows`` [num_rows, width] to ``fmt`` and write a whole sidecar.
 
     Convenience for tables that fit in memory (tests, the demo); large tables stream through
-    :func:`flashnext.ple.quantize.quantize_table`. No destination checks: the caller owns
+    :func:`flashnext.store.quantize.quantize_table`. No destination checks: the caller owns
     ``path``.
     """
     rows = np.asarray(rows)
@@ -600,6 +597,31 @@ class _Existing:
     refusal: str | None  # what is there, when it is not this run's own output
 
 
+class TableWriter(Protocol):
+    """What :class:`SidecarDestination` needs of a writer: :class:`SidecarWriter` (a whole
+    table) or :class:`~flashnext.store.slicing.SliceWriter` (some ranks' shards).
+
+    ``params`` is the output's identity, compared with the state record of an unfinished run
+    and with a finished one's META.json (``settings``, ``source`` and, for a slice, ``slice``).
+    """
+
+    path: Path
+    num_shards: int  # the table's shard count: a shard file with a higher index is foreign
+    extra_names: ClassVar[tuple[str, ...]]
+
+    @property
+    def indices(self) -> Sequence[int]: ...
+
+    @property
+    def params(self) -> dict[str, Any]: ...
+
+    def start(self, kept: Mapping[int, Mapping[str, Any]] | None = None) -> None: ...
+
+    def adopt(self, record: Mapping[str, Any]) -> None: ...
+
+    def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar: ...
+
+
 class SidecarDestination:
     """The directory a sidecar is written to, from the first look to the commit.
 
@@ -624,7 +646,7 @@ class SidecarDestination:
     def __init__(
         self,
         dst: str | os.PathLike[str],
-        writer: SidecarWriter,
+        writer: TableWriter,
         *,
         force: bool = False,
         inputs: Iterable[str | os.PathLike[str]] = (),
@@ -680,9 +702,9 @@ class SidecarDestination:
         """Shard indices still to write (empty when the destination is already finished)."""
         if self.finished:
             return []
-        return [i for i in range(self._writer.num_shards) if i not in self.kept]
+        return [i for i in self._writer.indices if i not in self.kept]
 
-    def start(self) -> SidecarWriter:
+    def start(self) -> TableWriter:
         """Remove temporaries a killed run left, mark the work directory unfinished."""
         self._writer.path = self.workdir
         self._remove_own_temps()
@@ -728,7 +750,7 @@ class SidecarDestination:
             )
         staged = self._existing(self.stage)
         if staged.refusal is not None:
-            if not all(self._ours(n, 1 << 20) for n in _listing(self.stage)):
+            if not all(self._own(n, 1 << 20) for n in _listing(self.stage)):
                 raise SidecarError(f"{self.stage}: {staged.refusal}; remove it")
             shutil.rmtree(self.stage, ignore_errors=True)  # an earlier --force run's leftovers
             staged = _Existing({}, False, None)
@@ -744,7 +766,8 @@ class SidecarDestination:
         params = self._writer.params
         found = _found(directory)
         num_shards = self._writer.num_shards
-        foreign = [n for n in names if not self._ours(n, max(num_shards, len(found.shards)))]
+        most = max([num_shards, *(i + 1 for i in found.shards)])
+        foreign = [n for n in names if not self._own(n, most)]
         there = []
         if found.status and found.params != params:
             article = "an" if found.status == "unfinished" else "a"
@@ -765,7 +788,8 @@ class SidecarDestination:
             ok = 0 <= index < num_shards and path.is_file()
             if ok and sha256_file(path) == record.get("sha256"):
                 kept[index] = dict(record)
-        return _Existing(kept, found.status == "finished" and len(kept) == num_shards, None)
+        whole = all(i in kept for i in self._writer.indices)
+        return _Existing(kept, found.status == "finished" and whole, None)
 
     @staticmethod
     def _ours(name: str, num_shards: int) -> bool:
@@ -775,10 +799,15 @@ class SidecarDestination:
         index = shard_index(name)
         return name in (META_NAME, STATE_NAME) or (index is not None and index < num_shards)
 
+    def _own(self, name: str, num_shards: int) -> bool:
+        """:meth:`_ours`, or another file this destination's writer creates (a slice's profile)."""
+        final = final_name(name) if is_temp_name(name) else name
+        return self._ours(name, num_shards) or final in self._writer.extra_names
+
     def _remove_own_temps(self) -> None:
         """Temporary files a killed run left (only names this writer creates)."""
         for name in _listing(self.workdir):
-            if is_temp_name(name) and self._ours(name, self._writer.num_shards):
+            if is_temp_name(name) and self._own(name, self._writer.num_shards):
                 (self.workdir / name).unlink(missing_ok=True)
 
     def _free_stage(self) -> None:
@@ -869,9 +898,15 @@ def _found(directory: Path) -> _Found:
     if not meta:
         return _Found("", None, {})
     params = {"settings": meta.get("settings"), "source": meta.get("source")}
+    if "slice" in meta:  # some ranks' shards: which ranks is part of what the output is
+        params["slice"] = meta["slice"]
     listed = meta.get("shards")
-    records = listed if isinstance(listed, list) else []
-    return _Found("finished", params, {i: r for i, r in enumerate(records) if isinstance(r, dict)})
+    shards = {}
+    for i, record in enumerate(listed if isinstance(listed, list) else []):
+        if isinstance(record, dict):  # a slice lists only the shards it holds: the file says which
+            index = shard_index(str(record.get("file", "")))
+            shards[i if index is None else index] = record
+    return _Found("finished", params, shards)
 
 
 def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
@@ -884,10 +919,12 @@ def _differences(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str:
 
     out = []
     old_settings = mapping(old.get("settings"))
-    for key, value in new["settings"].items():
+    for key, value in mapping(new.get("settings")).items():
         if old_settings.get(key) != value:
             out.append(f"{key} {old_settings.get(key)!r} -> {value!r}")
-    old_src, new_src = mapping(old.get("source")), new["source"]
+    if old.get("slice") != new.get("slice"):
+        out.append(f"slice {old.get('slice')} -> {new.get('slice')}")
+    old_src, new_src = mapping(old.get("source")), mapping(new.get("source"))
     if old_src.get("path") != new_src.get("path"):
         out.append(f"source {old_src.get('path')} -> {new_src.get('path')}")
     elif old_src != new_src:

@@ -5,45 +5,42 @@ tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its 
 :func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
 against the source's META.json (where it records one), copies the hot-row profile (beside
 or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
-:mod:`flashnext.ple.sidecar`). Every file is written under a temporary name and renamed when
-complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
+:mod:`flashnext.store.sidecar`). Every file is written under a temporary name and renamed when
+complete. A slice opens like any sidecar; :func:`flashnext.host.table.open_table` serves a
 ``row_range`` inside the rows present and refuses one outside, naming the missing rows.
 
-An interrupted slice resumes: the writers' state record (:data:`~flashnext.ple.sidecar.
+The destination's life is every sidecar writer's (:class:`~flashnext.store.destination.
+SidecarDestination`, which takes the lock): the state record (:data:`~flashnext.store.sidecar.
 STATE_NAME`, so readers refuse the directory as unfinished and name the command) is written
 first with the plan and each copied shard's sha256; the same command again keeps the shards
-whose files still hash to it (:func:`slice_owns` tells the destination rule which files are
-this slice's own).
-
-The destination rule (not an input, not inside one, no file replaced that this command did
-not write) is the caller's: :func:`flashnext.ple.destination.destination_problem`.
+whose files still hash to it; anything else is refused, or replaced with ``force``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from flashnext import __version__
 from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
-from flashnext.ple.destination import DestinationLock
-from flashnext.ple.profile import PROFILE_NAME, default_profile_path
-from flashnext.ple.sidecar import (
+from flashnext.store.destination import SidecarDestination
+from flashnext.store.profile import PROFILE_NAME, default_profile_path
+from flashnext.store.sidecar import (
     FORMAT_VERSION,
     META_NAME,
     STATE_NAME,
     Shard,
     Sidecar,
-    read_state,
+    open_sidecar,
+    shard_index,
     shard_name,
     write_state,
 )
-from flashnext.safetensors_file import sha256_file
 
 _CHUNK = 8 << 20  # bytes per read while copying
 
@@ -108,16 +105,79 @@ def plan_slice(sidecar: Sidecar, tp: int, ranks: Sequence[int]) -> SlicePlan:
     return SlicePlan(tp, wanted, spans, shards, tuple(present))
 
 
-def slice_file_names(plan: SlicePlan, sidecar: Sidecar) -> list[str]:
-    """Every name :func:`write_slice` writes in the destination (for the destination rule)."""
-    names = [shard_name(sh.index) for sh in plan.shards] + [META_NAME]
-    return names + ([PROFILE_NAME] if source_profile(sidecar) else [])
-
-
 def source_profile(sidecar: Sidecar) -> Path | None:
     """The sidecar's hot-row profile: beside it (``ple profile``'s default) or inside it."""
     own = [default_profile_path(sidecar.path), sidecar.path / PROFILE_NAME]
     return next((p for p in own if p.is_file()), None)
+
+
+class SliceWriter:
+    """Writes one slice for :class:`~flashnext.store.destination.SidecarDestination`: the
+    shard copies (:meth:`copy`), then, in :meth:`finish`, the profile and META.json.
+
+    Its ``params`` are what the slice's META.json says of it (the source table's settings and
+    source, and ``slice``: source path, tp, ranks), so the destination knows its own finished
+    slice as well as an unfinished one (the state record holds the same params).
+    """
+
+    extra_names: ClassVar[tuple[str, ...]] = (PROFILE_NAME,)
+
+    def __init__(self, sidecar: Sidecar, plan: SlicePlan) -> None:
+        self.sidecar = sidecar
+        self.plan = plan
+        self.path = sidecar.path  # the destination points it at its work directory
+        self.num_shards = -(-sidecar.num_rows // sidecar.rows_per_shard)
+        self.records: dict[int, dict[str, Any]] = {}
+        self._by_index = {sh.index: sh for sh in plan.shards}
+
+    @property
+    def indices(self) -> Sequence[int]:
+        return [sh.index for sh in self.plan.shards]
+
+    @property
+    def params(self) -> dict[str, Any]:
+        meta = self.sidecar.meta
+        return {"settings": meta.get("settings"), "source": meta.get("source"),
+                "slice": _slice_record(self.sidecar, self.plan)}  # fmt: skip
+
+    def start(self, kept: Mapping[int, Mapping[str, Any]] | None = None) -> None:
+        """Mark the directory unfinished (creating it), counting ``kept`` copies as done."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.records = {int(i): dict(r) for i, r in (kept or {}).items()}
+        self._save_state()
+        (self.path / META_NAME).unlink(missing_ok=True)
+
+    def _save_state(self) -> None:
+        write_state(self.path, len(self.plan.shards), self.params, self.records)
+
+    def adopt(self, record: Mapping[str, Any]) -> None:
+        index = shard_index(str(record.get("file", "")))
+        if index is None:
+            raise SidecarError(f"{self.path}: record {record!r} names no shard file")
+        self.records[index] = dict(record)
+        self._save_state()
+
+    def copy(self, index: int, progress: Callable[[int], None] | None = None) -> None:
+        """Copy source shard ``index``, checked against the source's recorded sha256."""
+        sh = self._by_index[index]
+        name = shard_name(index)
+        expected = self.sidecar.expected_checksums().get(index)
+        digest = copy_checked(sh.path, self.path / name, expected, progress)
+        self.adopt({"file": name, "rows": sh.rows, "sha256": digest})
+
+    def finish(self, quantization: Mapping[str, Any] | None = None) -> Sidecar:
+        """The profile (inside the slice: the destination holds all it writes), META.json,
+        then the state record goes: finished."""
+        missing = [i for i in self.indices if i not in self.records]
+        if missing:
+            raise SidecarError(f"{self.path}: cannot finish, shards {missing[:8]} not copied")
+        profile = source_profile(self.sidecar)
+        if profile is not None:
+            copy_checked(profile, self.path / PROFILE_NAME, None)
+        records = [self.records[i] for i in self.indices]
+        write_json(self.path / META_NAME, slice_meta(self.sidecar, self.plan, records))
+        (self.path / STATE_NAME).unlink()
+        return open_sidecar(self.path)
 
 
 def write_slice(
@@ -125,77 +185,46 @@ def write_slice(
     dst: str | os.PathLike[str],
     plan: SlicePlan,
     progress: Callable[[int], None] | None = None,
+    *,
+    force: bool = False,
 ) -> Path:
     """Copy ``plan``'s shards (and the hot-row profile) into ``dst``, then write META.json.
 
+    ``dst``'s life is :class:`~flashnext.store.destination.SidecarDestination`'s, as for every
+    sidecar writer: its lock for the whole copy, an interrupted slice of the same source and
+    ranks resumed (copies that still hash to their recorded sha256 are kept), the same slice
+    already finished left as it is, anything else refused, or with ``force`` replaced by a
+    slice written beside it and swapped in once complete.
+
     Args:
         sidecar: the source (a whole sidecar or a slice holding the ranks' rows).
-        dst: the destination directory (created; the caller has applied the destination rule;
-            this takes its lock for the whole copy).
+        dst: the destination directory (created).
         plan: :func:`plan_slice`'s answer for ``sidecar``.
-        progress: called with the bytes copied since the last call.
+        progress: called with the bytes copied (or kept) since the last call.
+        force: replace a ``dst`` that holds anything else.
 
     Raises:
-        SidecarError: another process is writing ``dst``; a copy's sha256 differs from the one the source's META.json records
+        SidecarError: another process is writing ``dst``; ``dst`` holds anything else (without
+            ``force``); a copy's sha256 differs from the one the source's META.json records
             (the copy is removed; the source changed after it was written).
         OSError: a file cannot be read or written (naming it).
     """
-    out = Path(dst)
-    with DestinationLock(out):  # a second writer is refused, naming this one
-        out.mkdir(parents=True, exist_ok=True)
-        expected = sidecar.expected_checksums()
-        params = slice_params(sidecar, plan)
-        done = _resumable(out, params)
-        records: dict[int, dict[str, Any]] = {}
-        write_state(out, len(plan.shards), params, records)  # unfinished from here on
-        for sh in plan.shards:
-            name = shard_name(sh.index)
-            kept = done.get(sh.index)
-            if kept is not None and (out / name).is_file() and sha256_file(out / name) == kept:
-                digest = kept  # an interrupted run's copy, still whole
-                if progress is not None:
-                    progress(sh.path.stat().st_size)
-            else:
-                digest = copy_checked(sh.path, out / name, expected.get(sh.index), progress)
-            records[sh.index] = {"file": name, "rows": sh.rows, "sha256": digest}
-            write_state(out, len(plan.shards), params, records)
-        profile = source_profile(sidecar)
-        if profile is not None:  # inside the slice: the destination holds everything it writes
-            copy_checked(profile, out / PROFILE_NAME, None, progress)
-        write_json(out / META_NAME, slice_meta(sidecar, plan, list(records.values())))
-        (out / STATE_NAME).unlink()  # finished
-    return out
+    writer = SliceWriter(sidecar, plan)
+    with SidecarDestination(dst, writer, force=force, inputs=[sidecar.path]) as dest:
+        if not dest.finished:  # else: this very slice is there already
+            dest.start()
+            if progress is not None:  # kept copies count as copied: the bar ends full
+                progress(sum(sh.path.stat().st_size for sh in plan.shards if sh.index in dest.kept))
+            for index in dest.todo:
+                writer.copy(index, progress)
+        elif progress is not None:
+            progress(plan.nbytes)
+        return dest.commit().path
 
 
-def slice_params(sidecar: Sidecar, plan: SlicePlan) -> dict[str, Any]:
-    """What makes two slice runs the same run (the state record's ``params``)."""
-    return {"slice": {"source": str(sidecar.path.resolve()), "tp": plan.tp,
-                      "ranks": list(plan.ranks)}}  # fmt: skip
-
-
-def slice_owns(dst: Path, params: dict[str, Any]) -> bool:
-    """Whether ``dst`` is an unfinished slice of the same run (its files may be replaced)."""
-    try:
-        state = read_state(dst)
-    except SidecarError:
-        return False
-    return state is not None and state.get("params") == params
-
-
-def _resumable(out: Path, params: dict[str, Any]) -> dict[int, str]:
-    """Shard index -> sha256 of the copies an interrupted run of the same slice recorded."""
-    try:
-        state = read_state(out)
-    except SidecarError:
-        return {}
-    if state is None or state.get("params") != params:
-        return {}
-    shards = state.get("shards")
-    return {
-        int(k): v["sha256"]
-        for k, v in (shards.items() if isinstance(shards, dict) else ())
-        if isinstance(v, dict) and isinstance(v.get("sha256"), str)
-    }
+def _slice_record(sidecar: Sidecar, plan: SlicePlan) -> dict[str, Any]:
+    """META.json's ``slice``: what makes two slices the same slice."""
+    return {"tp": plan.tp, "ranks": list(plan.ranks), "source": str(sidecar.path.resolve())}
 
 
 def copy_checked(
@@ -233,6 +262,6 @@ def slice_meta(sidecar: Sidecar, plan: SlicePlan, records: list[dict[str, Any]])
         "num_shards": num_shards,
         "shards": records,
         "rows_present": [list(r) for r in plan.rows_present],
-        "slice": {"tp": plan.tp, "ranks": list(plan.ranks), "source": str(sidecar.path.resolve())},
+        "slice": _slice_record(sidecar, plan),
         "flashnext_version": __version__,
     }

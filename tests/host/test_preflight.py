@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashnext.ple import open_table, write_sidecar
-from flashnext.ple.preflight import (
+from flashnext.host import open_table
+from flashnext.host.preflight import (
     GIB,
     CgroupLevel,
     HostMemory,
@@ -14,6 +14,7 @@ from flashnext.ple.preflight import (
     check_fits,
     host_memory,
 )
+from flashnext.store import write_sidecar
 
 
 def _meminfo_bytes(key: str) -> int:

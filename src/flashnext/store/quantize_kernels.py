@@ -363,7 +363,7 @@ def quantize_block(
     sums over the block of the stored values' error and of the input. ``finite=True`` skips
     the scan for NaN/inf (the caller has done it, e.g. with :func:`block_absmax`).
     ``row_sums`` (float64 [n, 3], optional) receives each row's squared error, squared sum
-    and count of non-zero stored values (what :class:`~flashnext.ple.row_error.RowErrors`
+    and count of non-zero stored values (what :class:`~flashnext.store.row_error.RowErrors`
     needs), from the values the kernel already holds: no second dequantization.
 
     Raises:

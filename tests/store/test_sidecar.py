@@ -8,11 +8,12 @@ import pytest
 import safetensors.numpy
 
 from flashnext.errors import SidecarError
-from flashnext.ple import open_sidecar, open_table, write_sidecar
+from flashnext.host import open_table
+from flashnext.store import open_sidecar, write_sidecar
 from flashnext.synthetic import embedding_rows
+from tests.ple.reference import card_tensors, dequant64
 
 from ..seeding import current_test_rng
-from .reference import card_tensors, dequant64
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 
@@ -240,7 +241,7 @@ _BAD_BITS = {"float16": [0x7C00, 0xFE00], "float32": [0x7F800000, 0xFFC00000],
 def test_info_finds_inf_and_nan_values(tmp_path, fmt, rng):
     """``ple info``'s scan reads every floating-point value of every shard (bf16/fp8 weights,
     scales) and names the shard, tensor, count and first row of inf/NaN ones."""
-    from flashnext.ple.inspect import inspect_sidecar, value_bytes
+    from flashnext.host.inspect import inspect_sidecar, value_bytes
 
     shards = write_card_sidecar(tmp_path, fmt, [40, 40, 40], rng)  # every value finite
     clean = inspect_sidecar(open_sidecar(tmp_path))
@@ -270,7 +271,7 @@ def test_info_finds_inf_and_nan_values(tmp_path, fmt, rng):
 def test_info_keeps_checksums_and_values_apart(tmp_path, rng):
     """A NaN written into a shard whose recorded sha256 was updated with it (a tool that
     re-hashes what it damaged): the checksums are ok, the values are not."""
-    from flashnext.ple.inspect import inspect_sidecar
+    from flashnext.host.inspect import inspect_sidecar
     from flashnext.safetensors_file import sha256_file
 
     x = embedding_rows(300, 160, rng)

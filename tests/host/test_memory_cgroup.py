@@ -3,7 +3,7 @@
 that owns such a cgroup's life (devtools/cgroup.py).
 
 The commands are checked against a real cgroup made here (this host's v1 or v2; root only) and
-against the captured v1 and v2 trees of tests/ple/fixtures/preflight (both versions whatever
+against the captured v1 and v2 trees of tests/host/fixtures/preflight (both versions whatever
 the host offers).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from devtools.cgroup import MemoryCgroup, memory_hierarchy
-from flashnext.ple.preflight import GIB, PreflightError, named_cgroup_levels
+from flashnext.host.preflight import GIB, PreflightError, named_cgroup_levels
 
 from ..cli.runner import run
 from ..plan.test_planner import QWEN4

@@ -41,7 +41,7 @@ swapped or stray shard is refused even without META.json.
 
 Completeness (finished vs unfinished)
 -------------------------------------
-While a writer works (:mod:`flashnext.ple.destination` owns writing), the directory holds
+While a writer works (:mod:`flashnext.store.destination` owns writing), the directory holds
 ``.flashnext-quantize.json`` (:data:`STATE_NAME`, a ``flashnext.ple.quantize_state`` record:
 the settings, the source's identity, the shards done).
 META.json is written last and the state file removed after it, so a directory is *finished*

@@ -5,9 +5,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from flashnext.ple import open_table
-from flashnext.ple.destination import SidecarWriter
+from flashnext.host import open_table
 from flashnext.ple.formats import BF16, E4M3, F16
+from flashnext.store.destination import SidecarWriter
 
 
 def _stored(fmt: str, rows: int, width: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -56,7 +56,7 @@ def test_odd_widths_and_nonfinite_values_match_reference(fmt, width, tmp_path, r
 
 def test_out_is_filled_in_place_and_checked(rng, tmp_path):
     x = rng.standard_normal((300, 160), dtype=np.float32)
-    from flashnext.ple import write_sidecar
+    from flashnext.store import write_sidecar
 
     write_sidecar(tmp_path, "nvfp4", x, 100)
     table = open_table(tmp_path)
@@ -82,7 +82,7 @@ def test_out_is_filled_in_place_and_checked(rng, tmp_path):
 
 
 def test_hot_rows_are_served_from_the_hot_copy(tmp_path, rng):
-    from flashnext.ple import write_sidecar
+    from flashnext.store import write_sidecar
 
     rows = 3000  # several 512-row blocks of the hot index, 30 shards
     write_sidecar(tmp_path, "int4", rng.standard_normal((rows, 160), dtype=np.float32), 100)
@@ -123,7 +123,7 @@ def test_every_fp8_code_decodes_as_the_format_table(residency, tmp_path, rng):
 def test_pack_locator_is_the_layout_the_kernels_read(rng):
     """pack_locator owns ``loc``: its fields sit where the module docstring puts them (the
     bit-exact tests above read every table through it)."""
-    from flashnext.ple import lookup_kernels as kern
+    from flashnext.host import lookup_kernels as kern
 
     seg_start = np.array([100, 150, 200], np.int64)
     bases = rng.integers(1, 1 << 40, size=(2, 4), dtype=np.int64)

@@ -1,15 +1,15 @@
 """Streaming, parallel, resumable conversion of a PLE table into a sidecar.
 
 The source is anything that yields float32 rows by range (:class:`RowSource`): a sidecar of
-any format here, a checkpoint's table in :mod:`flashnext.checkpoint`. Each output shard is
+any format or a checkpoint's table (:mod:`flashnext.checkpoint.sources`). Each output shard is
 read in blocks of ``block_rows`` rows, so memory stays at one shard's quantized tensors plus
 one float32 block per worker, never the whole table.
 
 The destination's rules (refusal, ``force``, lock, resume, commit) belong to
-:class:`~flashnext.ple.destination.SidecarDestination`; the README repeats them.
+:class:`~flashnext.store.destination.SidecarDestination`; the README repeats them.
 
 - Besides the relative RMSE, every shard measures its per-row error
-  (:mod:`flashnext.ple.row_error`): the worst row, a histogram for the 99.9th percentile, and
+  (:mod:`flashnext.store.row_error`): the worst row, a histogram for the 99.9th percentile, and
   the rows quantized to all-zero from a non-zero source.
 - A sidecar source whose shards fail their own recorded sha256 is refused unless
   ``ignore_checksums=True`` (the mismatch is then recorded in META.json's ``source``).
@@ -36,19 +36,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple import row_error
-from flashnext.ple.destination import DestinationLock, SidecarDestination, SidecarWriter
 from flashnext.ple.formats import Codec, get_codec, stored_non_finite
 from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.sidecar import (
-    META_NAME,
+from flashnext.store import row_error
+from flashnext.store.destination import DestinationLock, SidecarDestination, SidecarWriter
+from flashnext.store.sidecar import (
     STATE_NAME,
     Sidecar,
-    open_sidecar,
     write_shard_file,
 )
-from flashnext.ple.table import PLETable, open_table
-from flashnext.safetensors_file import sha256_file
 
 __all__ = [
     "CONVERSIONS",
@@ -57,10 +53,10 @@ __all__ = [
     "QuantizeResult",
     "RowSource",
     "ShardResult",
-    "SidecarSource",
     "StoredRowSource",
     "can_copy",
     "effective_workers",
+    "quantize_from",
     "quantize_shard",
     "quantize_table",
     "usable_cpus",
@@ -84,78 +80,6 @@ class RowSource(Protocol):
         """JSON-ready identity recorded as META.json ``source``: where the rows come from and
         what identifies that content (sizes, checksums); resume compares it."""
         ...
-
-
-class SidecarSource:
-    """Rows of an existing sidecar (any format), dequantized to float32.
-
-    Opening hashes every shard: the digests identify the source (resume notices a source
-    regenerated at the same path), and shards whose recorded sha256 (META.json) differs are
-    refused unless ``ignore_checksums``. ``progress(nbytes)`` is called while hashing.
-
-    Raises:
-        SidecarError: the sidecar is invalid, unfinished or a slice, or a shard fails its
-            checksum.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        ignore_checksums: bool = False,
-        progress: Callable[[int], None] | None = None,
-    ):
-        sidecar = open_sidecar(path)
-        if sidecar.rows_present is not None:  # before a destination exists: nothing to resume
-            raise SidecarError(
-                f"{path}: a slice (rows {sidecar.present_text()} of {sidecar.num_rows}, "
-                "`flashnext ple slice`): quantize the full sidecar, then slice the result"
-            )
-        self.path = str(Path(path).resolve())
-        self.num_rows = sidecar.num_rows
-        self.width = sidecar.width
-        self.rows_per_shard = sidecar.rows_per_shard
-        self.format = sidecar.format
-        self.geometry: PLEGeometry | None = sidecar.geometry
-        self.nbytes = sidecar.nbytes
-        self._identity = _sidecar_identity(sidecar, ignore_checksums, progress)
-        self._table: PLETable | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_table": None}
-
-    def read_rows(self, start: int, end: int) -> np.ndarray:
-        if self._table is None:
-            self._table = open_table(self.path, "mmap")
-        return self._table.lookup(np.arange(start, end, dtype=np.int64))
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "sidecar", "path": self.path, "format": self.format, **self._identity}
-
-
-def _sidecar_identity(
-    sidecar: Sidecar, ignore_checksums: bool, progress: Callable[[int], None] | None
-) -> dict[str, Any]:
-    """``{"files": {name: [size, sha256]}}``, plus the mismatches the caller accepted."""
-    expected = sidecar.expected_checksums()
-    files: dict[str, list[Any]] = {}
-    mismatched = []
-    for shard in sidecar.shards:
-        try:
-            digest = sha256_file(shard.path, progress=progress)
-        except OSError as exc:
-            raise SidecarError(f"{shard.path}: cannot read ({exc.strerror})") from None
-        files[shard.path.name] = [shard.path.stat().st_size, digest]
-        want = expected.get(shard.index)
-        if want is not None and want != digest:
-            mismatched.append(shard.path.name)
-    if mismatched and not ignore_checksums:
-        raise SidecarError(
-            f"{sidecar.path}: source shard(s) {', '.join(mismatched[:5])} do not match the sha256 "
-            f"in its {META_NAME}: the source is corrupt or changed after it was written; "
-            "re-create it, or pass --ignore-source-checksums to quantize it anyway"
-        )
-    return {"files": files, **({"checksum_mismatch_accepted": mismatched} if mismatched else {})}
 
 
 @dataclass
@@ -207,7 +131,7 @@ class QuantizeResult:
 CONVERSIONS = ("quantize", "copy")
 _COPY_METHOD = "copied from the source's stored tensors (exact)"
 #: ``auto``: the compiled kernels when they reproduce the numpy codec on this platform
-#: (:func:`~flashnext.ple.quantize_kernels.compiled_matches_reference`), else numpy.
+#: (:func:`~flashnext.store.quantize_kernels.compiled_matches_reference`), else numpy.
 ENGINES = ("auto", "numpy")
 
 
@@ -278,7 +202,7 @@ def _compiled(engine: str) -> bool:
     """Whether to run the compiled kernels (``compiled``: the caller has checked them)."""
     if engine in ("numpy", "compiled"):
         return engine == "compiled"
-    from flashnext.ple.quantize_kernels import compiled_matches_reference
+    from flashnext.store.quantize_kernels import compiled_matches_reference
 
     return compiled_matches_reference()
 
@@ -293,7 +217,7 @@ def _blocks(
         if not compiled:
             yield lo, _checked(block, lo), None
             continue
-        from flashnext.ple.quantize_kernels import block_absmax
+        from flashnext.store.quantize_kernels import block_absmax
 
         amax, bad = block_absmax(block)
         if bad >= 0:
@@ -320,7 +244,7 @@ def _quantize_rows(
     rows = row_error.RowErrors()
     for lo, block, _ in _blocks(source, start, end, block_rows, compiled):
         if compiled:
-            from flashnext.ple.quantize_kernels import quantize_block
+            from flashnext.store.quantize_kernels import quantize_block
 
             # each row's error comes from the kernel's own sums: dequantizing the block
             # again in numpy cost the nvfp4 quantizer ~40% of its throughput
@@ -496,6 +420,40 @@ def _table_rmse(records: Iterable[Mapping[str, Any]]) -> float:
     return float(np.sqrt(sq_err / sq_ref)) if sq_ref > 0 else 0.0
 
 
+def quantize_from(
+    open_source: Callable[[], RowSource],
+    dst: str | os.PathLike[str],
+    fmt: str,
+    rows_per_shard: int | None = None,
+    *,
+    on_source: Callable[[RowSource], None] | None = None,
+    **options: Any,
+) -> tuple[RowSource, QuantizeResult]:
+    """:func:`quantize_table` of the source ``open_source()`` opens, opened under ``dst``'s
+    :class:`~flashnext.store.destination.DestinationLock`: opening a sidecar source hashes it
+    (minutes for a large table), and a second writer of ``dst`` is refused at once, not after.
+
+    ``rows_per_shard`` defaults to the source's own; ``on_source(source)`` is called once the
+    source is open, before a row is read (a progress bar learns the row count); ``options``
+    are :func:`quantize_table`'s keyword arguments (``lock`` aside: this holds it), with
+    ``geometry`` the source's when it has one.
+
+    Returns:
+        The opened source and the result.
+
+    Raises:
+        SidecarError: another process is writing ``dst``, or as :func:`quantize_table` and
+            the source's opener.
+    """
+    with DestinationLock(Path(dst)) as lock:
+        source = open_source()
+        if on_source is not None:
+            on_source(source)
+        per_shard = rows_per_shard if rows_per_shard is not None else source.rows_per_shard
+        options.setdefault("geometry", getattr(source, "geometry", None))
+        return source, quantize_table(source, dst, fmt, per_shard, lock=lock, **options)
+
+
 def quantize_table(
     source: RowSource,
     dst: str | os.PathLike[str],
@@ -522,7 +480,7 @@ def quantize_table(
 
     Args:
         source: float32 rows by range (:class:`RowSource`).
-        dst: destination directory (:class:`~flashnext.ple.destination.SidecarDestination`
+        dst: destination directory (:class:`~flashnext.store.destination.SidecarDestination`
             says what may be there; it may not be, hold or lie inside the source).
         fmt: ``bf16``, ``fp8``, ``int4`` or ``nvfp4``.
         rows_per_shard: rows per output shard (the last may hold fewer).
@@ -539,7 +497,7 @@ def quantize_table(
         max_row_error: the result's ``row_error["ok"]`` is False when a row's relative error
             exceeds it (the table is written either way; the CLI then exits 1).
         inputs: more paths ``dst`` must stay clear of (the source's own path always counts).
-        lock: a held :class:`~flashnext.ple.destination.DestinationLock` on ``dst`` (taken by
+        lock: a held :class:`~flashnext.store.destination.DestinationLock` on ``dst`` (taken by
             the caller before opening the source); else one is taken here.
 
     Raises:

@@ -4,14 +4,14 @@
 until a row is gathered, the cost in host RAM is reclaimable page cache, and the maps are
 advised ``MADV_RANDOM`` so one row does not drag in readahead. ``resident`` copies the rows
 into anonymous memory at open. ``hot_rows`` (mmap only) copies the most-used rows of a
-profile (:mod:`flashnext.ple.profile`) into a small anonymous tier at open, in one pass in
+profile (:mod:`flashnext.store.profile`) into a small anonymous tier at open, in one pass in
 file order; every other row stays mapped. :meth:`PLETable.warm` pulls the mapped files into
 the page cache in the background.
 
 ``row_range=(start, end)`` opens only the shards overlapping a tensor-parallel rank's rows;
 ids of other ranks' rows give zero rows, so the rank's partial sums add up across ranks.
 
-Lookups run the fused kernels of :mod:`flashnext.ple.lookup_kernels` (one pass per id, GIL
+Lookups run the fused kernels of :mod:`flashnext.host.lookup_kernels` (one pass per id, GIL
 released, big batches split over threads); :meth:`PLETable.reference_lookup` is the plain
 numpy path they are tested against. A table is safe to use from several threads at once.
 """
@@ -29,15 +29,15 @@ from typing import Any, Union
 import numpy as np
 
 from flashnext.errors import RowIdError, SidecarError
+from flashnext.host import lookup_kernels as kern
+from flashnext.host.mapping import MADV_POPULATE_READ, Warming, advise, will_need
+from flashnext.host.preflight import HostMemory, check_fits
 from flashnext.placement import RESIDENCIES, Residency
-from flashnext.ple import lookup_kernels as kern
 from flashnext.ple.formats import BF16, Codec
-from flashnext.ple.mapping import MADV_POPULATE_READ, Warming, advise, will_need
-from flashnext.ple.preflight import HostMemory, check_fits
-from flashnext.ple.profile import HotRowProfile
-from flashnext.ple.sidecar import Shard, Sidecar, open_sidecar
+from flashnext.store.profile import HotRowProfile
+from flashnext.store.sidecar import Shard, Sidecar, open_sidecar
 
-#: A hot tier: a profile (:func:`~flashnext.ple.profile.load_profile` reads one from a file;
+#: A hot tier: a profile (:func:`~flashnext.store.profile.load_profile` reads one from a file;
 #: ``profile.row_ids[:n]`` keeps its top n) or row ids (int, 1-D) in priority order.
 HotRows = Union[HotRowProfile, np.ndarray, None]  # noqa: UP007
 PAD_ID = -1
@@ -105,7 +105,7 @@ class StoredTable:
 
 @dataclass(frozen=True)
 class _Locator:
-    """What a kernel call needs to find rows (see :mod:`flashnext.ple.lookup_kernels`).
+    """What a kernel call needs to find rows (see :mod:`flashnext.host.lookup_kernels`).
 
     Holding it keeps every addressed array alive, so a call in flight survives ``close()``.
     """
@@ -335,7 +335,7 @@ class PLETable:
             found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, np.ndarray) else type(ids)
             raise SidecarError(
                 f"{self.sidecar.path}: hot_rows must be a HotRowProfile or 1-D integer row ids, "
-                f"found {found} (load a profile file with flashnext.ple.profile.load_profile)"
+                f"found {found} (load a profile file with flashnext.store.profile.load_profile)"
             )
         ids = ids.astype(np.int64, copy=False)
         bad = ids[(ids < 0) | (ids >= self.num_rows)]

@@ -1,4 +1,4 @@
-"""Preflight against /proc and /sys trees captured on real machines (tests/ple/fixtures/preflight).
+"""Preflight against /proc and /sys trees captured on real machines (tests/host/fixtures/preflight).
 
 Each case copies a captured tree and edits only the numbers its README names: the binding
 cgroup's limit, usage and inactive page cache, or vm.overcommit_memory.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flashnext.ple.preflight import GIB, host_memory, preflight_table
+from flashnext.host.preflight import GIB, host_memory, preflight_table
 
 FIXTURES = Path(__file__).parent / "fixtures" / "preflight"
 V1_OWN = "sys/fs/cgroup/memory/process_api/c43d7b5ac2a75bc41e2a5c44ee15e92d"

@@ -15,9 +15,9 @@ import pytest
 
 from flashnext.checkpoint.sources import CheckpointRows, open_row_source
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple.quantize import STATE_NAME, can_copy, quantize_table
-from flashnext.ple.sidecar import META_NAME
-from flashnext.ple.table import open_table
+from flashnext.host.table import open_table
+from flashnext.store.quantize import STATE_NAME, can_copy, quantize_table
+from flashnext.store.sidecar import META_NAME
 from tests.checkpoint.builder import build_checkpoint, rewrite
 from tests.cli.runner import run_in_process
 

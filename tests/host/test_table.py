@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 
 from flashnext.errors import SidecarError
-from flashnext.ple import open_table, write_sidecar
+from flashnext.host import open_table
+from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
+from tests.ple.reference import dequant64
 
 from ..seeding import seeded_rng
-from .reference import dequant64
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
 
@@ -105,7 +106,7 @@ def test_mmap_is_zero_copy_and_resident_copies(tmp_path, rng):
     rows = 200_000  # 64 MB of bf16
     big = rng.integers(0, 2**16, size=(rows, 160), dtype=np.uint16)
     big[(big & 0x7F80) == 0x7F80] = 0x3F80  # no NaN/inf bit patterns
-    from flashnext.ple.destination import SidecarWriter
+    from flashnext.store.destination import SidecarWriter
 
     w = SidecarWriter(tmp_path, "bf16", 160, rows, 50_000)
     for i in range(4):
@@ -293,7 +294,7 @@ def test_warm_maps_each_file_once_on_huge_pages(tmp_path, rng):
 
 
 def test_hot_index_is_exact_and_on_huge_pages(rng):
-    from flashnext.ple import lookup_kernels as kern
+    from flashnext.host import lookup_kernels as kern
 
     rows = 20_000_000  # a 2.5 MB bitmap
     hot = np.unique(rng.integers(0, rows, size=200_000))
@@ -316,7 +317,7 @@ def test_hot_index_is_exact_and_on_huge_pages(rng):
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
 def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
-    from flashnext.ple.preflight import page_cache_bytes
+    from flashnext.host.preflight import page_cache_bytes
 
     x = embedding_rows(40_000, 160, rng)
     write_sidecar(tmp_path / "t", "int4", x, 10_000)
@@ -372,8 +373,8 @@ def test_lookups_read_their_pages_ahead_while_warming(tmp_path, rng):
     pages at once (issue 26); here the asking alone, on evicted files, brings them in."""
     import time
 
-    from flashnext.ple import lookup_kernels as kern
-    from flashnext.ple.mapping import Warming, cached_pages
+    from flashnext.host import lookup_kernels as kern
+    from flashnext.host.mapping import Warming, cached_pages
 
     write_sidecar(tmp_path / "t", "int4", embedding_rows(40_000, 160, rng), 10_000)
     table = open_table(tmp_path / "t", "mmap")
@@ -419,7 +420,7 @@ def test_touch_pages_reads_one_byte_per_page_of_the_clipped_range(tmp_path, rng)
     map can close afterwards (no array left holding it)."""
     import mmap
 
-    from flashnext.ple.mapping import touch_pages
+    from flashnext.host.mapping import touch_pages
 
     page = mmap.PAGESIZE
     path = tmp_path / "data.bin"

@@ -1,4 +1,4 @@
-"""The compiled quantizer (ple/quantize_kernels.py) against the numpy codecs, byte for byte.
+"""The compiled quantizer (store/quantize_kernels.py) against the numpy codecs, byte for byte.
 
 Fresh random rows every run (the ``rng`` fixture prints its seed): several distributions over
 ~30 binary decades, all-zero rows, rows of tiny and huge values, signed zeros, exact ties of
@@ -14,11 +14,12 @@ import numba
 import numpy as np
 import pytest
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import FormatError
 from flashnext.ple import formats as F
-from flashnext.ple import quantize_kernels as K
-from flashnext.ple.destination import write_sidecar
-from flashnext.ple.quantize import SidecarSource, quantize_table
+from flashnext.store import quantize_kernels as K
+from flashnext.store.destination import write_sidecar
+from flashnext.store.quantize import quantize_table
 
 
 def _rows(rng: np.random.Generator, n: int = 96, width: int = 160) -> np.ndarray:

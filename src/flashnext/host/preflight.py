@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.errors import FlashnextError
+from flashnext.host.mapping import cached_pages
+from flashnext.host.pageout import PageOut, page_cache_pageout
 from flashnext.placement import RESIDENCIES, Residency
-from flashnext.ple.mapping import cached_pages
-from flashnext.ple.pageout import PageOut, page_cache_pageout
 from flashnext.sizes import size_text
 
 GIB = 1024**3
@@ -54,7 +54,7 @@ class Fixes:
     skip: str = " Pass preflight=False to open_table to skip the check."
 
 
-#: The wording for callers of :func:`flashnext.ple.open_table` (the default).
+#: The wording for callers of :func:`flashnext.host.open_table` (the default).
 LIBRARY = Fixes()
 #: The wording for ``flashnext ple preflight`` and other commands.
 COMMAND_LINE = Fixes(
@@ -98,7 +98,7 @@ class HostMemory:
     ``cgroup`` is the binding level (the least room) of the memory cgroups that limit this
     process, ``None`` when none does; ``commit_limit`` / ``committed`` are ``CommitLimit`` /
     ``Committed_AS`` from meminfo; ``overcommit_mode`` is ``vm.overcommit_memory``;
-    ``pageout`` the agents that page out page cache on their own (:mod:`flashnext.ple.pageout`).
+    ``pageout`` the agents that page out page cache on their own (:mod:`flashnext.host.pageout`).
     """
 
     mem_available: int

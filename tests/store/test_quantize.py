@@ -3,11 +3,13 @@ import json
 import numpy as np
 import pytest
 
+from flashnext.checkpoint.sources import SidecarSource
 from flashnext.errors import FormatError, SidecarError
-from flashnext.ple import open_sidecar, open_table, write_sidecar
+from flashnext.host import open_table
 from flashnext.ple.formats import rel_rmse
-from flashnext.ple.quantize import STATE_NAME, SidecarSource, quantize_table
 from flashnext.records import check_record
+from flashnext.store import open_sidecar, write_sidecar
+from flashnext.store.quantize import STATE_NAME, quantize_table
 from flashnext.synthetic import embedding_rows
 
 from ..seeding import seeded_rng
@@ -106,7 +108,7 @@ def test_non_finite_source_rows_are_named(tmp_path, rng):
     x[217, 9] = np.inf
     x[250, 0] = np.nan
     # a bf16 table written around the codec's own check, as a corrupt checkpoint would be
-    from flashnext.ple.destination import SidecarWriter
+    from flashnext.store.destination import SidecarWriter
 
     w = SidecarWriter(tmp_path / "bad", "bf16", 160, 300, 100)
     for i in range(3):
@@ -151,3 +153,32 @@ def test_an_interrupt_leaves_no_worker_and_no_pool_thread(tmp_path, source, monk
         )
     managers = [t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"]
     assert managers == [] and multiprocessing.active_children() == []
+
+
+def test_quantize_from_opens_the_source_under_the_destinations_lock(tmp_path, source):
+    """The library takes the lock before the (long) opening of the source: a second writer is
+    refused before its source is opened, and the first holds the lock while it opens."""
+    from flashnext.store.destination import DestinationLock
+    from flashnext.store.quantize import quantize_from
+
+    src, _ = source
+    dst = tmp_path / "q"
+    opened = []
+
+    def open_source():
+        with pytest.raises(SidecarError, match="another flashnext process"):
+            DestinationLock(dst).acquire()  # held by quantize_from while the source opens
+        opened.append(src)
+        return SidecarSource(src)
+
+    refused = pytest.raises(SidecarError, match=r"another flashnext process \(pid \d+\)")
+    with DestinationLock(dst), refused:  # another writer holds dst: the source is never opened
+        quantize_from(open_source, dst, "int4")
+    assert opened == [] and not dst.exists()
+    seen = []
+    got, result = quantize_from(open_source, dst, "int4", on_source=seen.append)
+    assert opened == [src] and seen == [got] and isinstance(got, SidecarSource)
+    # rows per shard default to the source's (700); the result is quantize_table's own
+    assert result.shards_written == 5 and open_sidecar(dst).rows_per_shard == 700
+    alone = quantize_table(SidecarSource(src), tmp_path / "t", "int4", 700)
+    assert _files(dst) == _files(alone.sidecar.path)

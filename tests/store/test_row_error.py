@@ -13,9 +13,11 @@ import math
 import numpy as np
 import pytest
 
-from flashnext.ple import open_table, write_sidecar
-from flashnext.ple.quantize import SidecarSource, quantize_table
-from flashnext.ple.row_error import BINS_PER_DECADE, RowErrors, summarize
+from flashnext.checkpoint.sources import SidecarSource
+from flashnext.host import open_table
+from flashnext.store import write_sidecar
+from flashnext.store.quantize import quantize_table
+from flashnext.store.row_error import BINS_PER_DECADE, RowErrors, summarize
 from tests.cli.runner import run_in_process
 
 FORMATS = ("bf16", "fp8", "int4", "nvfp4")

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from flashnext.ple import row_error
+from flashnext.host.preflight import DEFAULT_HEADROOM, HostMemory, host_memory
 from flashnext.ple.formats import BF16, E4M3, F16, F32
-from flashnext.ple.preflight import DEFAULT_HEADROOM, HostMemory, host_memory
-from flashnext.ple.sidecar import META_NAME, Sidecar
+from flashnext.store import row_error
+from flashnext.store.sidecar import META_NAME, Sidecar
 
 #: Float dtypes as (bits of one value, mask of the exponent bits that are all ones exactly for
 #: inf and NaN; e4m3fn has no inf: its NaN is the 7 bits below the sign all ones).
@@ -49,7 +49,7 @@ class SidecarInfo:
     memory: HostMemory = field(repr=False)
     #: A slice's rows (``[[start, end], ...]``, ``flashnext ple slice``); None: the whole table.
     rows_present: list[list[int]] | None = None
-    #: :func:`flashnext.ple.row_error.summarize` of the shards' records against the
+    #: :func:`flashnext.store.row_error.summarize` of the shards' records against the
     #: ``--max-row-error`` the table was made with; None when no shard measured it.
     row_error: dict[str, Any] | None = None
     #: Source shards whose own checksums did not match, taken with --ignore-source-checksums.

@@ -6,13 +6,13 @@ not add files to its input, and the sidecar's own writer would not know the file
 
 - ``row_ids`` int64 [N]: global row ids, sorted by count descending, ties by id ascending;
 - ``counts`` int64 [N]: how many lookups of the profiled text hit each row (all > 0);
-- ``__metadata__`` ``{"record": <JSON text of a flashnext.ple.profile record>}``: the corpus
+- ``__metadata__`` ``{"record": <JSON text of a flashnext.store.profile record>}``: the corpus
   files (path, sha256, tokens), the tokenizer, the table geometry, the layer and
   ``total_lookups`` (tokens x heads, every lookup of the text, profiled rows or not) and
   ``coverage_by_table_share`` (the share of lookups the top 0.1%, 1% and 5% of the table's rows
   serve, counted before ``rows`` truncation).
 
-Consumers (the CPU hot tier of :func:`flashnext.ple.table.open_table`, the GPU row cache) take
+Consumers (the CPU hot tier of :func:`flashnext.host.table.open_table`, the GPU row cache) take
 the ``row_ids`` in order, or a prefix of them.
 
 :func:`profile_text_files` builds one from text files: tokenized with a ``tokenizers`` tokenizer
@@ -35,13 +35,15 @@ from typing import Any
 
 import numpy as np
 
+from flashnext import hub_cache
 from flashnext._extras import require
 from flashnext.errors import SidecarError
-from flashnext.ple.destination import DestinationLock
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids
 from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, make_record
 from flashnext.safetensors_file import SafetensorsError, read_header, read_tensor, write_file
+from flashnext.store.destination import DestinationLock
+from flashnext.store.sidecar import Sidecar, open_sidecar
 from flashnext.user_files import read_user_file
 
 PROFILE_NAME = "hot_rows.safetensors"
@@ -227,25 +229,10 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
 # -- building a profile from text files ---------------------------------------------------------
 
 
-def _hub_cache_dirs() -> list[Path]:
-    """Where huggingface_hub keeps downloaded models (its environment variables, then default)."""
-    dirs = []
-    if os.environ.get("HF_HUB_CACHE"):
-        dirs.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        dirs.append(Path(os.environ["HF_HOME"]) / "hub")
-    dirs.append(Path.home() / ".cache" / "huggingface" / "hub")
-    return dirs
-
-
 def _cached_tokenizer(name: str) -> Path | None:
     """``tokenizer.json`` of model ``name`` ("org/model") in the local Hugging Face cache."""
-    for cache in _hub_cache_dirs():
-        repo = cache / ("models--" + name.replace("/", "--"))
-        ref = repo / "refs" / "main"
-        snapshots = [repo / "snapshots" / ref.read_text().strip()] if ref.is_file() else []
-        snapshots += sorted((repo / "snapshots").glob("*"))
-        for snap in snapshots:
+    for cache in hub_cache.cache_dirs():
+        for snap in hub_cache.snapshots(hub_cache.repo_folder(cache, name)):
             if (snap / "tokenizer.json").is_file():
                 return snap / "tokenizer.json"
     return None
@@ -294,7 +281,7 @@ def load_tokenizer(spec: str | None, geometry: PLEGeometry) -> tuple[Any, dict[s
         if cached is None:
             raise SidecarError(
                 f"--tokenizer {spec}: not a tokenizer.json, a directory with one, or a model in "
-                f"the local Hugging Face cache ({', '.join(map(str, _hub_cache_dirs()))}); "
+                f"the local Hugging Face cache ({', '.join(map(str, hub_cache.cache_dirs()))}); "
                 "nothing is downloaded: fetch the model's tokenizer.json and pass its path"
             )
         path, kind = cached, "hub-cache"
@@ -362,6 +349,51 @@ def profile_text_files(
         raise SidecarError(f"{exc.filename}: cannot read the text file ({exc.strerror})") from None
     full_meta = {**profile.meta, "corpus": corpus, "tokens": sum(c["tokens"] for c in corpus)}
     return HotRowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
+
+
+def profile_sidecar(
+    sidecar_dir: str | os.PathLike[str],
+    texts: Sequence[str | os.PathLike[str]],
+    target: str | os.PathLike[str],
+    *,
+    tokenizer: str | None = None,
+    layer: int | None = None,
+    rows: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[Sidecar, HotRowProfile]:
+    """Profile ``texts`` for the sidecar at ``sidecar_dir`` (layer ordinal ``layer`` of its
+    recorded geometry) and write the profile to the file ``target``, holding ``target``'s
+    :class:`~flashnext.store.destination.DestinationLock` from before the work: a second
+    writer of the same file is refused at once. ``tokenizer`` and ``progress`` are as for
+    :func:`load_tokenizer` and :func:`profile_text_files`.
+
+    Returns:
+        The sidecar and the profile written.
+
+    Raises:
+        SidecarError: another process is writing ``target``; the sidecar records no geometry,
+            or ``layer``'s table has another shape; or as :func:`write_profile`.
+    """
+    out = Path(target)
+    with DestinationLock(out) as lock:
+        sidecar = open_sidecar(sidecar_dir)
+        if sidecar.geometry is None:
+            raise SidecarError(
+                f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be "
+                "computed; re-create the sidecar with `flashnext ple quantize` from the checkpoint"
+            )
+        geometry = layer_geometry(sidecar.geometry, layer)
+        if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
+            raise SidecarError(
+                f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} "
+                f"rows, {sidecar_dir} has {sidecar.num_rows} x {sidecar.width}: profile it with "
+                "its own layer"
+            )
+        tok, tok_meta = load_tokenizer(tokenizer, geometry)
+        found = profile_text_files(geometry, texts, tok, tok_meta, rows, progress=progress)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_profile(out, found, lock)
+    return sidecar, found
 
 
 def layer_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:

@@ -1,4 +1,4 @@
-"""Fused gather + dequantize kernels for :class:`flashnext.ple.table.PLETable` (numba, nogil).
+"""Fused gather + dequantize kernels for :class:`flashnext.host.table.PLETable` (numba, nogil).
 
 One entry point per format takes the ids and does everything in one pass with no Python per
 shard: the range check, the shard of each id (a float64 multiply), the hot-tier probe (a
@@ -51,6 +51,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from flashnext.host.mapping import HUGE_PAGE
 from flashnext.ple.formats import (
     E2M1_CODES,
     E4M3,
@@ -60,7 +61,6 @@ from flashnext.ple.formats import (
     NIBBLE_BITS,
     NIBBLE_MASK,
 )
-from flashnext.ple.mapping import HUGE_PAGE
 
 __all__ = ["HUGE_PAGE", "decode_tables", "hot_index", "pack_locator"]  # and the kernels
 

@@ -1,5 +1,5 @@
-"""Which agents page out a table's page cache on their own (flashnext.ple.pageout), read from a
-DAMON sysfs tree captured on the development VM (tests/ple/fixtures/preflight/damon_pageout),
+"""Which agents page out a table's page cache on their own (flashnext.host.pageout), read from a
+DAMON sysfs tree captured on the development VM (tests/host/fixtures/preflight/damon_pageout),
 and what `ple preflight` says about them."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flashnext.ple.destination import write_sidecar
-from flashnext.ple.pageout import page_cache_pageout
-from flashnext.ple.preflight import host_memory, preflight_table
+from flashnext.host.pageout import page_cache_pageout
+from flashnext.host.preflight import host_memory, preflight_table
+from flashnext.store.destination import write_sidecar
 
 from ..cli.runner import run_in_process
 from ..seeding import seeded_rng
