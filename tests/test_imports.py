@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("validate",),
     ("checkpoint",),
     ("ple",),
-    ("root",),  # text, records, safetensors_file, atomic, errors, synthetic, status, ...
+    ("root",),  # text, records, safetensors_file, atomic, errors, synthetic, status, numba_intrinsics, ...
     ("__init__",),  # the package's own __init__: imports nothing but the version
 )
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

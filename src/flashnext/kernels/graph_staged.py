@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from flashnext.errors import KernelError
-from flashnext.kernels._staging import flat_ids
 from flashnext.kernels.staged import StagedBatch, StagedTable
+from flashnext.kernels.stager import flat_ids
 from flashnext.kernels.table import UvaPointer, torch
 from flashnext.ple.table import PLETable
 

@@ -1,7 +1,7 @@
 """Staged lookups for a table that stays memory-mapped on the host (too little RAM to pin it).
 
 Per step the host deduplicates the ids and gathers the unique rows' stored bytes as records
-straight into a pinned staging slot (numba, :mod:`flashnext.kernels._staging`: one call on the
+straight into a pinned staging slot (numba, :mod:`flashnext.kernels.stager`: one call on the
 calling thread for a step of up to ``serial_rows`` unique rows, else the gather split over up to
 ``workers`` threads, 64+ rows each), laid out as
 ``[inverse int32 [n_ids] | scale_2 float32 [n_ids] (nvfp4) | records [n_unique, R]]``; one async
@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from flashnext.errors import KernelError
-from flashnext.kernels import _staging
-from flashnext.kernels._staging import flat_ids, prefault_pages
+from flashnext.kernels.gather import prefault_pages
 from flashnext.kernels.records import record_layout
+from flashnext.kernels.stager import HostStager, StageKnobs, flat_ids
 from flashnext.kernels.table import CacheInfo, UvaPointer, _lookup, code_luts, hot_row_ids, torch
 from flashnext.ple.table import PLETable
 
@@ -94,9 +94,8 @@ class StagedTable:
         self.layout = record_layout(table.codec, table.width)
         self.device = torch.device(device)
         self.max_ids = int(max_ids)
-        self._stager = _staging.HostStager(
-            table.stored(), self.layout, table.row_range, self.max_ids, workers, cold_hints
-        )
+        knobs = StageKnobs(workers=workers or 0, cold_hints=cold_hints)
+        self._stager = HostStager(table.stored(), self.layout, table.row_range, self.max_ids, knobs)
         self._slot_bytes = self._stager.slot_bytes
         pin = self.device.type != "cpu"
         # device="cpu" spelled out: vLLM builds layers under `with torch.device("cuda")`, which
@@ -132,7 +131,7 @@ class StagedTable:
 
     @cold_hints.setter
     def cold_hints(self, mode: str) -> None:
-        self._stager.cold_hints = mode
+        self._stager.set_cold_hints(mode)
 
     @property
     def slot_map(self) -> np.ndarray | None:

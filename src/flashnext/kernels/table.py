@@ -23,6 +23,7 @@ import numpy as np
 
 from flashnext._extras import require
 from flashnext.errors import KernelError
+from flashnext.kernels._layout import rows_that_fit
 from flashnext.kernels.records import RecordLayout, pack_records, record_layout
 from flashnext.placement import Placement
 from flashnext.ple.formats import E2M1_CODES, E4M3, Codec
@@ -205,9 +206,7 @@ class GpuTable:
             raise KernelError("a hot-row cache serves pinned tables; this one is on the device")
         start, end = self.row_range
         ids = hot_row_ids(hot_rows)
-        ids = ids[(ids >= start) & (ids < end)]
-        _, first = np.unique(ids, return_index=True)
-        ids = ids[np.sort(first)][: max(0, int(cache_bytes)) // self.layout.record_bytes]
+        ids = ids[rows_that_fit(ids, self.row_range, cache_bytes, self.layout.record_bytes)]
         local = torch.from_numpy(ids - start)
         slot_map = torch.full((end - start,), -1, dtype=torch.int32, device=self.device)
         slot_map[local.to(self.device)] = torch.arange(
