@@ -231,6 +231,10 @@ class GpuTable:
     def width(self) -> int:
         return self.layout.width
 
+    def rows_into(self, ids: Any, out: Any) -> None:
+        """:class:`~flashnext.kernels.rows.Rows`: :meth:`lookup` into ``out``."""
+        self.lookup(ids, out=out)
+
     def lookup(self, ids: Any, out: Any = None) -> Any:
         """bf16 ``[T, heads * width]`` rows for int ids ``[T, heads]`` (global row ids).
 
