@@ -113,6 +113,8 @@ def gather_into(  # type: ignore[no-untyped-def]
     gets each row's per-shard scalar when ``scalars`` is non-empty (``shard_starts``/``scalars``
     [K])."""
     n_f = row_bytes.size
+    # not numba_intrinsics.prefetch_start/ahead: through them (the arrays passed in a tuple)
+    # this loop measured 10-15% slower on steps of 2048 ids (the dedup loops did not change)
     for j in range(a, min(b, a + depth)):
         _prefetch_row(uniq[j], seg_start, seg_dir, seg_shift, bases, row_bytes)
     for j in range(a, b):
