@@ -621,7 +621,8 @@ def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: st
     records = host[: rows * rec].view(rows, rec)
     starts = shard_starts(rows, shard_rows)
     s2 = np.full(starts.size, 1e-3, np.float32) if fmt == "nvfp4" else None
-    return GpuTable.from_records(codec, WIDTH, records, (0, rows), rows, starts, s2, device)
+    return GpuTable.from_records(codec, WIDTH, records, (0, rows), rows, shard_starts=starts,
+                                 shard_scale_2=s2, device=device)  # fmt: skip
 
 
 def comma_ints(text: str) -> list[int]:

@@ -95,6 +95,7 @@ class GpuTable:
         records: Any,
         row_range: tuple[int, int],
         num_rows: int,
+        *,
         shard_starts: np.ndarray,
         shard_scale_2: np.ndarray | None,
         device: Any,
@@ -161,7 +162,8 @@ class GpuTable:
         )
         _fill_records(stored, layout, start, end, records)
         s2 = _shard_scale_2(stored.codec, stored)
-        gpu = cls(layout, records, (start, end), stored.num_rows, stored.shard_starts, s2, device)
+        gpu = cls(layout, records, (start, end), stored.num_rows, shard_starts=stored.shard_starts,
+                  shard_scale_2=s2, device=device)  # fmt: skip
         if hot_rows is not None and cache_bytes > 0:
             gpu.set_hot_rows(hot_rows, cache_bytes)
         return gpu
@@ -174,6 +176,7 @@ class GpuTable:
         records: Any,
         row_range: tuple[int, int],
         num_rows: int,
+        *,
         shard_starts: Sequence[int] = (0,),
         shard_scale_2: Sequence[float] | None = None,
         device: Any = "cuda",
@@ -191,7 +194,8 @@ class GpuTable:
                 f"[{rows}, {layout.record_bytes}] for {codec.name} rows {row_range}"
             )
         s2 = None if shard_scale_2 is None else np.asarray(shard_scale_2, np.float32)
-        return cls(layout, records, row_range, num_rows, np.asarray(shard_starts), s2, device)
+        return cls(layout, records, row_range, num_rows, shard_starts=np.asarray(shard_starts),
+                   shard_scale_2=s2, device=device)  # fmt: skip
 
     def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
         """Cache the first rows of ``hot_rows`` that fit in ``cache_bytes`` on the device.
