@@ -4,7 +4,7 @@ Each id gets ``inverse`` int32: -1 outside the served rows ``[lo, hi)``, ``-(slo
 row the device cache holds, else the index of its row among the step's unique rows ``uniq``
 (which :mod:`flashnext.kernels.gather` then copies). Two ways to dedup, both exact:
 
-- **behind a device cache** (:func:`stage_cached`): a hit index (:func:`build_hit_index`: a
+- **behind a device cache** (:func:`~flashnext.kernels.stager.stage_cached`): a hit index (:func:`build_hit_index`: a
   bit per served row and running counts per 384 rows, 53 MB for 320M rows, so its lines stay
   in the CPU's last-level cache) gives each cached id its slot, ``inverse = -(slot + 2)``. A
   step of at most ``HASH_IDS`` ids deduplicates its misses in a small open-addressing table
@@ -12,8 +12,8 @@ row the device cache holds, else the index of its row among the step's unique ro
   a T = 32 step's dedup 8.9 -> 5.7 us at 320M rows on a 2-vCPU VM, within noise on the H200's
   host), after a group memo (:func:`classify_grouped`) answered the groups of 8 ids (a token's
   heads of one n-gram order) that an earlier step resolved: one memo line instead of 8 index
-  lines (on the H200's host a T = 32 fill 1.2-3.5 us shorter once 54-61% of its groups
-  repeat, BENCHMARKS.md "Tenth pass"). A bigger step deduplicates them through the cache's
+  lines (an A/B on the H200's host: a T = 32 fill 1.2-3.5 us shorter once 54-61% of its
+  groups repeat). A bigger step deduplicates them through the cache's
   slot map (int32 per served row, -1 = not cached): a row's first miss writes
   ``-(index + 2)`` into its entry for the rest of the step, later ids read their index back,
   and the entries are reset to -1 before the call returns. No sort, one pass, and only misses
@@ -21,14 +21,14 @@ row the device cache holds, else the index of its row among the step's unique ro
   time (the plugin and the benchmarks stage one step at a time). A step of ``PARALLEL_IDS`` or
   more looks its ids up in the hit index on numba's threads first (:func:`classify`), then
   dedups the misses (:func:`dedup_positions`).
-- **without one** (:func:`stage_sorted`): each in-range id with its position packs into one
+- **without one** (:func:`~flashnext.kernels.stager.stage_sorted`): each in-range id with its position packs into one
   int64 key (``(row << POS_BITS) | i``), the keys are sorted (numba's sort for small steps,
   numpy's by the caller for big ones: measured 10x faster than a hash table for a prefill's
   131K ids), and :func:`unique_sorted` walks them. Ids outside ``[lo, hi)`` get ``inverse = -1``,
   which the lookup kernel turns into zero rows.
 
-Either way one call does all of a small step's work on the calling thread (handing work to
-numba's threads costs more than gathering a few hundred rows): :func:`stage_step`, which reads
+:mod:`flashnext.kernels.stager` runs these for a step (a small step's dedup and gather in one
+call on the calling thread).
 """
 
 from __future__ import annotations
