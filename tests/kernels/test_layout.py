@@ -34,7 +34,9 @@ def one_sided(declared: tuple[str, ...], filler: str, kernel: str) -> list[str]:
 
 def _sides() -> tuple[str, str]:
     filler = inspect.getsource(stager.HostStager._build_context)
-    kernel = inspect.getsource(stager.stage_step.py_func)
+    kernel = "".join(inspect.getsource(f.py_func) for f in (
+        stager.stage_step, stager.stage_cached, stager.stage_sorted, stager._slot_of,
+        stager._gather_step))  # fmt: skip
     return filler, kernel
 
 

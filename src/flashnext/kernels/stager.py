@@ -117,51 +117,85 @@ class StageKnobs:
             object.__setattr__(self, "workers", min(8, os.cpu_count() or 1))
 
 
-@numba.njit(nogil=True, cache=True)
-def stage_cached(  # type: ignore[no-untyped-def]
-    ids, lo, hi, index, slot_map, table, memo, memo_shift, scratch, uniq, pos, words, fwords,
-    s2_at, rec_at, rec_bytes, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off,
-    shard_starts, scalars, serial_rows, depth=AHEAD,
-):  # fmt: skip
-    """One step behind a device cache: :func:`dedup_hashed` (at most ``table.size // 2``
-    ids; classified through the group ``memo`` first, :func:`classify_grouped`, unless it has
-    no line) or :func:`dedup_misses` into ``words[:ids.size]``, then, with at most
-    ``serial_rows`` unique rows, :func:`gather_into` on this thread. Returns the unique count
-    ``n``, or ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
-    if 2 * ids.size <= table.size:
+# Every function that reads a context word (ctx[AT.name]) is inlined into stage_step: numba's
+# disk cache keys on this file alone, so a kernel compiled for an older StepContext is caught
+# by stage_step's layout check and all of it is recompiled at once (_restaged).
+@numba.njit(nogil=True, cache=True, inline="always")
+def _slot_of(ctx, n):  # type: ignore[no-untyped-def]
+    """The staging slot of context ``ctx`` for a step of ``n`` ids: ``words`` (int32),
+    ``fwords`` (float32, the same bytes), ``uniq``, and the float index of scale_2 and the byte
+    offset of the records (:func:`slot_offsets`)."""
+    words = numba.carray(ptr(ctx[AT.words]), ctx[AT.slot_words], np.int32)
+    fwords = numba.carray(ptr(ctx[AT.words]), ctx[AT.slot_words], np.float32)
+    uniq = numba.carray(ptr(ctx[AT.uniq]), ctx[AT.max_ids], np.int64)
+    s2_at, rec_at = _slot_offsets(n, ctx[AT.n_scalars])
+    return words, fwords, uniq, s2_at >> 2, rec_at
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _gather_step(ctx, uniq, n, fwords, s2_at, rec_at):  # type: ignore[no-untyped-def]
+    """:func:`gather_into` of ``uniq[:n]`` into the slot of ``ctx``, where its table's rows
+    live and its settings say (``s2_at`` a float index, ``rec_at`` a byte offset)."""
+    fields, segments = ctx[AT.fields], ctx[AT.segments]
+    seg_start = numba.carray(ptr(ctx[AT.seg_start]), segments, np.int64)
+    seg_dir = numba.carray(ptr(ctx[AT.seg_dir]), ctx[AT.dir_size], np.int64)
+    bases = numba.carray(ptr(ctx[AT.bases]), (fields, segments), np.int64)
+    row_bytes = numba.carray(ptr(ctx[AT.row_bytes]), fields, np.int64)
+    field_off = numba.carray(ptr(ctx[AT.field_off]), fields, np.int64)
+    shard_starts = numba.carray(ptr(ctx[AT.shard_starts]), ctx[AT.shards], np.int64)
+    scalars = numba.carray(ptr(ctx[AT.scalars]), ctx[AT.n_scalars], np.float32)
+    dst = ctx[AT.words] + rec_at
+    gather_into(uniq, 0, n, seg_start, seg_dir, ctx[AT.seg_shift], bases, row_bytes, field_off,
+                dst, ctx[AT.rec_bytes], shard_starts, scalars, fwords, s2_at,
+                ctx[AT.depth])  # fmt: skip
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def stage_cached(ids, ctx):  # type: ignore[no-untyped-def]
+    """One step behind a device cache (the context's): :func:`dedup_hashed` (at most
+    ``hash_ids`` ids; classified through the group memo first, :func:`classify_grouped`,
+    unless it has no line) or :func:`dedup_misses` into the slot's inverse, then, with at most
+    ``serial_rows`` unique rows, the gather on this thread. Returns the unique count ``n``, or
+    ``-(n + 1)`` when the caller still has to gather ``uniq[:n]``."""
+    n_ids = ids.size
+    lo, hi = ctx[AT.lo], ctx[AT.hi]
+    words, fwords, uniq, s2_at, rec_at = _slot_of(ctx, n_ids)
+    index = numba.carray(ptr(ctx[AT.hit_index]), (ctx[AT.blocks], 8), np.uint64)
+    pos = numba.carray(ptr(ctx[AT.pos]), ctx[AT.max_ids], np.int64)
+    if n_ids <= ctx[AT.hash_ids] and 2 * n_ids <= ctx[AT.hash_size]:
+        table = numba.carray(ptr(ctx[AT.hash]), ctx[AT.hash_size], np.int32)
+        memo = numba.carray(ptr(ctx[AT.memo]), (ctx[AT.memo_lines], 2 * GROUP), np.int32)
         if memo.shape[0]:
-            k = classify_grouped(ids, lo, hi, index, memo, memo_shift, words, pos, scratch)
+            scratch = numba.carray(ptr(ctx[AT.scratch]), ctx[AT.scratch_size], np.int64)
+            shift = np.uint64(ctx[AT.memo_shift])
+            k = classify_grouped(ids, lo, hi, index, memo, shift, words, pos, scratch)
         else:
-            k = _classify(ids, 0, ids.size, lo, hi, index, words, pos, 0)
+            k = _classify(ids, 0, n_ids, lo, hi, index, words, pos, 0)
         n = _hash_misses(ids, k, table, words, uniq, pos)
     else:
+        slot_map = numba.carray(ptr(ctx[AT.slot_map]), ctx[AT.map_rows], np.int32)
         n = dedup_misses(ids, lo, hi, index, slot_map, words, uniq, pos)
-    if n > serial_rows:
+    if n > ctx[AT.serial_rows]:
         return -(n + 1)
-    dst = np.int64(words.ctypes.data) + rec_at
-    gather_into(uniq, 0, n, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, dst,
-                rec_bytes, shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+    _gather_step(ctx, uniq, n, fwords, s2_at, rec_at)
     return n
 
 
-@numba.njit(nogil=True, cache=True)
-def stage_sorted(  # type: ignore[no-untyped-def]
-    ids, lo, hi, keys, uniq, words, fwords, s2_at, rec_at, rec_bytes, seg_start, seg_dir,
-    seg_shift, bases, row_bytes, field_off, shard_starts, scalars, serial_rows, depth=AHEAD,
-):  # fmt: skip
-    """One step without a cache: :func:`sort_keys` into ``words[:ids.size]``; with at most
-    ``serial_rows`` keys also the sort (numba's), :func:`unique_sorted` and :func:`gather_into`
-    on this thread. Returns the unique count, or ``-(m + 1)`` with the ``m`` keys unsorted
-    (the caller sorts them, dedups and gathers)."""
-    m = sort_keys(ids, lo, hi, keys, words)
-    if m > serial_rows:
+@numba.njit(nogil=True, cache=True, inline="always")
+def stage_sorted(ids, ctx):  # type: ignore[no-untyped-def]
+    """One step without a cache: :func:`sort_keys` into the slot's inverse; with at most
+    ``serial_rows`` keys also the sort (numba's), :func:`unique_sorted` and the gather on this
+    thread. Returns the unique count, or ``-(m + 1)`` with the ``m`` keys unsorted (the
+    caller sorts them, dedups and gathers)."""
+    words, fwords, uniq, s2_at, rec_at = _slot_of(ctx, ids.size)
+    keys = numba.carray(ptr(ctx[AT.keys]), ctx[AT.max_ids], np.int64)
+    m = sort_keys(ids, ctx[AT.lo], ctx[AT.hi], keys, words)
+    if m > ctx[AT.serial_rows]:
         return -(m + 1)
     part = keys[:m]
     part.sort()
     n = unique_sorted(part, words, uniq)
-    dst = np.int64(words.ctypes.data) + rec_at
-    gather_into(uniq, 0, n, seg_start, seg_dir, seg_shift, bases, row_bytes, field_off, dst,
-                rec_bytes, shard_starts, scalars, fwords, s2_at, depth)  # fmt: skip
+    _gather_step(ctx, uniq, n, fwords, s2_at, rec_at)
     return n
 
 
@@ -174,37 +208,9 @@ def stage_step(ids, ctx):  # type: ignore[no-untyped-def]
     older than the declaration: :meth:`HostStager.fill` recompiles it)."""
     if ctx[AT.layout_id] != LAYOUT_ID:
         return STALE_LAYOUT
-    n = ids.size
-    lo, hi = ctx[AT.lo], ctx[AT.hi]
-    s2_at, rec_at = _slot_offsets(n, ctx[AT.n_scalars])
-    words = numba.carray(ptr(ctx[AT.words]), ctx[AT.slot_words], np.int32)
-    fwords = numba.carray(ptr(ctx[AT.words]), ctx[AT.slot_words], np.float32)
-    uniq = numba.carray(ptr(ctx[AT.uniq]), ctx[AT.max_ids], np.int64)
-    seg_start = numba.carray(ptr(ctx[AT.seg_start]), ctx[AT.segments], np.int64)
-    seg_dir = numba.carray(ptr(ctx[AT.seg_dir]), ctx[AT.dir_size], np.int64)
-    bases = numba.carray(ptr(ctx[AT.bases]), (ctx[AT.fields], ctx[AT.segments]), np.int64)
-    row_bytes = numba.carray(ptr(ctx[AT.row_bytes]), ctx[AT.fields], np.int64)
-    field_off = numba.carray(ptr(ctx[AT.field_off]), ctx[AT.fields], np.int64)
-    shard_starts = numba.carray(ptr(ctx[AT.shard_starts]), ctx[AT.shards], np.int64)
-    scalars = numba.carray(ptr(ctx[AT.scalars]), ctx[AT.n_scalars], np.float32)
     if ctx[AT.cached]:
-        index = numba.carray(ptr(ctx[AT.hit_index]), (ctx[AT.blocks], 8), np.uint64)
-        slot_map = numba.carray(ptr(ctx[AT.slot_map]), ctx[AT.map_rows], np.int32)
-        hashed = ctx[AT.hash_size] if n <= ctx[AT.hash_ids] else 0
-        table = numba.carray(ptr(ctx[AT.hash]), hashed, np.int32)
-        pos = numba.carray(ptr(ctx[AT.pos]), ctx[AT.max_ids], np.int64)
-        memo = numba.carray(ptr(ctx[AT.memo]), (ctx[AT.memo_lines], 2 * GROUP), np.int32)
-        scratch = numba.carray(ptr(ctx[AT.scratch]), ctx[AT.scratch_size], np.int64)
-        return stage_cached(ids, lo, hi, index, slot_map, table, memo,
-                            np.uint64(ctx[AT.memo_shift]), scratch, uniq, pos, words, fwords,
-                            s2_at >> 2, rec_at, ctx[AT.rec_bytes], seg_start, seg_dir,
-                            ctx[AT.seg_shift], bases, row_bytes, field_off, shard_starts,
-                            scalars, ctx[AT.serial_rows], ctx[AT.depth])  # fmt: skip
-    keys = numba.carray(ptr(ctx[AT.keys]), ctx[AT.max_ids], np.int64)
-    return stage_sorted(ids, lo, hi, keys, uniq, words, fwords, s2_at >> 2, rec_at,
-                        ctx[AT.rec_bytes], seg_start, seg_dir, ctx[AT.seg_shift], bases,
-                        row_bytes, field_off, shard_starts, scalars, ctx[AT.serial_rows],
-                        ctx[AT.depth])  # fmt: skip
+        return stage_cached(ids, ctx)
+    return stage_sorted(ids, ctx)
 
 
 # -- the host side of one staged table (numpy only: benchmarks run it without torch) ---------
