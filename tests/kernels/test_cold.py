@@ -103,3 +103,5 @@ def test_an_unknown_cold_hints_mode_is_named(tables):  # noqa: F811
     with pytest.raises(KernelError, match="cold_hints is 'never'"):
         stager.set_cold_hints("never")
     assert stager.cold_hints == "off"
+    stager.set_cold_hints("auto")  # between steps: the mode and its fault watch
+    assert stager.knobs.cold_hints == "auto" and stager._watch is not None

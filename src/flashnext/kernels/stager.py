@@ -255,7 +255,7 @@ class HostStager:
     ):
         if max_ids > 1 << POS_BITS:
             raise KernelError(f"max_ids is {max_ids}, at most {1 << POS_BITS}")
-        self.knobs = knobs or StageKnobs()
+        self._knobs = knobs or StageKnobs()
         self._contexts: list[np.ndarray] | None = None  # per slot, built at the first step
         self._hint_contexts: list[np.ndarray] | None = None
         self.src = row_source(stored, layout)
@@ -279,6 +279,12 @@ class HostStager:
         self.set_cold_hints(self.knobs.cold_hints)
 
     @property
+    def knobs(self) -> StageKnobs:
+        """The settings fixed at construction (``cold_hints`` switches with
+        :meth:`set_cold_hints`)."""
+        return self._knobs
+
+    @property
     def hit_index(self) -> np.ndarray:
         """The device cache's hit index (uint64 ``[blocks, 8]``, :func:`build_hit_index`;
         ``[0, 8]`` without a cache)."""
@@ -296,7 +302,7 @@ class HostStager:
             KernelError: an unknown mode.
         """
         if mode != self.knobs.cold_hints:
-            self.knobs = replace(self.knobs, cold_hints=mode)  # checks the mode
+            self._knobs = replace(self._knobs, cold_hints=mode)  # checks the mode
         self._watch = _cold.FaultWatch() if mode == "auto" else None
         runs = self.max_ids * self.src.row_bytes.size  # one per row and field before merging
         if mode != "off" and self._runs.shape[0] < runs:
