@@ -63,7 +63,6 @@ def test_a_field_on_one_side_only_is_caught() -> None:
 def test_a_reordered_declaration_is_a_new_layout() -> None:
     """The kernel refuses a context whose first word is another declaration's fingerprint
     (what a numba cache compiled before a reorder would see), and the stager recompiles it."""
-
     ctx = np.zeros(len(StepContext._fields), np.int64)
     ctx[AT.layout_id] = LAYOUT_ID ^ 1
     assert stager.stage_step(np.zeros(3, np.int64), ctx) == _layout.STALE_LAYOUT
