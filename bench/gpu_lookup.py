@@ -322,7 +322,7 @@ class Bench:
         sets = self.id_sets(kind, t, self.args.rows)
         extra = {}
         if info is not None:
-            hits = torch.stack([(gpu._slot_map[s] >= 0).float().mean() for s in sets])
+            hits = torch.stack([(gpu.slot_map[s] >= 0).float().mean() for s in sets])
             extra = {"hit_rate": float(hits.mean()), "cached_rows": info.rows,
                      "cache_bytes": info.bytes}  # fmt: skip
         times = self.timer.run(lambda ids, out: gpu.lookup(ids, out=out), sets, t)

@@ -222,6 +222,12 @@ class GpuTable:
         return self.cache_info
 
     @property
+    def slot_map(self) -> Any:
+        """The device cache's slot of each served row (torch int32 ``[end - start]`` on the
+        device, -1 = not cached), or None without a cache."""
+        return self._slot_map
+
+    @property
     def cache_info(self) -> CacheInfo:
         if self._cache is None:
             return CacheInfo(0, 0)
