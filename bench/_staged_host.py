@@ -22,10 +22,17 @@ from typing import Any
 import numba
 import numpy as np
 
-from flashnext.host.lookup_kernels import _prefetch, _ptr
-from flashnext.kernels import _staging
-from flashnext.kernels._staging import POS_BITS, HostStager, prefault_pages, unique_sorted
+from flashnext.kernels.dedup import POS_BITS, dedup_hashed, dedup_misses, sort_keys, unique_sorted
+from flashnext.kernels.gather import (
+    CHUNK_ROWS,
+    gather_into,
+    gather_parallel,
+    prefault_pages,
+    segment,
+)
 from flashnext.kernels.records import record_layout
+from flashnext.kernels.stager import HostStager, StageKnobs, flat_ids
+from flashnext.numba_intrinsics import prefetch, ptr
 
 _AHEAD = 8
 
@@ -54,27 +61,27 @@ def _previous_gather(  # type: ignore[no-untyped-def]
 ):
     n_f = row_bytes.size
     for j in range(a, min(b, a + _AHEAD)):
-        s = _staging._segment(uniq[j], seg_start)
+        s = segment(uniq[j], seg_start)
         for f in range(n_f):
-            _prefetch(bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f])
+            prefetch(bases[f, s] + (uniq[j] - seg_start[s]) * row_bytes[f])
     for j in range(a, b):
         ahead = j + _AHEAD
         if ahead < b:
-            s = _staging._segment(uniq[ahead], seg_start)
+            s = segment(uniq[ahead], seg_start)
             for f in range(n_f):
                 addr = bases[f, s] + (uniq[ahead] - seg_start[s]) * row_bytes[f]
-                _prefetch(addr)
-                _prefetch(addr + row_bytes[f] - 1)
+                prefetch(addr)
+                prefetch(addr + row_bytes[f] - 1)
         row = uniq[j]
-        s = _staging._segment(row, seg_start)
+        s = segment(row, seg_start)
         dst = records[j]
         for f in range(n_f):
             nb = row_bytes[f]
-            src = numba.carray(_ptr(bases[f, s] + (row - seg_start[s]) * nb), nb, np.uint8)
+            src = numba.carray(ptr(bases[f, s] + (row - seg_start[s]) * nb), nb, np.uint8)
             off = field_off[f]
             dst[off : off + nb] = src
         if s2.size:
-            s2[j] = scalars[_staging._segment(row, shard_starts)]
+            s2[j] = scalars[segment(row, shard_starts)]
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -115,7 +122,7 @@ class Previous:
         keys = self.keys[:m]
         keys.sort()
         return int(_previous_stage_rows(
-            keys, inverse, self.uniq, _staging.CHUNK_ROWS, st.workers, src.seg_start, src.bases,
+            keys, inverse, self.uniq, CHUNK_ROWS, st.knobs.workers, src.seg_start, src.bases,
             src.row_bytes, src.field_off, records, src.shard_starts, src.scalars, s2,
         ))  # fmt: skip
 
@@ -142,9 +149,8 @@ def resolved(stager: HostStager, host: np.ndarray, n_ids: int, n_unique: int) ->
 
 def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count: int,
                   checks: list[np.ndarray]) -> dict[str, list[float]]:  # fmt: skip
-    """Microseconds per step of each variant (``name -> fill(ids) -> (slot, n_unique)``; a
-    ``fill.prepare()``, where there is one, runs untimed before each step), each on ``count``
-    fresh steps of its own (``draw(k)``: k id sets), in turns; no step twice, so rows are as
+    """Microseconds per step of each variant (``name -> fill(ids) -> (slot, n_unique)``),
+    each on ``count`` fresh steps of its own (``draw(k)``: k id sets), in turns; no step twice, so rows are as
     cold as a served model's (only the hot ones recur, as in the text). Then every variant
     stages each of ``checks``, and every id must get the same row as from the first."""
     own = {name: draw(count + 1) for name in variants}
@@ -152,7 +158,6 @@ def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count
     times["unique_rows"] = []
     for i in range(count + 1):  # step 0 warms up (numba compiles on first use)
         for name, fill in variants.items():
-            _prepare(fill)
             t0 = time.perf_counter()
             _, n = fill(own[name][i])
             if i:
@@ -162,7 +167,6 @@ def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count
     for ids in checks:
         first = None
         for name, fill in variants.items():
-            _prepare(fill)
             slot, n = fill(ids)
             got = resolved(stager, slot, ids.size, n)
             if first is None:
@@ -174,50 +178,42 @@ def time_variants(stager: HostStager, variants: dict[str, Any], draw: Any, count
     return times
 
 
-def _prepare(fill: Any) -> None:
-    prepare = getattr(fill, "prepare", None)
-    if prepare is not None:
-        prepare()
-
-
-def parts(stager: HostStager, draw: Any, count: int) -> dict[str, list[float]]:
+def parts(stager: HostStager, slot: np.ndarray, draw: Any, count: int) -> dict[str, list[float]]:
     """Where this version's time goes, on ``count`` fresh steps each: the dedup alone
-    (``dedup_us``: the slot-map pass, or keys + numpy's sort + unique), then the gather of the
-    step's unique rows on this thread (``gather1_us``) or on numba's threads (``gatherN_us``)."""
-    from flashnext.kernels._staging import (
-        dedup_hashed,
-        dedup_misses,
-        flat_ids,
-        gather_into,
-        gather_parallel,
-    )
-
+    (``dedup_us``: the hit index + a hash table or the slot map, or keys + numpy's sort +
+    unique), then the gather of the step's unique rows on this thread (``gather1_us``) or on
+    numba's threads (``gatherN_us``), into ``slot`` (``stager``'s slot 0) with buffers of
+    its own."""
     lo, hi = stager.row_range
-    words, fwords, addr = stager._slots[0]
+    knobs, n_max = stager.knobs, stager.max_ids
+    words = slot[: stager.slot_bytes].view(np.int32)
+    fwords = slot[: stager.slot_bytes].view(np.float32)
+    addr = int(slot.ctypes.data)
     rows, shards = stager.src.rows, stager.src.shards
-    uniq, rb = stager._uniq, stager.record_bytes
+    uniq, pos, keys = (np.empty(n_max, np.int64) for _ in range(3))
+    table = np.empty(2 * min(n_max, knobs.hash_ids), np.int32)
+    rb = stager.record_bytes
     out: dict[str, list[float]] = {"dedup_us": [], "gather1_us": [], "gatherN_us": []}
     for i, ids in enumerate(draw(2 * count + 1)):
         flat = flat_ids(ids)
         s2_at, rec_at, _ = stager.offsets(flat.size, 0)
         t0 = time.perf_counter()
-        if stager.slot_map is not None and flat.size <= stager.hash_ids:
-            n = dedup_hashed(flat, lo, hi, stager._index, stager._hash, words, uniq, stager._pos)
+        if stager.slot_map is not None and flat.size <= knobs.hash_ids:
+            n = dedup_hashed(flat, lo, hi, stager.hit_index, table, words, uniq, pos)
         elif stager.slot_map is not None:
-            n = dedup_misses(flat, lo, hi, stager._index, stager.slot_map, words, uniq,
-                             stager._pos)
+            n = dedup_misses(flat, lo, hi, stager.hit_index, stager.slot_map, words, uniq, pos)
         else:
-            m = _staging.sort_keys(flat, lo, hi, stager._keys, words)
-            keys = stager._keys[:m]
-            keys.sort()
-            n = unique_sorted(keys, words, uniq)
+            m = sort_keys(flat, lo, hi, keys, words)
+            part = keys[:m]
+            part.sort()
+            n = unique_sorted(part, words, uniq)
         t1 = time.perf_counter()
         if i % 2:
             gather_into(uniq, 0, n, *rows, addr + rec_at, rb, *shards, fwords, s2_at >> 2,
-                        stager.depth)  # fmt: skip
+                        knobs.depth)  # fmt: skip
         else:
-            gather_parallel(uniq, n, stager.chunk_rows, stager.workers, *rows, addr + rec_at,
-                            rb, *shards, fwords, s2_at >> 2, stager.depth)  # fmt: skip
+            gather_parallel(uniq, n, knobs.chunk_rows, knobs.workers, *rows, addr + rec_at,
+                            rb, *shards, fwords, s2_at >> 2, knobs.depth)  # fmt: skip
         t2 = time.perf_counter()
         if i:  # the first compiles
             out["dedup_us"].append((t1 - t0) * 1e6)
@@ -231,13 +227,12 @@ def staged_host(bench: Any, root: Any) -> None:
     At T <= 512 this version also with every step on one thread (``serial``), every step on
     numba's threads (``threads``), for ``serial_rows``, the misses deduplicated through the
     slot map instead of a hash table (``slot_map``, for ``hash_ids``), classified through the
-    hit index alone, without the group memo (``index_only``: a second stager sharing the
-    cache, for ``memo_lines``), and prefetching 16 or all rows ahead (``depth16``,
-    ``depth_all``); at 8192
-    with the hit index read on one thread (``one_pass``, for ``parallel_ids``), 16 rows ahead
-    and 16 gather threads (``w16``). ``parts``: the dedup and the gather alone."""
-    from flashnext.kernels._staging import flat_ids
-
+    hit index alone, without the group memo (``index_only``, for ``memo_lines``), and
+    prefetching 16 or all rows ahead (``depth16``, ``depth_all``); at 8192 with the hit index
+    read on one thread (``one_pass``, for ``parallel_ids``), 16 rows ahead and 16 gather
+    threads (``w16``). Each setting is a stager of its own (``StageKnobs`` are fixed at
+    construction) sharing the default one's cache. ``parts``: the dedup and the gather
+    alone."""
     args, rng, heads = bench.args, bench.rng, 16
     print(f"staged-host: {platform.machine()}, {os.cpu_count()} cores, numba "
           f"{numba.config.NUMBA_NUM_THREADS} threads, seed {args.seed}", flush=True)  # fmt: skip
@@ -251,32 +246,36 @@ def staged_host(bench: Any, root: Any) -> None:
     bench.huge_share(root)
     prev = Previous(stager)
 
-    knobs = ("serial_rows", "parallel_ids", "hash_ids", "workers", "chunk_rows", "depth")
-    defaults = {k: getattr(stager, k) for k in knobs}
+    others: dict[StageKnobs, tuple[HostStager, np.ndarray]] = {}
 
     def ours(**change: int) -> Any:
-        """This version's fill with some of ``knobs`` changed (the rest at their defaults)."""
-        def prepare() -> None:
-            for k, v in {**defaults, **change}.items():
-                if getattr(stager, k) != v:
-                    setattr(stager, k, v)
-            stager._context(0)  # a changed setting rebuilds the step context: here, untimed
+        """This version's fill with some knobs changed (the rest at their defaults): a stager
+        of its own, serving from the default stager's cache (its first, untimed, step builds
+        its context)."""
+        knobs = StageKnobs(**change)
+        if knobs == stager.knobs:
+            st, slot = stager, new_slot
+        elif knobs in others:
+            st, slot = others[knobs]
+        else:
+            st = HostStager(table.stored(), stager_layout(table), table.row_range,
+                            stager.max_ids, knobs)  # fmt: skip
+            slot = np.zeros(st.slot_bytes, np.uint8)
+            st.add_slot(slot)
+            st.share(stager)
+            others[knobs] = st, slot
 
         def fill(ids: np.ndarray) -> tuple[np.ndarray, int]:
-            return new_slot, stager.fill(0, flat_ids(ids))
+            return slot, st.fill(0, flat_ids(ids))
 
-        fill.prepare = prepare  # type: ignore[attr-defined]
         return fill
 
     variants = {"previous_us": lambda ids: (old_slot, prev.fill(old_slot, ids)), "us": ours()}
-    plain = HostStager(table.stored(), stager_layout(table), table.row_range, stager.max_ids)
-    plain_slot = np.zeros(plain.slot_bytes, np.uint8)
-    plain.add_slot(plain_slot)
     for gb in (0, 2):
         t0 = time.perf_counter()
         stager.cache_rows(bench.text.hot_rows % args.staged_rows, gb << 30)
-        plain.share(stager)
-        plain.memo_lines = 0  # the hit index alone (a memo of no lines)
+        for st, _ in others.values():
+            st.share(stager)
         cached = 0 if stager.slot_map is None else int((stager.slot_map >= 0).sum())
         print(f"staged-host cache {gb} GB: {cached:,} rows (built in "
               f"{time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
@@ -299,16 +298,14 @@ def staged_host(bench: Any, root: Any) -> None:
                             "depth16_us": ours(depth=16), "depth_all_us": ours(depth=1 << 20)}
                     if gb:
                         more["slot_map_us"] = ours(hash_ids=0)
-                        more["index_only_us"] = lambda ids: (plain_slot,
-                                                             plain.fill(0, flat_ids(ids)))
+                        more["index_only_us"] = ours(memo_lines=0)
                 else:  # parallel_ids, all 16 cores, depth
                     more = {"one_pass_us": ours(parallel_ids=1 << 30)} if gb else {}
                     more["depth16_us"] = ours(depth=16)
                     if (os.cpu_count() or 1) >= 16:
                         more["w16_us"] = ours(workers=16)
                 times = time_variants(stager, {**variants, **more}, draw, n, checks)
-                _prepare(ours())  # the defaults back
-                times |= parts(stager, draw, max(4, n // 4))
+                times |= parts(stager, new_slot, draw, max(4, n // 4))
                 row = {"case": "staged-host", "cache_GB": gb, "ids": kind, "T": t,
                        "hit_rate": hit, "cached_rows": cached,
                        "unique_rows": int(statistics.median(times.pop("unique_rows"))),

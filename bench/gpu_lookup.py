@@ -322,7 +322,7 @@ class Bench:
         sets = self.id_sets(kind, t, self.args.rows)
         extra = {}
         if info is not None:
-            hits = torch.stack([(gpu._slot_map[s] >= 0).float().mean() for s in sets])
+            hits = torch.stack([(gpu.slot_map[s] >= 0).float().mean() for s in sets])
             extra = {"hit_rate": float(hits.mean()), "cached_rows": info.rows,
                      "cache_bytes": info.bytes}  # fmt: skip
         times = self.timer.run(lambda ids, out: gpu.lookup(ids, out=out), sets, t)
@@ -621,7 +621,8 @@ def uva_table(host: Any, fmt: str, rows: int, shard_rows: int | None, device: st
     records = host[: rows * rec].view(rows, rec)
     starts = shard_starts(rows, shard_rows)
     s2 = np.full(starts.size, 1e-3, np.float32) if fmt == "nvfp4" else None
-    return GpuTable.from_records(codec, WIDTH, records, (0, rows), rows, starts, s2, device)
+    return GpuTable.from_records(codec, WIDTH, records, (0, rows), rows, shard_starts=starts,
+                                 shard_scale_2=s2, device=device)  # fmt: skip
 
 
 def comma_ints(text: str) -> list[int]:

@@ -12,8 +12,9 @@ import pytest
 from flashnext.errors import KernelError
 from flashnext.host import open_table
 from flashnext.kernels import _cold
-from flashnext.kernels._staging import HostStager, row_source
+from flashnext.kernels.gather import row_source
 from flashnext.kernels.records import record_layout
+from flashnext.kernels.stager import HostStager, StageKnobs
 
 from .test_staging import HEADS, HI, LO, ROWS, _check_step, tables  # noqa: F401 (fixture)
 
@@ -52,11 +53,11 @@ def test_page_runs_cover_exactly_the_rows_pages(tables, fmt, page, rng):  # noqa
 def test_hinted_steps_hint_the_misses_and_change_no_result(tables, fmt, big, rng, monkeypatch):  # noqa: F811
     table = open_table(tables / fmt, "mmap", row_range=(LO, HI))
     layout = record_layout(table.codec, table.width)
-    stager = HostStager(table.stored(), layout, table.row_range, 300 * HEADS, 2, "on")
+    more = {"serial_rows": -1, "parallel_ids": 1} if big else {}
+    knobs = StageKnobs(workers=2, cold_hints="on", **more)
+    stager = HostStager(table.stored(), layout, table.row_range, 300 * HEADS, knobs)
     slot = np.full(stager.slot_bytes, 0xAB, np.uint8)
     stager.add_slot(slot)
-    if big:
-        stager.serial_rows, stager.parallel_ids = -1, 1
     hinted = []
     real = _cold.hint_rows
 
@@ -97,4 +98,10 @@ def test_an_unknown_cold_hints_mode_is_named(tables):  # noqa: F811
     table = open_table(tables / "int4", "mmap")
     layout = record_layout(table.codec, table.width)
     with pytest.raises(KernelError, match="cold_hints is 'sometimes'"):
-        HostStager(table.stored(), layout, table.row_range, 16, cold_hints="sometimes")
+        StageKnobs(cold_hints="sometimes")
+    stager = HostStager(table.stored(), layout, table.row_range, 16)
+    with pytest.raises(KernelError, match="cold_hints is 'never'"):
+        stager.set_cold_hints("never")
+    assert stager.cold_hints == "off"
+    stager.set_cold_hints("auto")  # between steps: the mode and its fault watch
+    assert stager.knobs.cold_hints == "auto" and stager._watch is not None

@@ -34,6 +34,7 @@ if not (CUDA or INTERPRET):
 from flashnext.kernels import GpuTable, GraphStagedTable, StagedTable  # noqa: E402
 from flashnext.kernels import _triton_lookup as _lookup  # noqa: E402
 from flashnext.kernels.graph_staged import SPIN_MAX_IDS  # noqa: E402
+from flashnext.kernels.rows import Rows  # noqa: E402
 from flashnext.kernels.table import UvaPointer  # noqa: E402
 
 FORMATS = ["bf16", "fp8", "int4", "nvfp4"]
@@ -121,6 +122,12 @@ def test_staged_lookup_matches_across_reused_buffers(sidecars, fmt, rng):
         if i + 2 < len(batches):
             pending.append(staged.stage(batches[i + 2]))  # reuses this step's slot
         np.testing.assert_array_equal(bits(out), expected(table, ids))
+    # the serving layer's one call (kernels.rows.Rows): stage + lookup, from torch ids
+    assert isinstance(staged, Rows)
+    ids = random_ids(rng, 23, hi=ROWS)
+    out = torch.empty(23, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
+    staged.rows_into(torch.from_numpy(ids), out)
+    np.testing.assert_array_equal(bits(out), expected(table, ids))
 
 
 @needs_cuda
@@ -243,6 +250,11 @@ def test_graph_staged_lookup_replays_with_new_ids(sidecars, fmt, copy_slot, wait
             graph.replay()
         _wait_or_release(staged)
         np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
+    assert isinstance(staged, Rows)  # the serving layer's one call, eager: stage + lookup
+    ids = random_ids(rng, t)
+    staged.rows_into(torch.from_numpy(ids), out)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(bits(out), expected(table, ids, (100, 1000)))
 
 
 def _misses(ids, lo, hi, cached):
@@ -332,7 +344,7 @@ def test_the_kernel_reads_the_slot_only_after_the_flag_and_hands_it_back(sidecar
     flag = torch.zeros(1, dtype=torch.int32, pin_memory=CUDA)
     counts = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     # on the GPU the kernel reads the pinned slot through UVA; the interpreter reads a CPU one
-    slots = staged._host if CUDA else staged._dev
+    slots = staged.slots.host if CUDA else staged.slots.dev
     for _ in range(2):  # a second launch: the counter was reset by the first
         other, ids = random_ids(rng, t), random_ids(rng, t)
         staged.stage(other)
@@ -352,7 +364,7 @@ def test_the_kernel_reads_the_slot_only_after_the_flag_and_hands_it_back(sidecar
         host.start()
         out = torch.empty(t, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
         handover = (UvaPointer(flag) if CUDA else flag, counts)
-        staged._launch(slots[1], batch.n_ids, batch.n_unique, out, CUDA, handover)
+        staged.slots.launch(slots[1], batch.n_ids, batch.n_unique, out, pinned=CUDA, handover=handover)
         host.join()
         if CUDA:
             torch.cuda.synchronize()

@@ -13,8 +13,8 @@ import pytest
 
 from flashnext.errors import KernelError
 from flashnext.host import open_table
-from flashnext.kernels._staging import HostStager, flat_ids
 from flashnext.kernels.records import pack_records, record_layout
+from flashnext.kernels.stager import HostStager, StageKnobs, flat_ids
 from flashnext.store import write_sidecar
 from flashnext.synthetic import embedding_rows
 
@@ -33,10 +33,11 @@ def tables(tmp_path_factory, request):
     return root
 
 
-def _stager(root, fmt, max_ids):
+def _stager(root, fmt, max_ids, **knobs):
     table = open_table(root / fmt, "mmap", row_range=(LO, HI))
     layout = record_layout(table.codec, table.width)
-    stager = HostStager(table.stored(), layout, table.row_range, max_ids, workers=2)
+    knobs.setdefault("workers", 2)
+    stager = HostStager(table.stored(), layout, table.row_range, max_ids, StageKnobs(**knobs))
     slot = np.full(stager.slot_bytes, 0xAB, np.uint8)  # stale bytes: every used byte rewritten
     stager.add_slot(slot)
     return table, layout, stager, slot
@@ -74,8 +75,7 @@ def _check_step(table, layout, stager, slot, ids, cached):
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
 @pytest.mark.parametrize("serial_rows", [1 << 20, 3, -1], ids=["one-thread", "mixed", "threads"])
 def test_staged_rows_without_a_cache(tables, fmt, serial_rows, rng):
-    table, layout, stager, slot = _stager(tables, fmt, 300 * HEADS)
-    stager.serial_rows = serial_rows
+    table, layout, stager, slot = _stager(tables, fmt, 300 * HEADS, serial_rows=serial_rows)
     for t in (300, 1, 7, 40):
         ids = rng.integers(-1, ROWS + 40, size=(t, HEADS))
         ids[0, :3] = [-1, LO - 1, HI]
@@ -85,9 +85,10 @@ def test_staged_rows_without_a_cache(tables, fmt, serial_rows, rng):
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
 @pytest.mark.parametrize("serial_rows", [1 << 20, 3, -1], ids=["one-thread", "mixed", "threads"])
 def test_staged_rows_behind_a_cache(tables, fmt, serial_rows, rng):
-    table, layout, stager, slot = _stager(tables, fmt, 300 * HEADS)
-    stager.serial_rows = serial_rows
-    stager.parallel_ids = 1 if serial_rows < 0 else 1 << 30  # slot map read on threads first
+    parallel_ids = 1 if serial_rows < 0 else 1 << 30  # slot map read on threads first
+    table, layout, stager, slot = _stager(
+        tables, fmt, 300 * HEADS, serial_rows=serial_rows, parallel_ids=parallel_ids
+    )
     hot = rng.permutation(ROWS)
     priority = np.concatenate([[-5, ROWS + 3, 50, hot[0]], hot])
     records, s2 = stager.cache_rows(priority, 300 * layout.record_bytes + 7)
@@ -120,7 +121,8 @@ def test_bad_slots_and_sizes_are_named(tables):
 def test_the_hit_index_gives_each_cached_row_its_rank(rng):
     """Every served row looked up once: cached rows get their rank among the cached rows (the
     slot ``cache_rows`` gives them), across 64-row words and 384-row blocks."""
-    from flashnext.kernels._staging import HIT_BLOCK, build_hit_index, dedup_misses
+    from flashnext.kernels._layout import HIT_BLOCK
+    from flashnext.kernels.dedup import build_hit_index, dedup_misses
 
     lo, n = 1000, 100_003
     rows = np.sort(rng.choice(n, size=n // 9, replace=False)) + lo
@@ -154,7 +156,7 @@ def test_the_segment_directory_finds_every_rows_segment(kind, rng):
     partial sidecars) and a single one; the directory stays small (4 to 8 blocks a segment)."""
     import numba
 
-    from flashnext.kernels._staging import _find, segment_directory
+    from flashnext.kernels.gather import _find, segment_directory
 
     first = int(rng.integers(0, 5000))
     if kind == "equal":
@@ -182,29 +184,25 @@ def test_the_segment_directory_finds_every_rows_segment(kind, rng):
     np.testing.assert_array_equal(find_all(rows.astype(np.int64), seg_start, seg_dir, shift), want)
 
 
-def test_a_setting_changed_between_steps_takes_effect(tables, rng):
-    """A step's call reads its settings from a context built once (``stage_step``): every
-    setting it holds, changed between steps, is in the next step's context, and the steps
-    stay exact."""
-    from flashnext.kernels import _staging
+def test_the_knobs_reach_the_step_context(tables, rng):
+    """A step's call reads its settings from a context built once per slot (``stage_step``):
+    each knob given at construction is in the context, the device cache's state follows
+    ``cache_rows``, a new slot gets a context of its own, and the steps stay exact."""
+    from flashnext.kernels._layout import AT, LAYOUT_ID
 
-    table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS)
-    stager.cache_rows(rng.permutation(ROWS), 100 * layout.record_bytes)
-    cached = {int(r): j for j, r in enumerate(np.flatnonzero(stager.slot_map >= 0) + LO)}
-    _check_step(table, layout, stager, slot, rng.integers(0, ROWS, size=(9, HEADS)), cached)
-    for name, word, value in (
-        ("serial_rows", _staging._SERIAL_ROWS, -1),
-        ("depth", _staging._DEPTH, 3),
-        ("hash_ids", _staging._HASH_IDS, 0),
-    ):
-        setattr(stager, name, value)
-        assert stager._context(0)[word] == value, name
+    for knob, value in (("serial_rows", -1), ("depth", 3), ("hash_ids", 0)):
+        table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS, **{knob: value})
+        stager.cache_rows(rng.permutation(ROWS), 100 * layout.record_bytes)
+        cached = {int(r): j for j, r in enumerate(np.flatnonzero(stager.slot_map >= 0) + LO)}
+        assert stager._context(0)[getattr(AT, knob)] == value, knob
+        assert stager._context(0)[AT.layout_id] == LAYOUT_ID
         _check_step(table, layout, stager, slot, rng.integers(0, ROWS, size=(9, HEADS)), cached)
+    assert stager._context(0)[AT.cached] == 1
     stager.cache_rows(np.empty(0, np.int64), 0)
-    assert stager._context(0)[_staging._CACHED] == 0
+    assert stager._context(0)[AT.cached] == 0
     second = np.full(stager.slot_bytes, 0xCD, np.uint8)
     assert stager.add_slot(second) == 1
-    assert stager._context(1)[_staging._WORDS] == second.ctypes.data
+    assert stager._context(1)[AT.words] == second.ctypes.data
 
 
 @pytest.mark.parametrize("memo_lines", [1 << 20, 4, 2], ids=["big", "colliding", "two-lines"])
@@ -215,12 +213,11 @@ def test_the_group_memo_changes_no_result(tables, memo_lines, rng):
     that every group evicts another, a tail of ids that fills no group, a new cache (whose
     memo starts empty) and a second stager sharing the cache all resolve every id exactly as
     the table and the cache say."""
-    from flashnext.kernels._staging import GROUP
+    from flashnext.kernels.dedup import GROUP
 
-    table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS)
-    stager.memo_lines = memo_lines
-    other = HostStager(table.stored(), layout, table.row_range, 300 * HEADS, workers=2)
-    other.memo_lines = memo_lines  # of one size: the two share one memo
+    table, layout, stager, slot = _stager(tables, "int4", 300 * HEADS, memo_lines=memo_lines)
+    knobs = StageKnobs(workers=2, memo_lines=memo_lines)  # of one size: the two share one memo
+    other = HostStager(table.stored(), layout, table.row_range, 300 * HEADS, knobs)
     other_slot = np.full(other.slot_bytes, 0xEF, np.uint8)
     other.add_slot(other_slot)
     for _ in range(2):  # a second cache: a new memo
@@ -239,12 +236,13 @@ def test_the_group_memo_changes_no_result(tables, memo_lines, rng):
             tail = np.concatenate([ids.reshape(-1), rng.integers(0, ROWS, GROUP - 3)])
             _check_step(table, layout, who, its_slot, tail.reshape(1, -1), cached)
         assert (stager._memo[:, :GROUP] != -2).any() and other._memo is stager._memo
-    stager.memo_lines = 0  # no memo: the same results through the hit index alone
-    assert stager._memo.shape[0] == 0
-    _check_step(table, layout, stager, slot, seen, cached)
+    _, _, plain, plain_slot = _stager(tables, "int4", 300 * HEADS, memo_lines=0)
+    plain.share(stager)  # no memo: the same results through the hit index alone
+    assert plain._memo.shape[0] == 0
+    _check_step(table, layout, plain, plain_slot, seen, cached)
     for bad in (3, 1):
         with pytest.raises(KernelError, match=f"memo_lines is {bad}, expected a power of two"):
-            stager.memo_lines = bad
+            StageKnobs(memo_lines=bad)
 
 
 def test_a_stagers_memo_follows_its_own_memo_lines(tables, rng):
@@ -253,21 +251,23 @@ def test_a_stagers_memo_follows_its_own_memo_lines(tables, rng):
     before or after the share, with caches coming and going), and one of another size gets
     its own memo; the shared memo is shared only between stagers of one size."""
     table, layout, stager, _slot = _stager(tables, "int4", 64 * HEADS)
-    plain = HostStager(table.stored(), layout, table.row_range, 64 * HEADS)
-    small = HostStager(table.stored(), layout, table.row_range, 64 * HEADS)
-    plain.memo_lines, small.memo_lines = 0, 4
+    plain = HostStager(
+        table.stored(), layout, table.row_range, 64 * HEADS, StageKnobs(memo_lines=0)
+    )
+    small = HostStager(
+        table.stored(), layout, table.row_range, 64 * HEADS, StageKnobs(memo_lines=4)
+    )
     for cache_rows in (0, 300, 0, 200):
         stager.cache_rows(rng.permutation(ROWS), cache_rows * layout.record_bytes)
         plain.share(stager)
         small.share(stager)
-        plain.memo_lines = 0  # set again: still no memo
         assert plain._memo.shape[0] == 0
         if cache_rows:
             assert small._memo.shape[0] == 4 and small._memo is not stager._memo
-            assert stager._memo.shape[0] == stager.memo_lines
+            assert stager._memo.shape[0] == stager.knobs.memo_lines
     twin = HostStager(table.stored(), layout, table.row_range, 64 * HEADS)
     twin.share(stager)
     assert twin._memo is stager._memo  # same size: one memo
     for bad in (2.0, True, "4"):
         with pytest.raises(KernelError, match="memo_lines is"):
-            twin.memo_lines = bad
+            StageKnobs(memo_lines=bad)

@@ -48,10 +48,13 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from flashnext.host.mapping import HUGE_PAGE
+from flashnext.numba_intrinsics import memcpy as _copy
+from flashnext.numba_intrinsics import popcount as _popcount
+from flashnext.numba_intrinsics import prefetch as _prefetch
+from flashnext.numba_intrinsics import ptr as _ptr
 from flashnext.ple.formats import (
     E2M1_CODES,
     E4M3,
@@ -198,34 +201,6 @@ def _out_is_bf16(out: types.Type) -> bool | None:
 
 
 @intrinsic
-def _ptr(typingctx, address):  # type: ignore[no-untyped-def]
-    """An integer address as a ``void*`` for :func:`numba.carray`."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(address), codegen
-
-
-@intrinsic
-def _prefetch(typingctx, address):  # type: ignore[no-untyped-def]
-    """Hint the CPU to load the cache line at ``address`` (never faults)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        ptr = builder.inttoptr(args[0], cgutils.voidptr_t)
-        fnty = ir.FunctionType(ir.VoidType(), [cgutils.voidptr_t, _I32, _I32, _I32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [ptr, _I32(0), _I32(3), _I32(1)])  # read, keep in all levels, data
-        return context.get_dummy_value()
-
-    return types.none(address), codegen
-
-
-@intrinsic
 def _peek(typingctx, address):  # type: ignore[no-untyped-def]
     """The int64 at ``address``: no array struct to build, unlike a :func:`numba.carray`."""
     if not isinstance(address, types.Integer):
@@ -235,37 +210,6 @@ def _peek(typingctx, address):  # type: ignore[no-untyped-def]
         return builder.load(builder.inttoptr(args[0], _I64.as_pointer()))
 
     return types.int64(address), codegen
-
-
-@intrinsic
-def _popcount(typingctx, word):  # type: ignore[no-untyped-def]
-    """Set bits of a uint64."""
-    if not isinstance(word, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        value = builder.zext(args[0], _I64) if args[0].type.width < 64 else args[0]
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_I64, [_I64]), "llvm.ctpop.i64"
-        )
-        return builder.call(fn, [value])
-
-    return types.int64(word), codegen
-
-
-@intrinsic
-def _copy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
-    """``memcpy(dst, src, nbytes)`` between integer addresses."""
-    if not all(isinstance(a, types.Integer) for a in (dst, src, nbytes)):
-        return None
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        d, s, n = args
-        to_ptr = [builder.inttoptr(a, cgutils.voidptr_t) for a in (d, s)]
-        cgutils.raw_memcpy(builder, to_ptr[0], to_ptr[1], n, 1)
-        return context.get_dummy_value()
-
-    return types.none(dst, src, nbytes), codegen
 
 
 def _int4_group_intrinsic(finite: bool):  # type: ignore[no-untyped-def]

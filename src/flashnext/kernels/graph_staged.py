@@ -45,9 +45,10 @@ import numpy as np
 
 from flashnext.errors import KernelError
 from flashnext.host.table import PLETable
-from flashnext.kernels._staging import flat_ids
-from flashnext.kernels.staged import StagedBatch, StagedTable
-from flashnext.kernels.table import UvaPointer, torch
+from flashnext.kernels.gather import prefault_pages
+from flashnext.kernels.staged import OnSlots, StagedBatch, StagingSlots
+from flashnext.kernels.stager import StageKnobs, flat_ids
+from flashnext.kernels.table import CacheInfo, UvaPointer, torch
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
 WAITS = ("spin", "stream")
@@ -85,8 +86,10 @@ def _check(fn: str, rc: int) -> None:
         raise KernelError(f"{fn} failed: CUDA error {rc} ({text})")
 
 
-class GraphStagedTable(StagedTable):
-    """Staged lookups of a fixed ``[T, heads]`` that can be captured in a CUDA graph.
+class GraphStagedTable:
+    """Staged lookups of a fixed ``[T, heads]`` that can be captured in a CUDA graph: the
+    sibling of :class:`~flashnext.kernels.staged.StagedTable` on the same
+    :class:`~flashnext.kernels.staged.StagingSlots`.
 
     One pinned staging slot (and one device slot it is copied to); a pinned int32 flag hands
     the slot over (1: filled by the host, 0: taken by the GPU). Call :meth:`stage` once per
@@ -118,6 +121,7 @@ class GraphStagedTable(StagedTable):
         table: PLETable,
         shape: tuple[int, int],
         device: Any = "cuda",
+        *,
         prefault: bool = True,
         workers: int | None = None,
         copy_slot: bool = False,
@@ -136,19 +140,20 @@ class GraphStagedTable(StagedTable):
                 "slot; a copied slot (copy_slot=True) waits with wait='stream'"
             )
         self.shape = (int(shape[0]), int(shape[1]))
-        super().__init__(
-            table, self.shape[0] * self.shape[1], 1, device, prefault, workers, cold_hints
-        )
+        knobs = StageKnobs(workers=workers or 0, cold_hints=cold_hints)
+        self.copy_slot = bool(copy_slot)  # else the kernel reads the pinned slot: no device slot
+        self.slots = StagingSlots(table, n_ids, 1, device, device_slots=self.copy_slot, knobs=knobs)
+        self.table, self.layout, self.device = table, self.slots.layout, self.slots.device
+        self.max_ids = n_ids
         self._flag = torch.zeros(1, dtype=torch.int32, device="cpu", pin_memory=True)
         self._flag_np = self._flag.numpy()
         self._flag_uva = UvaPointer(self._flag)
         self.wait = wait
         self._lib = _cuda_driver()
-        self.copy_slot = bool(copy_slot)
-        if not self.copy_slot:
-            self._dev = []  # the kernel reads the pinned slot
         # the kernel's ticket/finish counter and the word it relays the flag through
         self._counts = torch.zeros(2, dtype=torch.int32, device=self.device)
+        if prefault:
+            prefault_pages(table)
 
     def stage(self, ids: Any, timeout_s: float = 30.0) -> StagedBatch:
         """Fill the slot with the rows of int ids ``[T, heads]`` and raise the flag.
@@ -173,7 +178,7 @@ class GraphStagedTable(StagedTable):
                 )
         t_fill = time.perf_counter()
         flat = flat_ids(arr)
-        n_unique = self._stager.fill(0, flat)  # a decode step's whole host work: one call
+        n_unique = self.slots.stager.fill(0, flat)  # a decode step's whole host work: one call
         t_flag = time.perf_counter()
         self._flag_np[0] = 1  # x86 keeps store order: the slot's bytes are visible first
         return StagedBatch(
@@ -187,7 +192,7 @@ class GraphStagedTable(StagedTable):
             },
         )
 
-    def lookup(self, out: Any = None) -> Any:  # type: ignore[override]
+    def lookup(self, out: Any = None) -> Any:
         """Enqueue the step on the current stream: with ``wait="spin"`` the lookup kernel on the
         pinned slot, which waits for the flag and writes it back to 0 when done; with
         ``"stream"`` the driver's wait for the flag, the slot's copy (``copy_slot``), the
@@ -197,25 +202,66 @@ class GraphStagedTable(StagedTable):
         Raises:
             KernelError: ``out`` has the wrong shape or dtype, or a driver call failed.
         """
-        out = self._out(self.shape, out)
+        slots = self.slots
+        out = slots.out(self.shape, out)
         if self.wait == "spin":
             handover = (self._flag_uva, self._counts)
-            self._launch(self._host[0], self.max_ids, self.max_ids, out, True, handover)
+            slots.launch(slots.host[0], self.max_ids, self.max_ids, out, pinned=True,
+                         handover=handover)  # fmt: skip
             return out
         stream = ctypes.c_void_p(torch.cuda.current_stream(self.device).cuda_stream)
         flag = int(self._flag.data_ptr())
         _check("cuStreamWaitValue32", self._lib.cuStreamWaitValue32_v2(stream, flag, 1, _WAIT_EQ))
         if self.copy_slot:
-            self._dev[0].copy_(self._host[0], non_blocking=True)
+            slots.dev[0].copy_(slots.host[0], non_blocking=True)
         else:
-            self._launch(self._host[0], self.max_ids, self.max_ids, out, pinned=True)
+            slots.launch(slots.host[0], self.max_ids, self.max_ids, out, pinned=True)
         _check(
             "cuStreamWriteValue32",
             self._lib.cuStreamWriteValue32_v2(stream, flag, 0, _WRITE_DEFAULT),
         )
         if self.copy_slot:
-            self._launch(self._dev[0], self.max_ids, self.max_ids, out)
+            slots.launch(slots.dev[0], self.max_ids, self.max_ids, out)
         return out
+
+    def rows_into(self, ids: Any, out: Any) -> None:
+        """:class:`~flashnext.kernels.rows.Rows`: :meth:`stage` (ids as torch or numpy int
+        ``shape``) then :meth:`lookup` into ``out`` (eager: a captured graph calls
+        :meth:`stage` and replays its :meth:`lookup` instead)."""
+        self.stage(ids.cpu().numpy() if hasattr(ids, "cpu") else ids)
+        self.lookup(out)
+
+    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
+        """:meth:`StagedTable.set_hot_rows <flashnext.kernels.staged.StagedTable.set_hot_rows>`."""
+        return self.slots.set_hot_rows(hot_rows, cache_bytes)
+
+    def share_cache(self, other: OnSlots) -> CacheInfo:
+        """:meth:`StagedTable.share_cache <flashnext.kernels.staged.StagedTable.share_cache>`."""
+        return self.slots.share(other.slots)
+
+    @property
+    def cache_info(self) -> CacheInfo:
+        """The device cache: rows and device bytes (0, 0 when off)."""
+        return self.slots.cache_info
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this table pins (its staging slot; no table rows)."""
+        return self.slots.pinned_bytes
+
+    @property
+    def slot_map(self) -> np.ndarray | None:
+        """The device cache's slot of each served row (``StagedTable.slot_map``)."""
+        return self.slots.stager.slot_map
+
+    @property
+    def cold_hints(self) -> str:
+        """The ``cold_hints`` mode (settable between steps: ``"off"``, ``"on"``, ``"auto"``)."""
+        return self.slots.stager.cold_hints
+
+    @cold_hints.setter
+    def cold_hints(self, mode: str) -> None:
+        self.slots.stager.set_cold_hints(mode)
 
     def release(self) -> None:
         """Raise the flag without new rows, so a launched lookup stuck waiting completes

@@ -24,6 +24,7 @@ import numpy as np
 from flashnext._extras import require
 from flashnext.errors import KernelError
 from flashnext.host.table import PLETable, StoredTable
+from flashnext.kernels._layout import rows_that_fit
 from flashnext.kernels.records import RecordLayout, pack_records, record_layout
 from flashnext.placement import Placement
 from flashnext.ple.formats import E2M1_CODES, E4M3, Codec
@@ -94,6 +95,7 @@ class GpuTable:
         records: Any,
         row_range: tuple[int, int],
         num_rows: int,
+        *,
         shard_starts: np.ndarray,
         shard_scale_2: np.ndarray | None,
         device: Any,
@@ -160,7 +162,8 @@ class GpuTable:
         )
         _fill_records(stored, layout, start, end, records)
         s2 = _shard_scale_2(stored.codec, stored)
-        gpu = cls(layout, records, (start, end), stored.num_rows, stored.shard_starts, s2, device)
+        gpu = cls(layout, records, (start, end), stored.num_rows, shard_starts=stored.shard_starts,
+                  shard_scale_2=s2, device=device)  # fmt: skip
         if hot_rows is not None and cache_bytes > 0:
             gpu.set_hot_rows(hot_rows, cache_bytes)
         return gpu
@@ -173,6 +176,7 @@ class GpuTable:
         records: Any,
         row_range: tuple[int, int],
         num_rows: int,
+        *,
         shard_starts: Sequence[int] = (0,),
         shard_scale_2: Sequence[float] | None = None,
         device: Any = "cuda",
@@ -190,7 +194,8 @@ class GpuTable:
                 f"[{rows}, {layout.record_bytes}] for {codec.name} rows {row_range}"
             )
         s2 = None if shard_scale_2 is None else np.asarray(shard_scale_2, np.float32)
-        return cls(layout, records, row_range, num_rows, np.asarray(shard_starts), s2, device)
+        return cls(layout, records, row_range, num_rows, shard_starts=np.asarray(shard_starts),
+                   shard_scale_2=s2, device=device)  # fmt: skip
 
     def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
         """Cache the first rows of ``hot_rows`` that fit in ``cache_bytes`` on the device.
@@ -205,9 +210,7 @@ class GpuTable:
             raise KernelError("a hot-row cache serves pinned tables; this one is on the device")
         start, end = self.row_range
         ids = hot_row_ids(hot_rows)
-        ids = ids[(ids >= start) & (ids < end)]
-        _, first = np.unique(ids, return_index=True)
-        ids = ids[np.sort(first)][: max(0, int(cache_bytes)) // self.layout.record_bytes]
+        ids = ids[rows_that_fit(ids, self.row_range, cache_bytes, self.layout.record_bytes)]
         local = torch.from_numpy(ids - start)
         slot_map = torch.full((end - start,), -1, dtype=torch.int32, device=self.device)
         slot_map[local.to(self.device)] = torch.arange(
@@ -217,6 +220,12 @@ class GpuTable:
         self._slot_map = slot_map
         self.sort_min_ids = CACHED_SORT_MIN_IDS
         return self.cache_info
+
+    @property
+    def slot_map(self) -> Any:
+        """The device cache's slot of each served row (torch int32 ``[end - start]`` on the
+        device, -1 = not cached), or None without a cache."""
+        return self._slot_map
 
     @property
     def cache_info(self) -> CacheInfo:
@@ -231,6 +240,10 @@ class GpuTable:
     @property
     def width(self) -> int:
         return self.layout.width
+
+    def rows_into(self, ids: Any, out: Any) -> None:
+        """:class:`~flashnext.kernels.rows.Rows`: :meth:`lookup` into ``out``."""
+        self.lookup(ids, out=out)
 
     def lookup(self, ids: Any, out: Any = None) -> Any:
         """bf16 ``[T, heads * width]`` rows for int ids ``[T, heads]`` (global row ids).

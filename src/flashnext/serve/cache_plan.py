@@ -26,6 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flashnext.errors import PluginError
+from flashnext.kernels._layout import (  # the cache's layout, declared with the kernels'
+    HIT_BLOCK,
+    HIT_LINE_BYTES,
+    MEMO_LINE_BYTES,
+    MEMO_LINES,
+    SLOT_MAP_BYTES,
+    rows_that_fit,
+)
 from flashnext.sizes import SIZE_HINT, SizeError, byte_count, gib
 
 if TYPE_CHECKING:
@@ -34,16 +42,6 @@ if TYPE_CHECKING:
 
 #: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-#: Bytes per served row of the cache's int32 slot map: on the GPU in front of a pinned table
-#: (``GpuTable``), in host RAM in front of a staged one (``StagedTable``).
-SLOT_MAP_BYTES = 4
-#: Rows per 64-byte line of the staged path's hit index (``_staging.build_hit_index``).
-HIT_BLOCK = 384
-HIT_LINE_BYTES = 64
-#: Lines of the staged path's group memo (``_staging.classify_grouped``), 64 bytes each: a
-#: fixed 64 MiB per cache, whatever the table's size.
-MEMO_LINES = 1 << 20
-MEMO_LINE_BYTES = 64
 
 
 def staged_cache_host_bytes(rows: int, ranks: int = 1) -> int:
@@ -181,9 +179,8 @@ def plan_cache(
     ids = np.asarray(profile.row_ids, dtype=np.int64)
     counts = np.asarray(profile.counts, dtype=np.int64)
     lo, hi = row_range
-    inside = (ids >= lo) & (ids < hi)
-    mine = counts[inside]
-    kept = min(mine.size, max(0, cache_bytes) // max(1, record_bytes))
+    mine = counts[(ids >= lo) & (ids < hi)]
+    kept = rows_that_fit(ids, row_range, cache_bytes, record_bytes).size
     unprofiled = max(0, int(profile.total_lookups) - int(counts.sum()))
     share = (hi - lo) / max(1, num_rows)
     lookups = int(mine.sum()) + unprofiled * share

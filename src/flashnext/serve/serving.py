@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from flashnext.errors import PluginError
+from flashnext.kernels.rows import Rows
 from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
 from flashnext.serve.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.sizes import gib
@@ -258,15 +259,13 @@ class SidecarRows:
         target = self._gpu if choice.placement == "pinned" else self._staged
         if cache is not None and cache[1] is not None and target is not None:
             attach_cache(target, cache[1], cache[0].cache_bytes)
+        self._rows: Rows | None = self._gpu if self._gpu is not None else self._staged
 
     def lookup(self, ids: Any, out: Any) -> None:
         """Fill ``out`` (torch bf16 ``[N, heads * width]``, contiguous) with the rows of ``ids``
         (torch int64 ``[N, heads]``, global row ids; rows outside this rank's range give 0)."""
-        if self._gpu is not None:
-            self._gpu.lookup(ids, out=out)
-        elif self._staged is not None:
-            batch = self._staged.stage(ids.cpu().numpy())
-            self._staged.lookup(batch, out=out)
+        if self._rows is not None:
+            self._rows.rows_into(ids, out)
         else:
             self._host_lookup(ids, out)
 
