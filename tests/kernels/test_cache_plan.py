@@ -28,7 +28,7 @@ def test_sizes(text, size):
 )
 def test_bad_sizes_name_the_switch(text):
     # A bare number other than 0 could be bytes or GiB: refused like every size flag.
-    with pytest.raises(PluginError, match=r"^FLASHNEXT_PLE_CACHE=.*: expected a cache size"):
+    with pytest.raises(PluginError, match=r"^FLASHNEXT_PLE_DEVICE_CACHE=.*: expected a cache size"):
         parse_cache_size(text)
 
 

@@ -177,7 +177,7 @@ def test_bad_arguments_are_named(sidecars):
             torch.zeros(2, HEADS, dtype=torch.int64, device=DEVICE),
             out=torch.empty(2, 7, dtype=torch.bfloat16, device=DEVICE),
         )
-    with pytest.raises(KernelError, match="a hot-row cache serves pinned tables"):
+    with pytest.raises(KernelError, match="a device cache serves pinned tables"):
         gpu.set_hot_rows(np.arange(3), 1 << 20)
     if CUDA:
         with pytest.raises(KernelError, match="wait is 'poll', expected one of spin, stream"):

@@ -172,7 +172,7 @@ def test_profile_defaults_to_the_sidecars_own(tmp_path, rng):
     assert (
         profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.hot_rows.safetensors"
     )
-    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no hot-row profile for"):
+    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no profile for"):
         profile_path(tmp_path / "s", tmp_path / "p" / "layer_3", PREFIX)
 
 
@@ -223,12 +223,12 @@ def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
     assert rows.cache.expected_hit_rate is None and "the cpu path has none" in rows.cache.describe()
     sidecar = open_sidecar(tmp_path / "s")
     plan, _ = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "staged")
-    assert "no hot-row profile beside or in" in plan.describe()
+    assert "no profile beside or in" in plan.describe()
     _profiled(tmp_path / "s", geo, rng)
     plan, profile = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "pinned")
     assert plan.rows == len(profile) and plan.expected_hit_rate == pytest.approx(1.0)
     off, none = plan_layer_cache(sidecar, PREFIX, 0, None, (0, geo.num_rows), "pinned")
-    assert none is None and "FLASHNEXT_PLE_CACHE is 0" in off.describe()
+    assert none is None and "FLASHNEXT_PLE_DEVICE_CACHE is 0" in off.describe()
 
 
 def test_a_profile_of_another_layer_is_refused(tmp_path, rng):

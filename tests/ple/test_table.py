@@ -338,8 +338,29 @@ def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
 def test_hot_rows_takes_a_profile_or_ids_only(hot, tmp_path, rng):
     """A count or a file name is no longer a hot tier: the error says what is (issue 21)."""
     write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)
-    with pytest.raises(SidecarError, match="HotRowProfile or 1-D integer row ids"):
-        open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    with pytest.raises(SidecarError, match="hot_tier must be a RowProfile or 1-D integer row ids"):
+        open_table(tmp_path / "t", "mmap", hot_tier=hot)
+
+
+def test_hot_rows_is_the_old_name_of_hot_tier(tmp_path, rng, monkeypatch, caplog):
+    """``open_table(hot_rows=)`` and ``PLETable.hot_rows`` still work; the old keyword says so
+    once per process."""
+    from flashnext import words
+
+    monkeypatch.setattr(words, "_said", set())
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)
+    hot = rng.permutation(300)[:40]
+    ids = rng.integers(0, 300, size=(7, 3))
+    with open_table(tmp_path / "t", "mmap", hot_tier=hot) as new:
+        want, rows = new.lookup(ids), new.hot_tier_rows
+    for _ in range(2):
+        with open_table(tmp_path / "t", "mmap", hot_rows=hot) as old:
+            assert old.hot_rows == old.hot_tier_rows == rows == 40
+            np.testing.assert_array_equal(old.lookup(ids), want)
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert said == [
+        "warning: open_table(hot_rows=) is deprecated; it is now spelled open_table(hot_tier=)"
+    ]
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")

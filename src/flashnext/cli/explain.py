@@ -38,7 +38,7 @@ def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
     plans = []
     if model_path:
         model = load_model(model_path)
-        req = build_request(kw)
+        req = build_request(kw, model)
         for e in events:
             if e.kind in ("kv_capacity_error", "mamba_blocks_error"):
                 plan = replan_failure(model, req, e, logged_kv_memory_bytes(events))

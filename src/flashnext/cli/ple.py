@@ -49,7 +49,7 @@ from flashnext.ple.preflight import (
 from flashnext.ple.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
-    HotRowProfile,
+    RowProfile,
     default_profile_path,
     layer_geometry,
     load_profile,
@@ -544,8 +544,12 @@ def warm(directory: Path, as_json: bool) -> None:
         note(pageout_warning(agent, str(directory)), style="yellow")
 
 
-def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]:
-    """``--hot-rows`` as (rows, profile path): a count, or a profile file / directory."""
+#: 2: ``hot_rows`` / ``hot_rows_profile`` became ``hot_tier_rows`` / ``hot_tier_profile``.
+PREFLIGHT_SCHEMA = 2
+
+
+def _hot_tier_option(value: str | None, num_rows: int) -> tuple[int, str | None]:
+    """``--hot-tier`` as (rows, profile path): a count, or a profile file / directory."""
     if value is None:
         return 0, None
     if value.isdigit():
@@ -553,8 +557,8 @@ def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]
     path = Path(value)
     if not path.exists():
         raise click.BadParameter(
-            f"expected a row count or a hot-row profile, found {value!r} (no such file)",
-            param_hint="--hot-rows",
+            f"expected a row count or a profile, found {value!r} (no such file)",
+            param_hint="--hot-tier",
         )
     profile = load_profile(path)
     return min(len(profile), num_rows), str(path)
@@ -582,11 +586,12 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
     help="How the table is held: mmap (a sidecar's default) or resident (a checkpoint's: stock "
     "vLLM copies its table into the weights).",
 )
+@old_spelling("--hot-rows", "--hot-tier", "hot_tier")
 @click.option(
-    "--hot-rows",
+    "--hot-tier",
     metavar="N|PROFILE",
     default=None,
-    help="mmap: a hot tier of N rows, or of the rows of a hot-row profile.",
+    help="mmap: a hot tier of N rows, or of the rows of a profile (flashnext ple profile).",
 )
 @click.option(
     "--host-root",
@@ -606,7 +611,7 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
 def preflight(
     directory: Path,
     residency: str | None,
-    hot_rows: str | None,
+    hot_tier: str | None,
     host_root: Path,
     memory_cgroup: Path | None,
     as_json: bool,
@@ -622,11 +627,11 @@ def preflight(
     """
     checkpoint = (directory / "config.json").exists() and not (directory / "META.json").exists()
     if checkpoint:
-        if residency == "mmap" or hot_rows is not None:
+        if residency == "mmap" or hot_tier is not None:
             raise click.BadParameter(
                 "a checkpoint's table is copied into vLLM's weights: it is served resident "
                 "(quantize it to a sidecar to serve it memory-mapped)",
-                param_hint="--residency/--hot-rows",
+                param_hint="--residency/--hot-tier",
             )
         table_bytes, fmt = _checkpoint_table_bytes(directory)
         hot, profile_path, per_row, residency = 0, None, 0, "resident"
@@ -634,13 +639,13 @@ def preflight(
     else:
         sidecar = open_sidecar(directory)
         residency, fmt = residency or "mmap", sidecar.format
-        if residency == "resident" and hot_rows is not None:
+        if residency == "resident" and hot_tier is not None:
             raise click.BadParameter(
-                "a hot tier applies to --residency mmap", param_hint="--hot-rows"
+                "a hot tier applies to --residency mmap", param_hint="--hot-tier"
             )
         per_row = sidecar.codec.bytes_per_row(sidecar.width)
         table_bytes = sidecar.num_rows * per_row
-        hot, profile_path = _hot_rows_option(hot_rows, sidecar.num_rows)
+        hot, profile_path = _hot_tier_option(hot_tier, sidecar.num_rows)
         fixes = COMMAND_LINE
     verdict = preflight_table(
         table_bytes,
@@ -651,21 +656,21 @@ def preflight(
         fixes=fixes,
     )
     if as_json:
-        extra = {"format": fmt, "hot_rows": hot, "hot_rows_profile": profile_path}
-        print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra})
+        extra = {"format": fmt, "hot_tier_rows": hot, "hot_tier_profile": profile_path}
+        print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra}, PREFLIGHT_SCHEMA)
     else:
         _show_preflight(verdict, hot)
     if not verdict.ok:
         raise SystemExit(1)
 
 
-def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
+def _show_preflight(verdict: Preflight, hot_tier_rows: int) -> None:
     mem = verdict.memory
     table = Table(title=cell(f"preflight: {verdict.what}"), show_header=False, box=None)
     table.add_row("residency", verdict.residency)
     table.add_row("table", human_bytes(verdict.table_bytes))
     if verdict.residency == "mmap":
-        table.add_row("hot tier", f"{hot_rows:,} rows, {human_bytes(verdict.hot_bytes)}")
+        table.add_row("hot tier", f"{hot_tier_rows:,} rows, {human_bytes(verdict.hot_bytes)}")
     table.add_row("anonymous memory", human_bytes(verdict.anonymous_bytes))
     table.add_row("page cache", human_bytes(verdict.page_cache_bytes))
     table.add_row("can allocate", cell(f"{human_bytes(mem.available)} ({mem.explain()})"))
@@ -726,11 +731,11 @@ def profile(
     out: Path | None,
     as_json: bool,
 ) -> None:
-    """Count which rows of SIDECAR_DIR real text reads: a hot-row profile for --hot-rows.
+    """Count which rows of SIDECAR_DIR real text reads: a profile (for --hot-tier, a device cache).
 
     The text is tokenized and hashed exactly as the model does, through the geometry recorded
     in the sidecar's META.json. The profile is written beside SIDECAR_DIR (never inside an
-    input); an existing file there is replaced only when it is a hot-row profile.
+    input); an existing file there is replaced only when it is a profile.
     """
     target = out or default_profile_path(sidecar_dir)
     tokenizer_file = Path(tokenizer) if tokenizer and Path(tokenizer).exists() else None
@@ -788,7 +793,7 @@ def _profile(
     _show_profile(summary)
 
 
-def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[str, object]:
+def _profile_summary(found: RowProfile, target: Path, num_rows: int) -> dict[str, object]:
     # Counted before --rows truncated the profile (a 5-row profile says nothing of 1%).
     cover = found.meta.get("coverage_by_table_share", {})
     return {
@@ -806,7 +811,7 @@ def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[
 
 
 def _show_profile(summary: dict[str, Any]) -> None:
-    table = Table(title=cell(f"hot-row profile: {summary['profile']}"), show_header=False, box=None)
+    table = Table(title=cell(f"profile: {summary['profile']}"), show_header=False, box=None)
     table.add_row("corpus", f"{summary['files']} files, {summary['tokens']:,} tokens")
     table.add_row("tokenizer", cell(str(summary["tokenizer"])))
     table.add_row("layer", str(summary["layer"]))

@@ -965,7 +965,7 @@ class HostStager:
 
     def cache_rows(self, ids: np.ndarray, cache_bytes: int) -> tuple[np.ndarray, np.ndarray]:
         """Serve the first rows of ``ids`` (int64 ``[n]``, priority order) that fit in
-        ``cache_bytes`` from a device cache from now on (``GpuTable.set_hot_rows``' rule: rows
+        ``cache_bytes`` from a device cache from now on (``GpuTable.set_device_cache``' rule: rows
         outside ``row_range`` skipped, repeats keep their first place, ``cache_bytes //
         record_bytes`` rows kept; 0 rows turn the cache off). Slot ``j`` holds the ``j``-th
         kept row in ascending order (ascending rows gather fastest).

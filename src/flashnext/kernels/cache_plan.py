@@ -1,7 +1,7 @@
-"""The device cache of hot rows in front of a pinned or staged table, planned without a GPU.
+"""The device cache in front of a pinned or staged table, planned without a GPU.
 
-What the plugin's ``FLASHNEXT_PLE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean, in
-the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext plan`` and ``flashnext
+What the plugin's ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches
+mean, in the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext plan`` and ``flashnext
 check`` share (no torch, no vLLM, no GPU):
 
 - :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
@@ -9,8 +9,8 @@ check`` share (no torch, no vLLM, no GPU):
 - :func:`profile_path`: which profile fills a layer's cache (the setting's file, its
   ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.hot_rows.safetensors``
   beside it, where ``flashnext ple profile`` writes, or ``hot_rows.safetensors`` inside it).
-- :func:`plan_cache`: how many rows of a rank's range the cache holds (``GpuTable.set_hot_rows``
-  / ``StagedTable.set_hot_rows``' rule), the GPU bytes they take and the hit rate the profile
+- :func:`plan_cache`: how many rows of a rank's range the cache holds (``GpuTable.set_device_cache``
+  / ``StagedTable.set_device_cache``' rule), the GPU bytes they take and the hit rate the profile
   itself predicts (a truncated profile's unprofiled lookups count as misses).
 - :func:`plan_layer_cache`: all of that for one served layer, refusing a profile made for
   another table (its geometry against the sidecar's META.json).
@@ -58,7 +58,7 @@ def staged_cache_host_bytes(rows: int, ranks: int = 1) -> int:
 CACHED_PLACEMENTS = ("pinned", "staged")
 
 
-def parse_cache_size(value: object, where: str = "FLASHNEXT_PLE_CACHE") -> int:
+def parse_cache_size(value: object, where: str = "FLASHNEXT_PLE_DEVICE_CACHE") -> int:
     """Bytes from ``2GiB``, ``512MiB``, ``1.5GB``, or ``0`` (off; text or a JSON number).
 
     A size needs its unit, as every size flag does (:mod:`flashnext.sizes`): ``0`` is the one
@@ -84,11 +84,12 @@ def slot_map_on_device(placement: str) -> bool:
 
 @dataclass(frozen=True)
 class CachePlan:
-    """The hot-row device cache in front of one layer's pinned or staged rows.
+    """The device cache in front of one layer's pinned or staged rows.
 
     Attributes:
-        cache_bytes: device bytes asked for cached records (``FLASHNEXT_PLE_CACHE``; 0 = off).
-        profile: the hot-row profile file that fills it, or None (no cache then).
+        cache_bytes: device bytes asked for cached records (``FLASHNEXT_PLE_DEVICE_CACHE``;
+            0 = off).
+        profile: the profile file that fills it, or None (no cache then).
         rows: rows of this rank's range that fit (the profile's order, ``cache_bytes //
             record_bytes`` at most).
         expected_hit_rate: the share of this rank's profiled lookups those rows serve (from
@@ -110,13 +111,13 @@ class CachePlan:
         if self.expected_hit_rate is None:
             return f"no device cache ({self.reason})"
         return (
-            f"device cache {gib(self.cache_bytes)} = {self.rows} hot rows from "
+            f"device cache {gib(self.cache_bytes)} = {self.rows} rows from "
             f"{self.profile}, expected hit rate {100 * self.expected_hit_rate:.1f}%"
         )
 
 
 def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path | None:
-    """The hot-row profile for the layer ``prefix`` serves from ``sidecar_dir``.
+    """The profile for the layer ``prefix`` serves from ``sidecar_dir``.
 
     ``setting`` (``FLASHNEXT_PLE_PROFILE``) is a profile file, or a directory read like the
     sidecar root (``layer_{L}/hot_rows.safetensors``, ``layer_{L}.hot_rows.safetensors`` or
@@ -141,7 +142,7 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
         if candidate.is_file():
             return candidate
     raise PluginError(
-        f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a profile "
+        f"FLASHNEXT_PLE_PROFILE={setting}: no profile for {prefix} (expected a profile "
         f"file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
         f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text FILES...`"
     )
@@ -160,13 +161,13 @@ def plan_cache(
     """How many of ``profile``'s rows a cache of ``cache_bytes`` holds for ``row_range``, the
     GPU bytes they take, and the share of the rank's lookups they serve.
 
-    The rows kept follow ``set_hot_rows``' rule (profile order, rows inside the range,
+    The rows kept follow ``set_device_cache``' rule (profile order, rows inside the range,
     ``cache_bytes // record_bytes`` of them). The hit rate's denominator is the profiled lookups
     of this range: the profile's counts inside it, plus the lookups of rows the profile left
     out (``total_lookups`` less every count) in the range's share of the table's rows.
 
     Args:
-        profile: the hot-row profile (row ids int64 ``[n]`` in priority order, counts ``[n]``).
+        profile: the profile (row ids int64 ``[n]`` in priority order, counts ``[n]``).
         path: its file, for the description.
         cache_bytes, record_bytes: the cache size and one row's record bytes.
         row_range: this rank's rows ``[start, end)``; num_rows: the table's rows.
@@ -211,12 +212,12 @@ def plan_layer_cache(
     from flashnext.ple.profile import load_profile
 
     if cache_bytes <= 0:
-        return CachePlan(0, None, reason="FLASHNEXT_PLE_CACHE is 0"), None
+        return CachePlan(0, None, reason="FLASHNEXT_PLE_DEVICE_CACHE is 0"), None
     if placement not in CACHED_PLACEMENTS:
         return CachePlan(cache_bytes, None, reason=f"the {placement} path has none"), None
     path = profile_path(sidecar.path, setting, prefix)
     if path is None:
-        why = f"no FLASHNEXT_PLE_PROFILE and no hot-row profile beside or in {sidecar.path}"
+        why = f"no FLASHNEXT_PLE_PROFILE and no profile beside or in {sidecar.path}"
         return CachePlan(cache_bytes, None, reason=why), None
     profile = load_profile(path)
     check_profile_table(profile, path, sidecar)
@@ -240,13 +241,13 @@ def check_profile_table(profile: HotRowProfile, path: Path, sidecar: Sidecar) ->
     rows = geometry.get("num_rows") if isinstance(geometry, dict) else None
     if ours is not None and isinstance(geometry, dict) and geometry != ours:
         raise PluginError(
-            f"hot-row profile {path} was made for another PLE table than sidecar {sidecar.path} "
+            f"profile {path} was made for another PLE table than sidecar {sidecar.path} "
             "(their geometries differ: another layer or model); profile this sidecar with "
             "`flashnext ple profile`"
         )
     top = int(profile.row_ids.max()) if len(profile) else -1
     if top >= sidecar.num_rows or (rows is not None and rows != sidecar.num_rows):
         raise PluginError(
-            f"hot-row profile {path} names rows up to {max(top, (rows or 0) - 1)}, but sidecar "
+            f"profile {path} names rows up to {max(top, (rows or 0) - 1)}, but sidecar "
             f"{sidecar.path} has {sidecar.num_rows} rows; profile this sidecar"
         )

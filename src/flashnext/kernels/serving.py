@@ -24,6 +24,7 @@ from flashnext.sizes import gib
 
 if TYPE_CHECKING:
     from flashnext.ple.geometry import PLEGeometry
+    from flashnext.ple.preflight import HostMemory
     from flashnext.ple.sidecar import Sidecar
     from flashnext.ple.table import PLETable
 
@@ -117,7 +118,11 @@ class PlacementChoice:
 
 
 def choose_placement(
-    setting: str, device: Any, table_bytes: int, device_free: int | None = None
+    setting: str,
+    device: Any,
+    table_bytes: int,
+    device_free: int | None = None,
+    memory: HostMemory | None = None,
 ) -> PlacementChoice:
     """Pick the serving path for ``table_bytes`` of records (this rank's rows).
 
@@ -127,6 +132,8 @@ def choose_placement(
             ``cpu``); only its name is read.
         table_bytes: bytes of this rank's per-row records.
         device_free: free GPU bytes, or None when unknown (``device`` is then not refused).
+        memory: the host memory to judge ``pinned`` by (``flashnext plan``'s); None: this
+            process's host, read now (the plugin's).
 
     ``auto``: pinned host memory (UVA) when the host preflight says it fits, else staged from a
     memory map; ``device`` (GPU memory) only when asked, since it takes GPU memory vLLM would
@@ -152,12 +159,12 @@ def choose_placement(
             )
         return PlacementChoice("device", "asked for")
     if setting == "pinned":
-        check_fits(table_bytes, f"pinned host memory for {what}")
+        check_fits(table_bytes, f"pinned host memory for {what}", memory=memory)
         return PlacementChoice("pinned", "asked for")
     if setting == "staged":
         return PlacementChoice("staged", "asked for")
     try:
-        check_fits(table_bytes, f"pinned host memory for {what}")
+        check_fits(table_bytes, f"pinned host memory for {what}", memory=memory)
     except PreflightError as exc:
         return PlacementChoice("staged", f"auto: pinned does not fit ({exc})")
     return PlacementChoice("pinned", "auto: fits in host memory")
@@ -173,23 +180,23 @@ def host_residency(choice: PlacementChoice, setting: str) -> Residency:
     return "resident" if choice.placement == "cpu" and setting in ("device", "pinned") else "mmap"
 
 
-# -- the device cache of hot rows (planned by flashnext.kernels.cache_plan) ---------------------
+# -- the device cache (planned by flashnext.kernels.cache_plan) ---------------------------------
 def attach_cache(target: Any, profile: Any, cache_bytes: int) -> Any:
     """Fill the device cache of a pinned ``GpuTable`` or a ``StagedTable`` from ``profile``.
 
-    Both take the same call, ``set_hot_rows(profile, cache_bytes)``: the one place the
+    Both take the same call, ``set_device_cache(profile, cache_bytes)``: the one place the
     plugin's cache switch meets the kernels. Returns their ``CacheInfo``.
 
     Raises:
         PluginError: ``target`` has no device cache (a staged table of a flashnext built before
             the staged cache existed).
     """
-    if not hasattr(target, "set_hot_rows"):
+    if not hasattr(target, "set_device_cache"):
         raise PluginError(
             f"{type(target).__name__} has no device cache in this flashnext; set "
-            "FLASHNEXT_PLE_CACHE=0 or use FLASHNEXT_PLE_PLACEMENT=pinned"
+            "FLASHNEXT_PLE_DEVICE_CACHE=0 or use FLASHNEXT_PLE_PLACEMENT=pinned"
         )
-    return target.set_hot_rows(profile, cache_bytes)
+    return target.set_device_cache(profile, cache_bytes)
 
 
 # -- the rows object the plugin calls ------------------------------------------------------
@@ -201,7 +208,7 @@ class SidecarRows:
         choice: the serving path (:func:`choose_placement`).
         device: the torch device the lookups run on.
         max_ids: the most ids one staged lookup takes (``staged`` sizes its buffers by it).
-        cache: the hot-row cache (:func:`plan_layer_cache`) and its profile; pinned and staged
+        cache: the device cache (:func:`plan_layer_cache`) and its profile; pinned and staged
             only, ignored elsewhere.
     """
 
@@ -281,7 +288,7 @@ def open_rows(
         device: the torch device the model is built on.
         device_free: free GPU bytes, or None.
         max_ids: the most ids one lookup takes.
-        cache_bytes: the hot-row device cache (``FLASHNEXT_PLE_CACHE``; 0 = off).
+        cache_bytes: the device cache (``FLASHNEXT_PLE_DEVICE_CACHE``; 0 = off).
         profile: ``FLASHNEXT_PLE_PROFILE`` (:func:`profile_path`), or None.
 
     Raises:

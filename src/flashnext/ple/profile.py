@@ -51,7 +51,7 @@ DEMO_TOKENIZER = "demo"
 
 
 @dataclass(frozen=True)
-class HotRowProfile:
+class RowProfile:
     """Rows by use: ``row_ids`` int64 [N] (count descending, ties by id), ``counts`` int64 [N].
 
     ``meta`` is the profile record's payload (corpus, tokenizer, geometry, layer).
@@ -72,12 +72,15 @@ class HotRowProfile:
         return float(self.counts[: max(n, 0)].sum()) / self.total_lookups
 
 
+HotRowProfile = RowProfile  # deprecated: the old name of RowProfile
+
+
 def build_profile(
     geometry: PLEGeometry,
     token_arrays: Iterable[object],
     rows: int | None = None,
     meta: Mapping[str, Any] | None = None,
-) -> HotRowProfile:
+) -> RowProfile:
     """Hash each token array (one fresh request each) through ``geometry`` and count rows.
 
     Args:
@@ -107,7 +110,7 @@ def build_profile(
         "coverage_by_table_share": tiers,
         **(meta or {}),
     }
-    return HotRowProfile(ids_seen[order], counts[order], total, payload)
+    return RowProfile(ids_seen[order], counts[order], total, payload)
 
 
 def _coverage_tiers(
@@ -147,7 +150,7 @@ def _merge_counts(
 
 
 def write_profile(
-    path: str | os.PathLike[str], profile: HotRowProfile, lock: DestinationLock | None = None
+    path: str | os.PathLike[str], profile: RowProfile, lock: DestinationLock | None = None
 ) -> Path:
     """Write ``profile`` to ``path`` (a file, or a sidecar directory: the file beside it,
     :func:`default_profile_path`), atomically, under the file's :class:`DestinationLock`:
@@ -182,7 +185,7 @@ def write_profile(
     return target
 
 
-def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
+def load_profile(path: str | os.PathLike[str]) -> RowProfile:
     """Read a profile file (or a sidecar directory's: beside it, else inside) and check it.
 
     Raises:
@@ -194,7 +197,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
         target = _profile_in(target)
     if not target.is_file():
         raise SidecarError(
-            f"{target}: no hot-row profile; build one with `flashnext ple profile SIDECAR "
+            f"{target}: no profile; build one with `flashnext ple profile SIDECAR "
             "--text FILES...`"
         )
     try:
@@ -206,7 +209,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
             source=str(target),
         )
     except (SafetensorsError, RecordError, json.JSONDecodeError) as exc:
-        raise SidecarError(f"{target}: not a hot-row profile ({exc})") from None
+        raise SidecarError(f"{target}: not a profile ({exc})") from None
     arrays = {}
     for name in ("row_ids", "counts"):
         entry = header.tensors.get(name)
@@ -221,7 +224,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
             "re-create the profile with `flashnext ple profile`"
         )
     meta = {k: v for k, v in record.items() if k not in ("schema_version", "kind")}
-    return HotRowProfile(ids, counts, int(record.get("total_lookups", 0)), meta)
+    return RowProfile(ids, counts, int(record.get("total_lookups", 0)), meta)
 
 
 # -- building a profile from text files ---------------------------------------------------------
@@ -336,7 +339,7 @@ def profile_text_files(
     tokenizer_meta: Mapping[str, Any],
     rows: int | None = None,
     progress: Callable[[int], None] | None = None,
-) -> HotRowProfile:
+) -> RowProfile:
     """Tokenize each file, hash it through ``geometry`` (a fresh request per file) and count rows.
 
     ``progress(nbytes)`` is called after each file. The record names every file with its
@@ -361,7 +364,7 @@ def profile_text_files(
     except OSError as exc:
         raise SidecarError(f"{exc.filename}: cannot read the text file ({exc.strerror})") from None
     full_meta = {**profile.meta, "corpus": corpus, "tokens": sum(c["tokens"] for c in corpus)}
-    return HotRowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
+    return RowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
 
 
 def layer_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:

@@ -137,7 +137,7 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
             device,
             free,
             max_ids,
-            settings.ple_cache,
+            settings.ple_device_cache,
             settings.ple_profile,
         )
     except Exception as exc:  # which rank and node could not serve (a slice lacking its rows)
