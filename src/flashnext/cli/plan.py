@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from flashnext import records
-from flashnext.cli._common import FiniteRange, old_spelling
+from flashnext.cli._common import FiniteRange, json_option, old_spelling
 from flashnext.placement import (
     PLACEMENT_SETTINGS,
     RESIDENCIES,
@@ -358,7 +358,7 @@ def read_lines(path: str) -> list[str]:
 )
 @deployment_options
 @click.option("--from-log", "from_log", type=click.Path(), help="Calibrate headroom from a log.")
-@click.option("--json", "as_json", is_flag=True, help="Print a flashnext.plan record.")
+@json_option(records.PLAN_MEMORY)
 def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> None:
     """Plan device and host memory for serving MODEL with vLLM; say what to change.
 

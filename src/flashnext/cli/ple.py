@@ -21,6 +21,7 @@ from flashnext.cli._common import (
     OutputDir,
     cell,
     human_bytes,
+    json_option,
     note,
     old_spelling,
     out_console,
@@ -28,6 +29,7 @@ from flashnext.cli._common import (
     progress,
     say,
     show,
+    sidecar_argument,
 )
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import Terminated, terminate_cleanly
@@ -90,15 +92,15 @@ def ple() -> None:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("directory")
 @click.option(
     "--no-verify",
     is_flag=True,
     help="Skip re-hashing the shards against META.json and scanning their values.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@json_option(PLE_INFO)
 def info(directory: Path, no_verify: bool, as_json: bool) -> None:
-    """Format, rows, width, size, checksum and value status of the sidecar DIRECTORY.
+    """Format, rows, width, size, checksum and value status of SIDECAR.
 
     Verifying re-hashes the shards against META.json's sha256 and reads every floating-point
     value (bf16/fp8 weights, scales) for inf and NaN. Exits 1 when a shard no longer matches
@@ -168,7 +170,7 @@ def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
         note(line, style="red")
 
 
-@ple.command()
+@ple.command("quantize")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dst", type=OutputDir())
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Output format.")
@@ -215,8 +217,8 @@ def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
     help="Quantize even when SRC already stores FORMAT exactly (by default such a table is "
     "copied: rel. RMSE 0).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def quantize(
+@json_option(PLE_QUANTIZE)
+def quantize_sidecar(
     src: Path,
     dst: Path,
     fmt: str,
@@ -405,18 +407,18 @@ def _parse_ids(text: str) -> np.ndarray:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("directory")
 @click.option("--ids", required=True, help="Row ids, comma separated (-1 pads).")
 @click.option("--residency", type=click.Choice(RESIDENCIES), default="mmap", show_default=True)
 @click.option("--raw", is_flag=True, help="Also show the stored (quantized) tensors.")
 @click.option(
     "--warm", is_flag=True, help="Read the shard files into the page cache first (mmap only)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print full rows as JSON on stdout.")
+@json_option(PLE_LOOKUP)
 def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_json: bool) -> None:
-    """Print the dequantized rows of DIRECTORY for --ids (for debugging).
+    """Print the dequantized rows of SIDECAR for --ids (for debugging).
 
-    DIRECTORY may be a slice (`flashnext ple slice`): its rows are looked up where it holds
+    SIDECAR may be a slice (`flashnext ple slice`): its rows are looked up where it holds
     them, and an id outside them is refused, naming the rows it holds.
     """
     from flashnext.ple.table import open_table
@@ -499,10 +501,10 @@ def _warm(table: PLETable, disable: bool, populate: bool = True) -> Warming:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@sidecar_argument("directory")
+@json_option(PLE_WARM)
 def warm(directory: Path, as_json: bool) -> None:
-    """Read the shard files of DIRECTORY into the page cache (no anonymous copy).
+    """Read the shard files of SIDECAR into the page cache (no anonymous copy).
 
     Large sequential reads after posix_fadvise(WILLNEED): the first lookups of a server that
     maps the table afterwards find their rows cached instead of reading them from disk. Warns
@@ -578,7 +580,7 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("directory")
 @click.option(
     "--residency",
     type=click.Choice(RESIDENCIES),
@@ -607,7 +609,7 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
     help="Check against this memory cgroup's directory (v1 or v2), where the server will run, "
     "instead of this process's own cgroup; vLLM itself does not read the limit.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@json_option(PLE_PREFLIGHT)
 def preflight(
     directory: Path,
     residency: str | None,
@@ -616,9 +618,9 @@ def preflight(
     memory_cgroup: Path | None,
     as_json: bool,
 ) -> None:
-    """Will the table of DIRECTORY fit in this host's memory when served with --residency?
+    """Will the table of SIDECAR fit in this host's memory when served with --residency?
 
-    DIRECTORY is a sidecar, or a checkpoint (config.json, no META.json): the table stock vLLM
+    SIDECAR may also be a checkpoint (config.json, no META.json): the table stock vLLM
     would copy into its weights, always resident. Resident: the whole table is anonymous memory
     (MemAvailable, the memory cgroup's limit less its usage plus reclaimable page cache, the
     commit limit under vm.overcommit_memory=2). Memory-mapped: the hot tier is, and the table
@@ -685,7 +687,7 @@ def _show_preflight(verdict: Preflight, hot_tier_rows: int) -> None:
 
 
 @ple.command()
-@click.argument("sidecar_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("sidecar_dir")
 @click.option(
     "--text",
     "texts",
@@ -719,9 +721,9 @@ def _show_preflight(verdict: Preflight, hot_tier_rows: int) -> None:
     "out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help=f"Profile file [default: SIDECAR_DIR.{PROFILE_NAME} beside SIDECAR_DIR].",
+    help=f"Profile file [default: SIDECAR.{PROFILE_NAME} beside SIDECAR].",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option(PLE_PROFILE_SUMMARY)
 def profile(
     sidecar_dir: Path,
     texts: tuple[Path, ...],
@@ -731,10 +733,10 @@ def profile(
     out: Path | None,
     as_json: bool,
 ) -> None:
-    """Count which rows of SIDECAR_DIR real text reads: a profile (for --hot-tier, a device cache).
+    """Count which rows of SIDECAR real text reads: a profile (for --hot-tier, a device cache).
 
     The text is tokenized and hashed exactly as the model does, through the geometry recorded
-    in the sidecar's META.json. The profile is written beside SIDECAR_DIR (never inside an
+    in the sidecar's META.json. The profile is written beside SIDECAR (never inside an
     input); an existing file there is replaced only when it is a profile.
     """
     target = out or default_profile_path(sidecar_dir)
@@ -843,13 +845,13 @@ def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 
 
 @ple.command("slice")
-@click.argument("sidecar", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("sidecar")
 @click.argument("dst", type=OutputDir())
 @click.option("--tp", type=click.IntRange(min=1, max=4096), required=True, is_eager=True,
               help="Tensor-parallel size the model is served with.")  # fmt: skip
 @click.option("--ranks", required=True, callback=_rank_list,
               help="The ranks this node serves, comma separated (e.g. 0,1).")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@json_option(PLE_SLICE)
 def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: bool) -> None:
     """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
 

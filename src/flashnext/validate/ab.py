@@ -378,9 +378,9 @@ def teacher_forced(base: list[M.TopK], cand: list[M.TopK], tokens: list[int]) ->
     return {
         "positions": len(tokens),
         "top1_agreement": sum(bool(s) for s in same) / len(same),
-        "kl": M.summarize([float(v) for v in pos["kl"]]),
-        "tv": M.summarize([float(v) for v in pos["tv"]]),
-        "logprob_delta_abs": M.summarize(deltas),
+        "kl": M.distribution([float(v) for v in pos["kl"]]),
+        "tv": M.distribution([float(v) for v in pos["tv"]]),
+        "logprob_delta_abs": M.distribution(deltas),
         "per_position": {"kl": pos["kl"], "tv": pos["tv"], "top1_same": same},
     }
 
@@ -417,8 +417,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tf_prompts": len(tf),
         "tf_positions": len(same),
         "top1_agreement": sum(same) / len(same) if same else None,
-        "kl": M.summarize(kl),
-        "tv": M.summarize(tv),
+        "kl": M.distribution(kl),
+        "tv": M.distribution(tv),
     }
 
 
