@@ -124,7 +124,7 @@ async def run_ab(
     wall_s = round(time.monotonic() - t0, 3)
     results = [finished[i] for i in sorted(finished)]
     answers = [r.pop("_answer") for r in results if "_answer" in r]
-    summary = summarize(results)
+    summary = summarize_ab(results)
     stop = _interruption(interrupts, len(results), len(cfg.prompts))
     return {
         "baseline": base.info(),
@@ -385,7 +385,7 @@ def teacher_forced(base: list[M.TopK], cand: list[M.TopK], tokens: list[int]) ->
     }
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_ab(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Pooled numbers over the prompts that completed (teacher-forced ones pooled by position)."""
     ok = [r for r in rows if not r.get("error")]
     tf = [r["tf"] for r in ok if r.get("tf")]
