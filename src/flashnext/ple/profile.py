@@ -1,4 +1,4 @@
-"""Hot-row profiles: which rows of a PLE table real text reads most, in priority order.
+"""Profiles: which rows of a PLE table real text reads most, in priority order.
 
 Spec (schema version 1): a safetensors file, by default ``SIDECAR.hot_rows.safetensors`` beside
 the sidecar directory ``SIDECAR`` (:func:`default_profile_path`; never inside it: a writer does

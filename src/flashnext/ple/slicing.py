@@ -3,7 +3,7 @@
 Under tensor parallelism rank ``r`` of ``tp`` serves rows ``[r*P, (r+1)*P)``, ``P = num_rows /
 tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its ranks' rows.
 :func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
-against the source's META.json (where it records one), copies the hot-row profile (beside
+against the source's META.json (where it records one), copies the profile (beside
 or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
 :mod:`flashnext.ple.sidecar`). Every file is written under a temporary name and renamed when
 complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
@@ -115,7 +115,7 @@ def slice_file_names(plan: SlicePlan, sidecar: Sidecar) -> list[str]:
 
 
 def source_profile(sidecar: Sidecar) -> Path | None:
-    """The sidecar's hot-row profile: beside it (``ple profile``'s default) or inside it."""
+    """The sidecar's profile: beside it (``ple profile``'s default) or inside it."""
     own = [default_profile_path(sidecar.path), sidecar.path / PROFILE_NAME]
     return next((p for p in own if p.is_file()), None)
 
@@ -126,7 +126,7 @@ def write_slice(
     plan: SlicePlan,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
-    """Copy ``plan``'s shards (and the hot-row profile) into ``dst``, then write META.json.
+    """Copy ``plan``'s shards (and the profile) into ``dst``, then write META.json.
 
     Args:
         sidecar: the source (a whole sidecar or a slice holding the ranks' rows).

@@ -344,7 +344,7 @@ class PLETable:
         bad = ids[(ids < 0) | (ids >= self.num_rows)]
         if bad.size:
             raise SidecarError(
-                f"{self.sidecar.path}: hot row id {int(bad[0])} is outside the table's "
+                f"{self.sidecar.path}: hot-tier row id {int(bad[0])} is outside the table's "
                 f"{self.num_rows} rows; was the profile built for another table?"
             )
         start, end = self.row_range
