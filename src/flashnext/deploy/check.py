@@ -582,16 +582,13 @@ def check_memory_plan(ctx: CheckContext) -> Check:
 
 def _planned_ple(cpu_offload: bool, plugin: PluginSettings | None) -> dict[str, Any]:
     """The PLE placement and device cache the planned environment serves with: vLLM's own
-    (pinned with cpu_offload, else device) unless a sidecar placement is switched on, and the
+    (pinned with cpu_offload, else device) unless a sidecar is switched on, and the
     ``FLASHNEXT_PLE_DEVICE_CACHE`` bytes per layer in front of it (counted before the KV pool)."""
     placement = "pinned" if cpu_offload else "device"
     if plugin is None or plugin.ple_sidecar is None:
         return {"ple_placement": placement}
-    if plugin.ple_placement != "auto":
-        placement = plugin.ple_placement
-    elif plugin.ple_device_cache:
-        placement = "pinned"  # auto places pinned or staged; the cache costs the same bar the map
-    return {"ple_placement": placement, "ple_device_cache": plugin.ple_device_cache}
+    # auto is resolved by the planner as the plugin resolves it (choose_placement)
+    return {"ple_placement": plugin.ple_placement, "ple_device_cache": plugin.ple_device_cache}
 
 
 def probe_pidfd_getfd() -> tuple[str, int]:
