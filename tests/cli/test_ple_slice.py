@@ -141,10 +141,10 @@ def test_the_hot_row_profile_comes_along_inside_the_slice(full, tmp_path, capsys
 
     ids = np.array([700, 3, 260, 999], dtype=np.int64)
     written = write_profile(full, HotRowProfile(ids, np.array([9, 5, 2, 1]), 20, {"layer": 0}))
-    assert written == tmp_path / "full.hot_rows.safetensors"  # ple profile's default: beside
+    assert written == tmp_path / "full.profile.safetensors"  # ple profile's default: beside
     dst = tmp_path / "node"
     assert run_in_process(["ple", "slice", full, dst, "--tp", TP, "--ranks", 1], capsys)[0] == 0
-    assert filecmp.cmp(written, dst / "hot_rows.safetensors", shallow=False)
+    assert filecmp.cmp(written, dst / "profile.safetensors", shallow=False)
     np.testing.assert_array_equal(load_profile(dst).row_ids, ids)
 
 

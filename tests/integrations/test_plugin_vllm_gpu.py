@@ -250,7 +250,7 @@ def profiled(table, geometry, tmp_path_factory):
     gen = seeded_rng("plugin_vllm_gpu_profile")
     docs = [gen.integers(0, CONFIG["vocab_size"], size=int(gen.integers(100, 300)))
             for _ in range(12)]  # fmt: skip
-    path = tmp_path_factory.mktemp("profile") / "hot_rows.safetensors"
+    path = tmp_path_factory.mktemp("profile") / "profile.safetensors"
     return write_profile(path, build_profile(geometry, docs)), docs
 
 

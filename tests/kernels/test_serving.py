@@ -160,18 +160,23 @@ def test_profile_defaults_to_the_sidecars_own(tmp_path, rng):
     _sidecar(tmp_path / "s", geo, rng)
     assert profile_path(tmp_path / "s", None, PREFIX) is None
     _profiled(tmp_path / "s", geo, rng)  # where `ple profile` writes: beside the sidecar
-    beside = tmp_path / "s.hot_rows.safetensors"
+    beside = tmp_path / "s.profile.safetensors"
     assert profile_path(tmp_path / "s", None, PREFIX) == beside
-    shutil.move(beside, tmp_path / "s" / "hot_rows.safetensors")  # inside: a slice's, older
-    inside = tmp_path / "s" / "hot_rows.safetensors"
+    shutil.move(beside, tmp_path / "s" / "profile.safetensors")  # inside: a slice's
+    inside = tmp_path / "s" / "profile.safetensors"
     assert profile_path(tmp_path / "s", None, PREFIX) == inside
     assert profile_path(tmp_path / "elsewhere", inside, PREFIX) == inside
     assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == inside
     (tmp_path / "p" / "layer_3").mkdir(parents=True)
-    shutil.copy(inside, tmp_path / "p" / "layer_3.hot_rows.safetensors")
-    assert (
-        profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.hot_rows.safetensors"
-    )
+    shutil.copy(inside, tmp_path / "p" / "layer_3.profile.safetensors")
+    assert profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.profile.safetensors"
+    # the name before issue 43 is still read, inside and beside
+    old = tmp_path / "s" / "hot_rows.safetensors"
+    shutil.move(inside, old)
+    assert profile_path(tmp_path / "s", None, PREFIX) == old
+    assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == old
+    shutil.move(old, tmp_path / "s.hot_rows.safetensors")
+    assert profile_path(tmp_path / "s", None, PREFIX) == tmp_path / "s.hot_rows.safetensors"
     with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no profile for"):
         profile_path(tmp_path / "s", tmp_path / "p" / "layer_3", PREFIX)
 

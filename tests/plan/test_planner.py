@@ -362,7 +362,7 @@ def test_config_only_plan_beside_other_safetensors(
     beside it (a profile, a sidecar shard, a partial download), as it does in a bare dir."""
     (tmp_path / "config.json").write_text(QWEN4.read_text())
     for name in (
-        "ple.hot_rows.safetensors",
+        "ple.profile.safetensors",
         "shard_0.safetensors",
         "model-00001-of-00009.safetensors",
     ):

@@ -334,7 +334,7 @@ def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
     np.testing.assert_array_equal(table.lookup(hot), table.reference_lookup(hot))
 
 
-@pytest.mark.parametrize("hot", ["hot_rows.safetensors", 50, np.zeros((2, 3), np.int64)])
+@pytest.mark.parametrize("hot", ["profile.safetensors", 50, np.zeros((2, 3), np.int64)])
 def test_hot_rows_takes_a_profile_or_ids_only(hot, tmp_path, rng):
     """A count or a file name is no longer a hot tier: the error says what is (issue 21)."""
     write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)

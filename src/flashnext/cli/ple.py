@@ -855,7 +855,7 @@ def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 def slice_(sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], as_json: bool) -> None:
     """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
 
-    Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
+    Each copy's sha256 is checked against SIDECAR's META.json; profile.safetensors comes
     along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
     rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
     DST must be new or empty (no file in it is replaced), or this command's own unfinished

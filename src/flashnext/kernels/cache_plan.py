@@ -7,8 +7,8 @@ check`` share (no torch, no vLLM, no GPU):
 - :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
   number without a unit), read by :mod:`flashnext.sizes` like every size.
 - :func:`profile_path`: which profile fills a layer's cache (the setting's file, its
-  ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.hot_rows.safetensors``
-  beside it, where ``flashnext ple profile`` writes, or ``hot_rows.safetensors`` inside it).
+  ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.profile.safetensors``
+  beside it, where ``flashnext ple profile`` writes, or ``profile.safetensors`` inside it).
 - :func:`plan_cache`: how many rows of a rank's range the cache holds (``GpuTable.set_device_cache``
   / ``StagedTable.set_device_cache``' rule), the GPU bytes they take and the hit rate the profile
   itself predicts (a truncated profile's unprofiled lookups count as misses).
@@ -120,25 +120,25 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
     """The profile for the layer ``prefix`` serves from ``sidecar_dir``.
 
     ``setting`` (``FLASHNEXT_PLE_PROFILE``) is a profile file, or a directory read like the
-    sidecar root (``layer_{L}/hot_rows.safetensors``, ``layer_{L}.hot_rows.safetensors`` or
-    ``hot_rows.safetensors`` in it). None means the sidecar's own profile when it has one:
-    ``SIDECAR.hot_rows.safetensors`` beside it (where ``flashnext ple profile`` writes), else
-    ``hot_rows.safetensors`` inside it (earlier versions, and ``flashnext ple slice``).
+    sidecar root (``layer_{L}.profile.safetensors``, ``layer_{L}/profile.safetensors`` or
+    ``profile.safetensors`` in it). None means the sidecar's own profile when it has one:
+    ``SIDECAR.profile.safetensors`` beside it (where ``flashnext ple profile`` writes), else
+    ``profile.safetensors`` inside it (``flashnext ple slice``); either also under its old
+    name ``hot_rows.safetensors`` (:func:`~flashnext.ple.profile.profile_files`).
 
     Raises:
         PluginError: ``setting`` is given but holds no profile for this layer.
     """
-    from flashnext.ple.profile import PROFILE_NAME, default_profile_path
+    from flashnext.ple.profile import OLD_PROFILE_NAME, PROFILE_NAME, profile_files
 
     if setting is None:
-        own = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
-        return next((p for p in own if p.is_file()), None)
+        return next((p for p in profile_files(sidecar_dir) if p.is_file()), None)
     if setting.is_file():
         return setting
     match = LAYER_INDEX.search(prefix)
     layer = [setting / f"layer_{match.group(1)}"] if match else []
-    candidates = [d / PROFILE_NAME for d in layer] + [default_profile_path(d) for d in layer]
-    for candidate in [*candidates, setting / PROFILE_NAME]:
+    candidates = [p for d in layer for p in profile_files(d)]
+    for candidate in [*candidates, setting / PROFILE_NAME, setting / OLD_PROFILE_NAME]:
         if candidate.is_file():
             return candidate
     raise PluginError(

@@ -1,6 +1,6 @@
 """Profiles: which rows of a PLE table real text reads most, in priority order.
 
-Spec (schema version 1): a safetensors file, by default ``SIDECAR.hot_rows.safetensors`` beside
+Spec (schema version 1): a safetensors file, by default ``SIDECAR.profile.safetensors`` beside
 the sidecar directory ``SIDECAR`` (:func:`default_profile_path`; never inside it: a writer does
 not add files to its input, and the sidecar's own writer would not know the file), holding
 
@@ -44,7 +44,9 @@ from flashnext.records import PLE_PROFILE, RecordError, check_record, dumps, mak
 from flashnext.safetensors_file import SafetensorsError, read_header, read_tensor, write_file
 from flashnext.user_files import read_user_file
 
-PROFILE_NAME = "hot_rows.safetensors"
+PROFILE_NAME = "profile.safetensors"
+#: Its name before issue 43 ("hot rows"): still read, never written.
+OLD_PROFILE_NAME = "hot_rows.safetensors"
 PROFILE_KIND = PLE_PROFILE
 SCHEMA_VERSION = 1
 DEMO_TOKENIZER = "demo"
@@ -128,15 +130,23 @@ def _coverage_tiers(
 
 
 def default_profile_path(sidecar_dir: str | os.PathLike[str]) -> Path:
-    """Where ``ple profile`` writes by default: ``SIDECAR.hot_rows.safetensors`` beside it."""
+    """Where ``ple profile`` writes by default: ``SIDECAR.profile.safetensors`` beside it."""
     root = Path(sidecar_dir)
     return root.with_name(f"{root.name}.{PROFILE_NAME}")
 
 
+def profile_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Where a sidecar (or slice) directory's profile may be, in the order they are tried:
+    beside it (``ple profile``'s default), then inside it (``ple slice``'s copy, and earlier
+    versions), each under :data:`PROFILE_NAME` and then :data:`OLD_PROFILE_NAME`."""
+    root = Path(directory)
+    names = (PROFILE_NAME, OLD_PROFILE_NAME)
+    return [root.with_name(f"{root.name}.{n}") for n in names] + [root / n for n in names]
+
+
 def _profile_in(directory: Path) -> Path:
-    """A sidecar directory's profile: beside it, or inside it (written by earlier versions)."""
-    beside = default_profile_path(directory)
-    return beside if beside.is_file() else directory / PROFILE_NAME
+    """A sidecar directory's profile (:func:`profile_files`), or where it would be written."""
+    return next((p for p in profile_files(directory) if p.is_file()), directory / PROFILE_NAME)
 
 
 def _merge_counts(

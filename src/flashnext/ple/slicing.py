@@ -4,7 +4,7 @@ Under tensor parallelism rank ``r`` of ``tp`` serves rows ``[r*P, (r+1)*P)``, ``
 tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its ranks' rows.
 :func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
 against the source's META.json (where it records one), copies the profile (beside
-or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
+or inside the sidecar) into the slice as ``profile.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
 :mod:`flashnext.ple.sidecar`). Every file is written under a temporary name and renamed when
 complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
 ``row_range`` inside the rows present and refuses one outside, naming the missing rows.
@@ -32,7 +32,7 @@ from flashnext import __version__
 from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
 from flashnext.ple.destination import DestinationLock
-from flashnext.ple.profile import PROFILE_NAME, default_profile_path
+from flashnext.ple.profile import PROFILE_NAME, profile_files
 from flashnext.ple.sidecar import (
     FORMAT_VERSION,
     META_NAME,
@@ -116,8 +116,7 @@ def slice_file_names(plan: SlicePlan, sidecar: Sidecar) -> list[str]:
 
 def source_profile(sidecar: Sidecar) -> Path | None:
     """The sidecar's profile: beside it (``ple profile``'s default) or inside it."""
-    own = [default_profile_path(sidecar.path), sidecar.path / PROFILE_NAME]
-    return next((p for p in own if p.is_file()), None)
+    return next((p for p in profile_files(sidecar.path) if p.is_file()), None)
 
 
 def write_slice(

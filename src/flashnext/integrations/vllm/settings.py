@@ -14,7 +14,7 @@ Two sources, read at different times:
                                    staged placement (``2GiB``, ``512MiB``; ``0`` = off, the
                                    default); ``FLASHNEXT_PLE_CACHE`` is its old spelling
   ``FLASHNEXT_PLE_PROFILE=PATH``   the profile that fills the device cache (``flashnext ple
-                                   profile``); default: the sidecar's ``hot_rows.safetensors``
+                                   profile``); default: the sidecar's ``profile.safetensors``
   ``FLASHNEXT_MOE_GUARD=1``        sanitize B12x top-k ids, share MoE workspaces
   ``FLASHNEXT_PLE_LOADER_FIX=1``   load a table the checkpoint keeps (empty shard index, both
                                    prefixes, FP8 ``weight_scale``)
@@ -92,7 +92,7 @@ class PluginSettings:
             :func:`flashnext.kernels.serving.choose_placement` decide).
         ple_device_cache: bytes per layer for the device cache (0 = off); used by the pinned and
             staged placements only.
-        ple_profile: the profile file that fills it, or None (the sidecar's ``hot_rows.safetensors``
+        ple_profile: the profile file that fills it, or None (the sidecar's ``profile.safetensors``
             when it has one).
         moe_guard: the B12x guard (route sanitizer, shared workspaces).
         ple_loader_fix: the loader fix for checkpoints that keep the table.
