@@ -159,8 +159,8 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[RecordChange
     launch_a, launch_b = a.get("launch") or {}, b.get("launch") or {}
     for key in ("source", "cwd"):  # restore runs the command from the cwd, in the source's way
         if launch_a.get(key) != launch_b.get(key):
-            out.append(RecordChange("runtime", f"launch {key}", launch_a.get(key), launch_b.get(key),
-                              True))  # fmt: skip
+            out.append(RecordChange("runtime", f"launch {key}", launch_a.get(key),
+                                    launch_b.get(key), True))  # fmt: skip
     env_a = launch_a.get("env") or {}
     env_b = launch_b.get("env") or {}
     out += [RecordChange("environment", k, x, y, True) for k, x, y in _pairs(env_a, env_b)]
@@ -178,12 +178,15 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[RecordChange
     ck_a, ck_b = a.get("checkpoint") or {}, b.get("checkpoint") or {}
     for key in ("path", "revision", "config_sha256", "index_sha256", "weights"):
         if ck_a.get(key) != ck_b.get(key):
-            out.append(RecordChange("model", f"checkpoint {key}", ck_a.get(key), ck_b.get(key), True))
+            change = RecordChange("model", f"checkpoint {key}", ck_a.get(key), ck_b.get(key), True)
+            out.append(change)
     out += _sidecar_changes(a, b)
     srv_a, srv_b = a.get("server") or {}, b.get("server") or {}
     if srv_a.get("version") != srv_b.get("version"):
         out.append(
-            RecordChange("runtime", "server version", srv_a.get("version"), srv_b.get("version"), False)
+            RecordChange(
+                "runtime", "server version", srv_a.get("version"), srv_b.get("version"), False
+            )
         )
     if srv_a.get("models") != srv_b.get("models"):
         out.append(

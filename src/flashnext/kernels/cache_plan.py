@@ -1,8 +1,8 @@
 """The device cache in front of a pinned or staged table, planned without a GPU.
 
-What the plugin's ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches
-mean, in the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext plan`` and ``flashnext
-check`` share (no torch, no vLLM, no GPU):
+What the plugin's ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH``
+switches mean, in the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext
+plan`` and ``flashnext check`` share (no torch, no vLLM, no GPU):
 
 - :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
   number without a unit), read by :mod:`flashnext.sizes` like every size.

@@ -12,8 +12,8 @@ the copy that last read the slot it is about to overwrite.
 
 A device cache of a profile's rows (:meth:`StagedTable.set_device_cache`, the profile format
 and size rule of ``GpuTable.set_device_cache``) sits in front: the host looks each id up in a
-slot map (int32 per served row, host RAM, not pinned); a hit is written into the inverse index as ``-(slot + 2)``
-and never gathered, so only the misses are deduplicated (through the slot map itself: no sort),
+slot map (int32 per served row, host RAM, not pinned); a hit is written into the inverse index
+as ``-(slot + 2)`` and never gathered, so only the misses are deduplicated (through the slot map itself: no sort),
 gathered and copied, and the one kernel reads hits from the cache and misses from the staged
 slot. Tables that share a cache (:meth:`StagedTable.share_cache`) must not stage at the same
 time: a step marks its misses in the shared slot map, and records what its groups of ids

@@ -4,7 +4,8 @@ Under tensor parallelism rank ``r`` of ``tp`` serves rows ``[r*P, (r+1)*P)``, ``
 tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its ranks' rows.
 :func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
 against the source's META.json (where it records one), copies the profile (beside
-or inside the sidecar) into the slice as ``profile.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
+or inside the sidecar) into the slice as ``profile.safetensors``, and writes META.json last with
+``rows_present`` (the sidecar spec in
 :mod:`flashnext.ple.sidecar`). Every file is written under a temporary name and renamed when
 complete. A slice opens like any sidecar; :func:`flashnext.ple.table.open_table` serves a
 ``row_range`` inside the rows present and refuses one outside, naming the missing rows.
