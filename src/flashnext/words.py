@@ -8,19 +8,14 @@
   either of the above.
 - *slice*: a sidecar holding some tensor-parallel ranks' rows (``flashnext ple slice``).
 
-"Hot rows" once meant all four; its old spellings still work and say so once per process
-(:func:`say_renamed`).
+"Hot rows" once meant the first three and a row count (now ``PLETable.hot_tier_rows``); its old
+spellings still work and say so once per process (:func:`say_renamed`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-
-HOT_TIER = "hot tier"
-DEVICE_CACHE = "device cache"
-PROFILE = "profile"
-SLICE = "slice"
 
 _said: set[str] = set()
 
@@ -33,8 +28,8 @@ def renamed_line(old: str, new: str) -> str:
 def say_renamed(old: str, new: str, emit: Callable[[str], object] | None = None) -> None:
     """Say :func:`renamed_line` once per process for ``old`` (a later use is silent).
 
-    ``emit`` takes the line (default: a warning on the ``flashnext`` logger, which vLLM's log
-    shows when the plugin runs there).
+    ``emit`` takes the line (default: a warning on the ``flashnext`` logger; the plugin passes
+    its own, which vLLM's log shows).
     """
     if old in _said:
         return

@@ -48,6 +48,7 @@ values are refused with the variable or key named.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,8 @@ from flashnext.kernels.cache_plan import parse_cache_size
 from flashnext.placement import PLACEMENT_SETTINGS, PlacementSetting
 from flashnext.words import say_renamed
 
+#: The plugin's logger (:mod:`flashnext.integrations.vllm` routes it through vLLM's).
+_log = logging.getLogger("flashnext.integrations.vllm")
 #: The ``--additional-config`` section the plugin reads.
 CONFIG_SECTION = "flashnext"
 #: Setting name -> environment variable.
@@ -235,7 +238,7 @@ def _env_value(env: Mapping[str, str], name: str, var: str) -> str | None:
         return env.get(var)
     if var in env and env[var] != env[old]:
         raise PluginError(f"{var}={env[var]} and its old spelling {old}={env[old]} disagree")
-    say_renamed(old, var)
+    say_renamed(old, var, _log.warning)
     return env[old]
 
 
@@ -247,7 +250,7 @@ def _new_keys(section: Mapping[str, Any], where: str) -> dict[str, Any]:
             continue
         if new in out and out[new] != out[old]:
             raise PluginError(f"{where}.{new} and its old spelling {where}.{old} disagree")
-        say_renamed(f"{where}.{old}", f"{where}.{new}")
+        say_renamed(f"{where}.{old}", f"{where}.{new}", _log.warning)
         out[new] = out.pop(old)
     return out
 
