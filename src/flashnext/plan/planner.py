@@ -351,17 +351,27 @@ def _resolve_placement(
     if not table or req.ple_disk_offload:  # nothing of ours to place: vLLM's own pinned table
         return dataclasses.replace(req, ple_placement="pinned"), []
     from flashnext.kernels.serving import choose_placement
-    from flashnext.ple.preflight import HostMemory
+    from flashnext.ple.preflight import DEFAULT_HEADROOM as PINNED_HEADROOM
+    from flashnext.ple.preflight import HostMemory, host_memory
 
-    memory = None
-    if req.host_memory is not None:
+    if req.host_memory is None:
+        memory, where = host_memory(), "this host leaves"
+    else:
         workers = req.worker_host_bytes * req.tp * req.dp
         memory = HostMemory(max(0, req.host_memory - workers), sources=("--host-memory",))
+        where = "--host-memory less the workers' leaves"
     pinned = table * pinned_table_copies(req.dp, req.dp_shared_memory)
     choice = choose_placement("auto", req.device, pinned, memory=memory)
-    placement: Placement = "staged" if choice.placement == "cpu" else choice.placement
-    where = "this host's memory" if memory is None else "--host-memory"
-    note = f"--ple-placement auto: {placement}, the plugin's choice by {where} ({choice.reason})"
+    if choice.placement == "cpu":  # host lookups from a memory map: staged's host side
+        return dataclasses.replace(req, ple_placement="staged"), [
+            "--ple-placement auto: staged (the plugin's choice on a CPU device: host lookups "
+            "from a memory map)"
+        ]
+    placement: Placement = choice.placement
+    note = (
+        f"--ple-placement auto: {placement} (the plugin's choice: pinned needs {gib(pinned)} "
+        f"+ {gib(PINNED_HEADROOM)} headroom, {where} {gib(memory.available)})"
+    )
     return dataclasses.replace(req, ple_placement=placement), [note]
 
 
