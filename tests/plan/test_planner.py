@@ -369,6 +369,7 @@ def test_config_only_plan_beside_other_safetensors(
         (tmp_path / name).write_bytes(b"\x08" + bytes(15))
     log = FIXTURES / "vllm-cpu-tiny-qwen2-startup.log"
     argv = {"plan": ["plan"], "explain": ["explain", log]}[command] + ["--gpu-memory", "96GiB"]
+    argv += ["--host-memory", "64GB"]  # auto's note names the host's room: this host's moves
     code, out, err = run_in_process([*argv, "--model", tmp_path / "config.json"], capsys)
     assert code in (0, 3) and "error" not in err, (code, err)
     code_bare, out_bare, _ = run_in_process([*argv, "--model", QWEN4], capsys)
