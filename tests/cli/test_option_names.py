@@ -315,7 +315,7 @@ SAME_JOB = {
     "__getattr__": "a package's lazy attributes",
 }
 #: Shared names left for the parallel work of issue 43 (kernels/ and ple/ are being split).
-PENDING = {"RowSource", "classify", "layer_geometry", "open_rows"}
+PENDING = {"RowSource", "open_rows"}
 
 
 def test_no_two_modules_define_one_name_for_two_jobs():

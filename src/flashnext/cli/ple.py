@@ -53,9 +53,9 @@ from flashnext.ple.profile import (
     PROFILE_NAME,
     RowProfile,
     default_profile_path,
-    layer_geometry,
     load_profile,
     load_tokenizer,
+    ordinal_geometry,
     profile_text_files,
     write_profile,
 )
@@ -773,7 +773,7 @@ def _profile(
             f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be computed; "
             "re-create the sidecar with `flashnext ple quantize` from the checkpoint"
         )
-    geometry = layer_geometry(sidecar.geometry, layer)
+    geometry = ordinal_geometry(sidecar.geometry, layer)
     if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
         raise SidecarError(
             f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} rows, "

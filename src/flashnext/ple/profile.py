@@ -377,7 +377,7 @@ def profile_text_files(
     return RowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
 
 
-def layer_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:
+def ordinal_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:
     """``geometry`` of another PLE layer ordinal (same config fields; buffers not carried over).
 
     Raises:
