@@ -215,6 +215,10 @@ def test_output_is_the_file_written_not_write():
 
 
 def test_plan_places_auto_by_default_and_has_one_cache_flag():
+    from flashnext.integrations.vllm.settings import PluginSettings
+    from flashnext.plan.planner import PlanRequest
+
+    assert PlanRequest(1).ple_placement == PluginSettings().ple_placement == "auto"
     for command in ("plan", "explain"):
         cmd = leaf_commands()[command]
         placement = next(p for p in cmd.params if "--ple-placement" in p.opts)
