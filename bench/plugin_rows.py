@@ -24,10 +24,10 @@ import numpy as np
 from _common import say
 
 from flashnext.kernels.records import record_layout
-from flashnext.kernels.serving import SidecarRows, choose_placement
 from flashnext.ple import open_table, write_sidecar
 from flashnext.ple.geometry import PLEGeometry
 from flashnext.ple.hashing import ngram_ids_packed
+from flashnext.serve.serving import SidecarRows, choose_placement
 from flashnext.synthetic import embedding_rows, flash_next_config
 
 CONFIG = flash_next_config(ngram_vocab_size_base=20_000)

@@ -49,6 +49,7 @@ END_TO_END: dict[str, list[str] | str] = {
     "minutes); tests/e2e/test_small_hardware.py runs its cgroup, model and server; --help and "
     "its quoted options are checked",
     "gpu_lookup.py": "run by test_gpu_lookup_hit_rates and test_gpu_lookup_under_interpreter",
+    "compare_runs.py": "run by test_gpu_lookup_under_interpreter on its --json record",
     "gpu_lookup_tp.py": "needs torchrun, NCCL and two CUDA GPUs (its lookups are GpuTable's, "
     "which test_gpu_lookup_under_interpreter runs)",
     "plugin_rows.py": "times SidecarRows per placement on a CUDA GPU (it exits 'needs a CUDA "
@@ -218,6 +219,24 @@ def test_gpu_lookup_under_interpreter(
             assert row["cached_rows"] == 0 and row["hit_rate"] == 0.0, row
         else:  # every row of the tiny table fits: the text's ids hit, the kernel reads the cache
             assert row["cached_rows"] > 0 and row["hit_rate"] > 0.0, row
+    compare_runs(report, tmp_path)
+
+
+def compare_runs(report: Path, tmp_path: Path) -> None:
+    """bench/compare_runs.py on a real gpu_lookup record: against itself every case is x1.00
+    and nothing regresses (exit 0); a copy with one staged case made 3x slower (the injected
+    fault) is a regression beyond the baseline's noise, named, exit 1."""
+    same = run("compare_runs.py", [str(report), str(report), "--json", "same.json"], tmp_path)
+    assert "regressions beyond noise: 0" in ok(same)
+    rows = json.loads((tmp_path / "same.json").read_text())["rows"]
+    assert rows and all(r["ratio"] == 1.0 for r in rows), rows
+    record = json.loads(report.read_text())
+    slow = next(r for r in record["results"] if r["case"] == "staged cache 2GB")
+    slow["us"] *= 3
+    (tmp_path / "slow.json").write_text(json.dumps(record))
+    proc = run("compare_runs.py", [str(report), "slow.json"], tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"staged cache 2GB {slow['ids']} T={slow['T']}: x0.33" in proc.stdout, proc.stdout
 
 
 # -- quoted commands ---------------------------------------------------------------------------

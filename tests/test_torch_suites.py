@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCH_SUITES = [
     "tests/kernels/test_lookup.py",
     "tests/moe",
-    "tests/kernels/test_serving.py",
+    "tests/serve/test_serving.py",
 ]
 
 

@@ -12,7 +12,7 @@ switch uses these (import them, never retype them):
 - ``staged``: the rows stay in an ordinary host table (see residency) and each batch's rows are
   gathered on the host into small pinned staging buffers, then copied to the GPU.
 - ``auto`` is a *choice*, not a placement: ``pinned`` when the host can hold the table pinned,
-  else ``staged`` (decided by :func:`flashnext.kernels.serving.choose_placement`).
+  else ``staged`` (decided by :func:`flashnext.serve.serving.choose_placement`).
 
 **Residency**: how a host table holds its rows (what ``staged`` reads from; a CPU lookup too).
 

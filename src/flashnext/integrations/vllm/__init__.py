@@ -9,7 +9,7 @@ Parts (each a module with ``check() -> None``, which verifies what it would patc
 patching, and ``install() -> str``, idempotent, which patches and returns its one log line):
 
 - ``ple_sidecar`` (:mod:`.ple_layer`): replaces vLLM's PLE table layers by class name with a layer
-  that serves rows from a flashnext sidecar (the policy: :mod:`flashnext.kernels.serving`).
+  that serves rows from a flashnext sidecar (the policy: :mod:`flashnext.serve.serving`).
 - ``ple_loader_fix`` (``.loader``), ``moe_guard`` (``.b12x``) and ``drop_indexer`` (``.indexer``).
 
 :func:`register` checks the vLLM version and every enabled part's preconditions first, then

@@ -17,10 +17,10 @@ so :func:`install` registers a subclass of each under the vLLM class's name. The
 - opens this rank's rows (vLLM's ETP rank, ``shard_indices.org_vocab_start_index`` ..
   ``org_vocab_end_index``; ids outside give zero rows, and the ranks' outputs are all-reduced over
   the ETP group exactly as vLLM does);
-- serves lookups through :class:`flashnext.kernels.serving.SidecarRows` (``GpuTable`` device or
+- serves lookups through :class:`flashnext.serve.serving.SidecarRows` (``GpuTable`` device or
   pinned/UVA, or ``StagedTable`` over a memory-mapped table, as
-  :func:`flashnext.kernels.serving.choose_placement` decides; :meth:`PLETable.lookup` in bf16 on
-  a CPU); all of that policy lives in :mod:`flashnext.kernels.serving`, tested without vLLM;
+  :func:`flashnext.serve.serving.choose_placement` decides; :meth:`PLETable.lookup` in bf16 on
+  a CPU); all of that policy lives in :mod:`flashnext.serve.serving`, tested without vLLM;
 - keeps the replaced class's contract: the same methods, shapes, prefetch buffer and errors. Rows
   come back already dequantized (bf16, cast to the layer's ``params_dtype``), so its
   ``dequantize`` only casts to the activation dtype.
@@ -56,8 +56,8 @@ from flashnext.errors import PluginError
 from flashnext.integrations.vllm import logger, plugin_line, ranks, settings_for_model
 from flashnext.integrations.vllm.engram import refuse_sidecar_with_disk_offload
 from flashnext.integrations.vllm.settings import PluginSettings
-from flashnext.kernels import serving
-from flashnext.kernels.serving import SidecarRows
+from flashnext.serve import serving
+from flashnext.serve.serving import SidecarRows
 
 PART = "ple_sidecar"
 #: Checkpoint tensor names (relative to ``...ngram_embedding.``) the layer takes and drops.
@@ -112,8 +112,8 @@ def _placeholder_weight(embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
 def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: int) -> SidecarRows:
     """Open, check and place the sidecar rows ``layer`` (a sidecar table layer) serves.
 
-    The policy is :func:`flashnext.kernels.serving.open_rows`; this reads its inputs from
-    vLLM's layer and config, and logs the one line that says what is served.
+    The policy is :func:`flashnext.serve.serving.open_rows`; this builds its one request from
+    the plugin's settings and vLLM's layer and config, and logs the line that says what is served.
 
     Raises:
         PluginError: no sidecar for the layer, a geometry mismatch, or a placement that cannot fit.
@@ -125,25 +125,26 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
     start = layer.shard_indices.org_vocab_start_index
     end = layer.shard_indices.org_vocab_end_index
     device = torch.empty(0).device  # vLLM builds the model under its target device
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    request = serving.RowsRequest(
+        sidecar_root=settings.ple_sidecar,
+        prefix=layer.prefix,
+        shape=(layer.org_vocab_size, layer.embedding_dim),
+        row_range=(start, end),
+        model_config=_text_config(vllm_config),
+        placement=settings.ple_placement,
+        device=device,
+        device_free=torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
+        max_ids=max_ids,
+        cache_bytes=settings.ple_device_cache,
+        profile=settings.ple_profile,
+    )
     try:
-        rows, sidecar = serving.open_rows(
-            settings.ple_sidecar,
-            layer.prefix,
-            (layer.org_vocab_size, layer.embedding_dim),
-            (start, end),
-            serving.layer_geometry(_text_config(vllm_config), layer.prefix),
-            settings.ple_placement,
-            device,
-            free,
-            max_ids,
-            settings.ple_device_cache,
-            settings.ple_profile,
-        )
+        rows = serving.open_rows(request)
     except Exception as exc:  # which rank and node could not serve (a slice lacking its rows)
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (f"rank {layer.tp_rank} on node {ranks.node_name()}: {exc.args[0]}",)
         raise
+    sidecar = rows.sidecar
     ranks.note_sidecar(layer.prefix, sidecar.path, sidecar.meta)
     choice = rows.choice
     logger.info(
@@ -162,9 +163,7 @@ def _text_config(vllm_config: Any) -> dict[str, Any] | None:
     """The model's text config as a dict, or None when vLLM has no model config (yet)."""
     model_config = getattr(vllm_config, "model_config", None)
     hf = getattr(model_config, "hf_text_config", None)
-    if hf is None:
-        return None
-    return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+    return None if hf is None else hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
 # -- the layer -----------------------------------------------------------------------------

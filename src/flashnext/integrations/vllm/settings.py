@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import parse_cache_size
 from flashnext.placement import PLACEMENT_SETTINGS, PlacementSetting
+from flashnext.serve.cache_plan import parse_cache_size
 from flashnext.words import say_renamed
 
 #: The plugin's logger (:mod:`flashnext.integrations.vllm` routes it through vLLM's).
@@ -92,7 +92,7 @@ class PluginSettings:
     Attributes:
         ple_sidecar: directory of the sidecar(s) serving the PLE tables, or None (off).
         ple_placement: where a GPU reads the rows (:mod:`flashnext.placement`; ``auto`` lets
-            :func:`flashnext.kernels.serving.choose_placement` decide).
+            :func:`flashnext.serve.serving.choose_placement` decide).
         ple_device_cache: bytes per layer for the device cache (0 = off); used by the pinned and
             staged placements only.
         ple_profile: the profile file that fills it, or None (the sidecar's ``profile.safetensors``

@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.placement import PLACEMENT_SETTINGS, Placement, Residency
+from flashnext.serve.cache_plan import LAYER_INDEX, CachePlan, plan_layer_cache
 from flashnext.sizes import gib
 
 if TYPE_CHECKING:
@@ -43,16 +43,18 @@ def sidecar_dir_for(root: Path, prefix: str) -> Path:
     """
     match = LAYER_INDEX.search(prefix)
     candidate = root / f"layer_{match.group(1)}" if match else None
-    if candidate is not None and candidate.is_dir():
-        return candidate
-    if (root / "META.json").is_file() or (root / "shard_0.safetensors").is_file():
-        return root
-    wanted = f"{candidate} or " if candidate is not None else ""
-    raise PluginError(
-        f"FLASHNEXT_PLE_SIDECAR={root}: no sidecar for {prefix}: expected {wanted}a sidecar in "
-        f"{root} itself (one sidecar per PLE layer, named layer_L by the 0-based decoder index "
-        "of the checkpoint's tensor names)"
-    )
+    found = candidate if candidate is not None and candidate.is_dir() else None
+    one = (root / "META.json").is_file() or (root / "shard_0.safetensors").is_file()
+    if found is None and one:
+        found = root
+    if found is None:
+        wanted = f"{candidate} or " if candidate is not None else ""
+        raise PluginError(
+            f"FLASHNEXT_PLE_SIDECAR={root}: no sidecar for {prefix}: expected {wanted}a sidecar "
+            f"in {root} itself (one sidecar per PLE layer, named layer_L by the 0-based decoder "
+            "index of the checkpoint's tensor names)"
+        )
+    return found
 
 
 def check_geometry(
@@ -77,11 +79,10 @@ def check_geometry(
             "(flashnext ple quantize) for this model"
         )
     ours = sidecar.geometry
-    if model is None or ours is None:
-        return
-    for name in ("num_heads", "width", "num_rows", "sizes", "offsets", "multipliers"):
+    compared = ("num_heads", "width", "num_rows", "sizes", "offsets", "multipliers")
+    for name in compared if model is not None and ours is not None else ():
         a, b = getattr(ours, name), getattr(model, name)
-        if a != b:
+        if model is not None and a != b:
             raise PluginError(
                 f"sidecar {sidecar.path} was made for another PLE geometry than the model's "
                 f"{prefix}: {name} is {a} in its META.json, {b} from the model config "
@@ -100,12 +101,13 @@ def layer_geometry(config: Mapping[str, Any] | None, prefix: str) -> PLEGeometry
     from flashnext.ple.geometry import PLEGeometry
 
     match = LAYER_INDEX.search(prefix)
-    if config is None or match is None:
-        return None
-    try:
-        return PLEGeometry.from_config(dict(config), layer_id=int(match.group(1)) + 1)
-    except Exception as exc:  # GeometryError: say which layer
-        raise PluginError(f"{prefix}: the model config's PLE geometry: {exc}") from exc
+    geometry = None
+    if config is not None and match is not None:
+        try:
+            geometry = PLEGeometry.from_config(dict(config), layer_id=int(match.group(1)) + 1)
+        except Exception as exc:  # GeometryError: say which layer
+            raise PluginError(f"{prefix}: the model config's PLE geometry: {exc}") from exc
+    return geometry
 
 
 # -- where the rows are served from ----------------------------------------------------------
@@ -124,7 +126,8 @@ def choose_placement(
     device_free: int | None = None,
     memory: HostMemory | None = None,
 ) -> PlacementChoice:
-    """Pick the serving path for ``table_bytes`` of records (this rank's rows).
+    """Pick the serving path for ``table_bytes`` of records (this rank's rows): the plugin's own
+    choice, which ``flashnext plan --ple-placement auto`` asks too.
 
     Args:
         setting: ``auto``, ``device``, ``pinned`` or ``staged`` (:data:`PLACEMENT_SETTINGS`).
@@ -144,30 +147,45 @@ def choose_placement(
             hold the table.
         PreflightError: ``pinned`` asked but host memory cannot hold it.
     """
-    from flashnext.ple.preflight import DEFAULT_HEADROOM, PreflightError, check_fits
+    from flashnext.ple.preflight import PreflightError, check_fits
 
     if setting not in PLACEMENT_SETTINGS:
         raise PluginError(f"placement {setting!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}")
+    pinned = f"pinned host memory for {gib(table_bytes)} of PLE rows"
     if str(device).split(":", 1)[0] == "cpu":
-        return PlacementChoice("cpu", "a CPU device: PLETable.lookup on the host")
+        choice = PlacementChoice("cpu", "a CPU device: PLETable.lookup on the host")
+    elif setting == "auto":
+        try:
+            check_fits(table_bytes, pinned, memory=memory)
+        except PreflightError as exc:
+            choice = PlacementChoice("staged", f"auto: pinned does not fit ({exc})")
+        else:
+            choice = PlacementChoice("pinned", "auto: fits in host memory")
+    else:
+        _check_asked(setting, device, table_bytes, device_free, memory)
+        choice = PlacementChoice(cast(Placement, setting), "asked for")
+    return choice
+
+
+def _check_asked(
+    setting: str, device: Any, table_bytes: int, device_free: int | None, memory: HostMemory | None
+) -> None:
+    """Refuse a placement asked for by name that cannot hold ``table_bytes`` (see
+    :func:`choose_placement`)."""
+    from flashnext.ple.preflight import DEFAULT_HEADROOM, check_fits
+
     what = f"{gib(table_bytes)} of PLE rows"
-    if setting == "device":
-        if device_free is not None and table_bytes + DEFAULT_HEADROOM > device_free:
-            raise PluginError(
-                f"FLASHNEXT_PLE_PLACEMENT=device: {what} plus 2 GiB headroom do not fit in the "
-                f"{gib(device_free)} free on {device}; use pinned or staged"
-            )
-        return PlacementChoice("device", "asked for")
+    if (
+        setting == "device"
+        and device_free is not None
+        and table_bytes + DEFAULT_HEADROOM > device_free
+    ):
+        raise PluginError(
+            f"FLASHNEXT_PLE_PLACEMENT=device: {what} plus 2 GiB headroom do not fit in the "
+            f"{gib(device_free)} free on {device}; use pinned or staged"
+        )
     if setting == "pinned":
         check_fits(table_bytes, f"pinned host memory for {what}", memory=memory)
-        return PlacementChoice("pinned", "asked for")
-    if setting == "staged":
-        return PlacementChoice("staged", "asked for")
-    try:
-        check_fits(table_bytes, f"pinned host memory for {what}", memory=memory)
-    except PreflightError as exc:
-        return PlacementChoice("staged", f"auto: pinned does not fit ({exc})")
-    return PlacementChoice("pinned", "auto: fits in host memory")
 
 
 def host_residency(choice: PlacementChoice, setting: str) -> Residency:
@@ -180,7 +198,7 @@ def host_residency(choice: PlacementChoice, setting: str) -> Residency:
     return "resident" if choice.placement == "cpu" and setting in ("device", "pinned") else "mmap"
 
 
-# -- the device cache (planned by flashnext.kernels.cache_plan) ---------------------------------
+# -- the device cache (planned by flashnext.serve.cache_plan) -----------------------------------
 def attach_cache(target: Any, profile: Any, cache_bytes: int) -> Any:
     """Fill the device cache of a pinned ``GpuTable`` or a ``StagedTable`` from ``profile``.
 
@@ -221,6 +239,7 @@ class SidecarRows:
         cache: tuple[CachePlan, Any] | None = None,
     ):
         self.table = table
+        self.sidecar: Sidecar = table.sidecar
         self.choice = choice
         self.device = device
         self.cache = cache[0] if cache else CachePlan(0, None, reason="not asked for")
@@ -263,33 +282,44 @@ class SidecarRows:
         out.copy_(torch.from_numpy(host.view(np.uint16)).view(torch.bfloat16).flatten(-2))
 
 
-def open_rows(
-    root: Path,
-    prefix: str,
-    shape: tuple[int, int],
-    row_range: tuple[int, int],
-    geometry: PLEGeometry | None,
-    setting: str,
-    device: Any,
-    device_free: int | None,
-    max_ids: int,
-    cache_bytes: int = 0,
-    profile: Path | None = None,
-) -> tuple[SidecarRows, Sidecar]:
-    """Find, check, place and open the sidecar rows the layer named ``prefix`` serves.
+@dataclass(frozen=True, kw_only=True)
+class RowsRequest:
+    """What one PLE layer asks of its sidecar: built once by the plugin from its settings and
+    the layer vLLM is building, and read by :func:`open_rows` alone.
 
-    Args:
-        root: ``FLASHNEXT_PLE_SIDECAR`` (:func:`sidecar_dir_for`).
-        prefix: the layer's name.
+    Attributes:
+        sidecar_root: ``FLASHNEXT_PLE_SIDECAR`` (:func:`sidecar_dir_for`).
+        prefix: the layer's name (``model.layers.{L}.ple...``).
         shape: the layer's table ``(num_rows, width)``.
         row_range: this rank's rows ``[start, end)``.
-        geometry: the layer's geometry from the model config, or None.
-        setting: the placement setting (``auto`` ... ``staged``).
-        device: the torch device the model is built on.
-        device_free: free GPU bytes, or None.
-        max_ids: the most ids one lookup takes.
+        model_config: the model's text config (a dict), or None when unknown; the layer's
+            hashing geometry is read from it (:func:`layer_geometry`).
+        placement: the placement setting (``auto`` ... ``staged``).
+        device: the device the model is built on (a torch device or its name).
+        device_free: free GPU bytes, or None when unknown.
+        max_ids: the most ids one lookup takes (``staged`` sizes its buffers by it).
         cache_bytes: the device cache (``FLASHNEXT_PLE_DEVICE_CACHE``; 0 = off).
         profile: ``FLASHNEXT_PLE_PROFILE`` (:func:`profile_path`), or None.
+    """
+
+    sidecar_root: Path
+    prefix: str
+    shape: tuple[int, int]
+    row_range: tuple[int, int]
+    model_config: Mapping[str, Any] | None = None
+    placement: str = "auto"
+    device: Any = "cpu"
+    device_free: int | None = None
+    max_ids: int = 1
+    cache_bytes: int = 0
+    profile: Path | None = None
+
+
+def open_rows(request: RowsRequest) -> SidecarRows:
+    """Find, check, place and open the sidecar rows one layer serves, in one pass: the sidecar
+    (:func:`sidecar_dir_for`), its geometry against the layer's (:func:`check_geometry`), the
+    serving path (:func:`choose_placement`), the device cache (:func:`plan_layer_cache`), and
+    this rank's rows of the host table.
 
     Raises:
         PluginError: no sidecar for the layer, a geometry mismatch, a placement that cannot fit,
@@ -301,11 +331,13 @@ def open_rows(
     from flashnext.ple.sidecar import open_sidecar
     from flashnext.ple.table import open_table
 
-    sidecar = open_sidecar(sidecar_dir_for(root, prefix))
-    check_geometry(sidecar, prefix, shape[0], shape[1], geometry)
+    r = request
+    sidecar = open_sidecar(sidecar_dir_for(r.sidecar_root, r.prefix))
+    check_geometry(sidecar, r.prefix, *r.shape, layer_geometry(r.model_config, r.prefix))
     record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
-    table_bytes = (row_range[1] - row_range[0]) * record_bytes
-    choice = choose_placement(setting, device, table_bytes, device_free)
-    cache = plan_layer_cache(sidecar, prefix, cache_bytes, profile, row_range, choice.placement)
-    table = open_table(sidecar, host_residency(choice, setting), row_range=row_range)
-    return SidecarRows(table, choice, device, max_ids, cache), sidecar
+    table_bytes = (r.row_range[1] - r.row_range[0]) * record_bytes
+    choice = choose_placement(r.placement, r.device, table_bytes, r.device_free)
+    cache = plan_layer_cache(sidecar, r.prefix, r.cache_bytes, r.profile, r.row_range,
+                             choice.placement)  # fmt: skip
+    table = open_table(sidecar, host_residency(choice, r.placement), row_range=r.row_range)
+    return SidecarRows(table, choice, r.device, r.max_ids, cache)

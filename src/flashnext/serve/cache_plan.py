@@ -1,8 +1,8 @@
 """The device cache in front of a pinned or staged table, planned without a GPU.
 
-What the plugin's ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH``
-switches mean, in the one place the plugin (:mod:`flashnext.kernels.serving`), ``flashnext
-plan`` and ``flashnext check`` share (no torch, no vLLM, no GPU):
+What the plugin's ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean, in
+the one place the plugin (:mod:`flashnext.serve.serving`), ``flashnext plan`` and ``flashnext
+check`` share (no torch, no vLLM, no GPU):
 
 - :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
   number without a unit), read by :mod:`flashnext.sizes` like every size.
@@ -29,7 +29,7 @@ from flashnext.errors import PluginError
 from flashnext.sizes import SIZE_HINT, SizeError, byte_count, gib
 
 if TYPE_CHECKING:
-    from flashnext.ple.profile import HotRowProfile
+    from flashnext.ple.profile import RowProfile
     from flashnext.ple.sidecar import Sidecar
 
 #: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
@@ -132,29 +132,33 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
     from flashnext.ple.profile import OLD_PROFILE_NAME, PROFILE_NAME, profile_files
 
     if setting is None:
-        return next((p for p in profile_files(sidecar_dir) if p.is_file()), None)
-    if setting.is_file():
-        return setting
-    match = LAYER_INDEX.search(prefix)
-    layer = [setting / f"layer_{match.group(1)}"] if match else []
-    candidates = [p for d in layer for p in profile_files(d)]
-    for candidate in [*candidates, setting / PROFILE_NAME, setting / OLD_PROFILE_NAME]:
-        if candidate.is_file():
-            return candidate
-    raise PluginError(
-        f"FLASHNEXT_PLE_PROFILE={setting}: no profile for {prefix} (expected a profile "
-        f"file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
-        f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text FILES...`"
-    )
+        candidates = profile_files(sidecar_dir)
+    elif setting.is_file():
+        candidates = [setting]
+    else:
+        match = LAYER_INDEX.search(prefix)
+        layer = [setting / f"layer_{match.group(1)}"] if match else []
+        candidates = [p for d in layer for p in profile_files(d)]
+        candidates += [setting / PROFILE_NAME, setting / OLD_PROFILE_NAME]
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None and setting is not None:
+        raise PluginError(
+            f"FLASHNEXT_PLE_PROFILE={setting}: no profile for {prefix} (expected a "
+            f"profile file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
+            f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text "
+            "FILES...`"
+        )
+    return found
 
 
 def plan_cache(
-    profile: HotRowProfile,
+    profile: RowProfile,
     path: Path | None,
     cache_bytes: int,
     record_bytes: int,
     row_range: tuple[int, int],
     num_rows: int,
+    *,
     placement: str = "staged",
     scale_2: bool = False,
 ) -> CachePlan:
@@ -211,24 +215,25 @@ def plan_layer_cache(
     from flashnext.kernels.records import record_layout
     from flashnext.ple.profile import load_profile
 
+    path = None
     if cache_bytes <= 0:
-        return CachePlan(0, None, reason="FLASHNEXT_PLE_DEVICE_CACHE is 0"), None
-    if placement not in CACHED_PLACEMENTS:
-        return CachePlan(cache_bytes, None, reason=f"the {placement} path has none"), None
-    path = profile_path(sidecar.path, setting, prefix)
-    if path is None:
-        why = f"no FLASHNEXT_PLE_PROFILE and no profile beside or in {sidecar.path}"
-        return CachePlan(cache_bytes, None, reason=why), None
-    profile = load_profile(path)
-    check_profile_table(profile, path, sidecar)
-    record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
-    scale_2 = sidecar.format == "nvfp4"
-    plan = plan_cache(profile, path, cache_bytes, record_bytes, row_range, sidecar.num_rows,
-                      placement, scale_2)  # fmt: skip
+        reason = "FLASHNEXT_PLE_DEVICE_CACHE is 0"
+    elif placement not in CACHED_PLACEMENTS:
+        reason = f"the {placement} path has none"
+    else:
+        path = profile_path(sidecar.path, setting, prefix)
+        reason = f"no FLASHNEXT_PLE_PROFILE and no profile beside or in {sidecar.path}"
+    plan, profile = CachePlan(max(0, cache_bytes), None, reason=reason), None
+    if path is not None:
+        profile = load_profile(path)
+        check_profile_table(profile, path, sidecar)
+        record_bytes = record_layout(sidecar.codec, sidecar.width).record_bytes
+        plan = plan_cache(profile, path, cache_bytes, record_bytes, row_range, sidecar.num_rows,
+                          placement=placement, scale_2=sidecar.format == "nvfp4")  # fmt: skip
     return plan, profile
 
 
-def check_profile_table(profile: HotRowProfile, path: Path, sidecar: Sidecar) -> None:
+def check_profile_table(profile: RowProfile, path: Path, sidecar: Sidecar) -> None:
     """Refuse a profile made for another table than ``sidecar`` (geometry or row count).
 
     Raises:

@@ -14,9 +14,15 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import plan_cache, plan_layer_cache, profile_path
-from flashnext.kernels.serving import (
+from flashnext.ple.destination import write_sidecar
+from flashnext.ple.geometry import PLEGeometry
+from flashnext.ple.preflight import PreflightError
+from flashnext.ple.sidecar import open_sidecar
+from flashnext.ple.table import open_table
+from flashnext.serve.cache_plan import plan_cache, plan_layer_cache, profile_path
+from flashnext.serve.serving import (
     PlacementChoice,
+    RowsRequest,
     SidecarRows,
     attach_cache,
     check_geometry,
@@ -26,17 +32,20 @@ from flashnext.kernels.serving import (
     open_rows,
     sidecar_dir_for,
 )
-from flashnext.ple.destination import write_sidecar
-from flashnext.ple.geometry import PLEGeometry
-from flashnext.ple.preflight import PreflightError
-from flashnext.ple.sidecar import open_sidecar
-from flashnext.ple.table import open_table
 from flashnext.synthetic import flash_next_config
 
 CONFIG = flash_next_config(
     vocab_size=300, eos_token_id=7, ngram_vocab_size_base=1000, ple_layer_ids=[2, 4]
 )
 PREFIX = "model.layers.3.ple.ple_embedding.ngram_embedding"
+
+
+def _request(root, row_range, placement="auto", config=CONFIG, **rest):
+    """The plugin's request for PREFIX (layer 3, its geometry from ``config``) on a CPU."""
+    geo = PLEGeometry.from_config(CONFIG, layer_id=4)
+    return RowsRequest(sidecar_root=root, prefix=PREFIX, shape=(geo.num_rows, geo.width),
+                       row_range=row_range, model_config=config, placement=placement,
+                       device="cpu", max_ids=8, **rest)  # fmt: skip
 
 
 def _sidecar(path, geo, rng, fmt="int4"):
@@ -46,7 +55,7 @@ def _sidecar(path, geo, rng, fmt="int4"):
 
 def test_import_loads_no_torch_triton_vllm_or_numba():
     code = (
-        "import sys, flashnext.kernels.serving\n"
+        "import sys, flashnext.serve.serving\n"
         "heavy = [m for m in ('torch', 'triton', 'vllm', 'numba') if m in sys.modules]\n"
         "print(','.join(heavy))"
     )
@@ -105,6 +114,24 @@ def test_placement_choice():
         choose_placement("host", "cuda:0", 1)
 
 
+def test_placement_judges_pinned_by_the_host_memory_it_is_given(rng):
+    """``flashnext plan`` asks the plugin's own choice about a host it plans, not this one: a
+    table larger than this host's RAM fits a roomy planned host, a small one not a tight one."""
+    from flashnext.ple.preflight import DEFAULT_HEADROOM, HostMemory
+
+    big = int(rng.integers(1 << 40, 1 << 41))  # 1-2 TiB: more than this machine has
+    roomy = HostMemory(big + DEFAULT_HEADROOM, sources=("--host-memory",))
+    assert choose_placement("auto", "cuda:0", big, memory=roomy).placement == "pinned"
+    assert choose_placement("pinned", "cuda:0", big, memory=roomy).reason == "asked for"
+    small = int(rng.integers(1 << 20, 1 << 30))
+    tight = HostMemory(small + DEFAULT_HEADROOM - 1, sources=("--host-memory",))
+    auto = choose_placement("auto", "cuda:0", small, memory=tight)
+    assert auto.placement == "staged" and "pinned does not fit" in auto.reason
+    with pytest.raises(PreflightError, match=r"needs .* plus 2\.0 GiB headroom"):
+        choose_placement("pinned", "cuda:0", small, memory=tight)
+    assert choose_placement("auto", "cpu", big, memory=tight).placement == "cpu"
+
+
 def test_host_residency_follows_the_setting():
     cpu = PlacementChoice("cpu", "test")
     assert host_residency(cpu, "pinned") == host_residency(cpu, "device") == "resident"
@@ -116,16 +143,15 @@ def test_open_rows_on_a_cpu_opens_this_ranks_rows(tmp_path, rng):
     geo = PLEGeometry.from_config(CONFIG, layer_id=4)
     _sidecar(tmp_path / "s" / "layer_3", geo, rng)
     half = geo.num_rows // 2
-    shape = (geo.num_rows, geo.width)
-    rows, sidecar = open_rows(
-        tmp_path / "s", PREFIX, shape, (half, geo.num_rows), geo, "pinned", "cpu", None, 8
-    )
-    assert sidecar.path == tmp_path / "s" / "layer_3"
+    rows = open_rows(_request(tmp_path / "s", (half, geo.num_rows), "pinned"))
+    assert rows.sidecar.path == tmp_path / "s" / "layer_3"
     assert rows.choice.placement == "cpu" and rows.table.residency == "resident"
     assert rows.table.row_range == (half, geo.num_rows)
-    other = PLEGeometry.from_config(CONFIG, layer_id=2)
-    with pytest.raises(PluginError, match="another PLE geometry"):
-        open_rows(tmp_path / "s", PREFIX, shape, (0, geo.num_rows), other, "auto", "cpu", None, 8)
+    other = {**CONFIG, "seed": CONFIG["seed"] + 1}  # another model: other multipliers
+    with pytest.raises(PluginError, match=r"another PLE geometry.*multipliers"):
+        open_rows(_request(tmp_path / "s", (0, geo.num_rows), config=other))
+    with pytest.raises(TypeError):  # the request's fields are named, never positional
+        RowsRequest(tmp_path / "s", PREFIX)  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
@@ -222,9 +248,7 @@ def test_a_truncated_profile_counts_its_unprofiled_lookups_as_misses(tmp_path, r
 def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
     geo = PLEGeometry.from_config(CONFIG, layer_id=4)
     _sidecar(tmp_path / "s", geo, rng)
-    shape = (geo.num_rows, geo.width)
-    rows, _ = open_rows(tmp_path / "s", PREFIX, shape, (0, geo.num_rows), geo, "auto", "cpu",
-                        None, 8, cache_bytes=2**20)  # fmt: skip
+    rows = open_rows(_request(tmp_path / "s", (0, geo.num_rows), cache_bytes=2**20))
     assert rows.cache.expected_hit_rate is None and "the cpu path has none" in rows.cache.describe()
     sidecar = open_sidecar(tmp_path / "s")
     plan, _ = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "staged")
@@ -258,13 +282,11 @@ def test_the_plugin_serves_a_rank_from_a_slice_holding_its_rows(tmp_path, rng):
     _sidecar(tmp_path / "full", geo, rng)
     full = open_sidecar(tmp_path / "full")
     write_slice(full, tmp_path / "s" / "layer_3", plan_slice(full, 2, [1]))
-    shape, half = (geo.num_rows, geo.width), geo.num_rows // 2
-    rows, sidecar = open_rows(
-        tmp_path / "s", PREFIX, shape, (half, geo.num_rows), geo, "auto", "cpu", None, 8
-    )
-    assert sidecar.rows_present is not None and rows.table.row_range == (half, geo.num_rows)
+    half = geo.num_rows // 2
+    rows = open_rows(_request(tmp_path / "s", (half, geo.num_rows)))
+    assert rows.sidecar.rows_present is not None and rows.table.row_range == (half, geo.num_rows)
     ids = rng.integers(0, geo.num_rows, size=(9, geo.num_heads))
     want = open_table(full, row_range=(half, geo.num_rows)).lookup(ids)
     np.testing.assert_array_equal(rows.table.lookup(ids), want)
     with pytest.raises(SidecarError, match=rf"rows 0\.\.{half} needs rows 0\.\."):
-        open_rows(tmp_path / "s", PREFIX, shape, (0, half), geo, "auto", "cpu", None, 8)
+        open_rows(_request(tmp_path / "s", (0, half)))

@@ -1,6 +1,6 @@
 """The device cache's plan without a GPU: the size setting, and the GPU bytes of the rows kept.
 
-The profile lookup, the hit rate and the per-layer plan are tested in tests/kernels/test_serving.py
+The profile lookup, the hit rate and the per-layer plan are tested in tests/serve/test_serving.py
 (with real sidecars and profiles); here, the parts no other test pins down.
 """
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from flashnext.errors import PluginError
-from flashnext.kernels.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
 from flashnext.ple.profile import HotRowProfile
+from flashnext.serve.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
 
 
 @pytest.mark.parametrize(
@@ -42,11 +42,12 @@ def profile(rng):
 def test_device_bytes_follow_the_placement(profile, tmp_path):
     lo, hi = 2_000, 7_000
     inside = (profile.row_ids >= lo) & (profile.row_ids < hi)
-    staged = plan_cache(profile, None, 100 * 1000 + 99, 100, (lo, hi), 10_000, "staged")
+    staged = plan_cache(profile, None, 100 * 1000 + 99, 100, (lo, hi), 10_000, placement="staged")
     assert staged.rows == 1000 and staged.device_bytes == 100 * 1000  # slot map in host RAM
-    pinned = plan_cache(profile, None, 10**9, 100, (lo, hi), 10_000, "pinned")
+    pinned = plan_cache(profile, None, 10**9, 100, (lo, hi), 10_000, placement="pinned")
     assert pinned.rows == int(inside.sum())  # the whole profile's share fits
     assert pinned.device_bytes == 100 * pinned.rows + SLOT_MAP_BYTES * (hi - lo)
     assert pinned.expected_hit_rate == pytest.approx(1.0)
-    nvfp4 = plan_cache(profile, None, 900, 90, (0, 10_000), 10_000, "staged", scale_2=True)
+    nvfp4 = plan_cache(profile, None, 900, 90, (0, 10_000), 10_000, placement="staged",
+                       scale_2=True)  # fmt: skip
     assert nvfp4.rows == 10 and nvfp4.device_bytes == 10 * 90 + 4 * 10  # + scale_2 per row
