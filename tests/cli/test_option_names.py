@@ -240,8 +240,8 @@ def _plan_json(argv: list[object], capsys) -> tuple[dict, str]:
 
 
 def test_plan_auto_is_the_plugins_choice(capsys):
-    from flashnext.serve.serving import choose_placement
     from flashnext.ple.preflight import HostMemory
+    from flashnext.serve.serving import choose_placement
 
     table, worker = 320_001_536 * 100, 8 << 30  # the int4 table of the published config
     for host in ("64GB", "40GB"):

@@ -421,8 +421,8 @@ def test_plan_cli_reads_engram_config(capsys: pytest.CaptureFixture[str]) -> Non
 def test_placement_auto_is_the_plugins_choice() -> None:
     """``auto`` (the default, as the plugin's) is what ``choose_placement`` picks for the host
     memory planned: pinned while every pinned copy and its headroom fit, else staged."""
-    from flashnext.serve.serving import choose_placement
     from flashnext.ple.preflight import HostMemory
+    from flashnext.serve.serving import choose_placement
 
     model = _qwen4()
     table = 320_001_536 * 100  # int4, d = 0

@@ -350,9 +350,9 @@ def _resolve_placement(
     table, _row, _fmt = _ple_bytes(model, shape, req)
     if not table or req.ple_disk_offload:  # nothing of ours to place: vLLM's own pinned table
         return dataclasses.replace(req, ple_placement="pinned"), []
-    from flashnext.serve.serving import choose_placement
     from flashnext.ple.preflight import DEFAULT_HEADROOM as PINNED_HEADROOM
     from flashnext.ple.preflight import HostMemory, host_memory
+    from flashnext.serve.serving import choose_placement
 
     if req.host_memory is None:
         memory, where = host_memory(), "this host leaves"
