@@ -261,7 +261,7 @@ def scenario(name: str, path: Path, files: list[Path], work: Workload) -> Run:
     t0 = time.perf_counter()
     residency = "resident" if name == "resident" else "mmap"
     hot = work.hot_ids if name == "cold+hot" else None
-    table = open_table(path, residency, hot_rows=hot)  # type: ignore[arg-type]
+    table = open_table(path, residency, hot_tier=hot)  # type: ignore[arg-type]
     opened = time.perf_counter() - t0
     open_faults = faults(resource.RUSAGE_SELF) - open_faults
     if name == "cold+hot":  # how much of the files the hot tier's load pulled in

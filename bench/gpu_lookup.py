@@ -302,7 +302,7 @@ class Bench:
         rows, sizes = self.args.rows, self.sizes
         gpu = uva_table(host, "int4", rows, self.args.shard_rows, self.device)
         for gb in (1, 2, 4):
-            info = gpu.set_hot_rows(self.text.hot_rows, gb << 30)
+            info = gpu.set_device_cache(self.text.hot_rows, gb << 30)
             for kind in ("text", "uniform") if gb == 2 else ("text",):
                 for t in sizes:
                     self._cache_case(gpu, f"cache {gb}GB", kind, t, info)
@@ -460,7 +460,7 @@ def graph_staged(bench: Bench, table: Any, rows: int) -> None:
 
 def staged_cache(bench: Bench, root: Path) -> None:
     """(f) StagedTable and GraphStagedTable behind a device cache of the profile's hot rows
-    (``set_hot_rows``: none, 1 GB, 2 GB), text ids. Latency = stage + lookup + synchronize;
+    (``set_device_cache``: none, 1 GB, 2 GB), text ids. Latency = stage + lookup + synchronize;
     the graph is launched first and waits on the flag while the host stages (as graph_staged).
     Records the hit rate, the unique (missed) rows staged and the host bytes each path pins.
 
@@ -480,7 +480,7 @@ def staged_cache(bench: Bench, root: Path) -> None:
         print(f"skipped graph-staged cache: {NOT_ON_CPU['graph-staged']}", flush=True)
     for gb in (0, 1, 2):
         t0 = time.perf_counter()
-        info = staged.set_hot_rows(hot_rows, gb << 30)
+        info = staged.set_device_cache(hot_rows, gb << 30)
         print(f"staged cache {gb} GB: {info.rows:,} rows, {info.bytes / 1e9:.2f} GB on the device, "
               f"built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for t in bench.sizes:

@@ -138,7 +138,7 @@ def operations(table: PLETable) -> dict[str, Callable[[np.ndarray], object]]:
 
 def open_variant(path: Path, variant: str, hot_ids: np.ndarray) -> PLETable:
     if variant == "hot":
-        return open_table(path, "mmap", hot_rows=hot_ids)
+        return open_table(path, "mmap", hot_tier=hot_ids)
     return open_table(path, variant)  # type: ignore[arg-type]
 
 

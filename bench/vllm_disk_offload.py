@@ -26,7 +26,7 @@ deleted before the next, so the two full tables need not fit on the disk togethe
   and the id copy's stream sync, which both sides would pay alike.
 - flashnext: ``StagedTable`` (stage + lookup + synchronize) and ``GraphStagedTable`` (the
   captured lookup is replayed first and waits on the flag while the host stages), each without
-  and with a 2 GB device cache of the text's hot rows (``set_hot_rows`` / ``share_cache``).
+  and with a 2 GB device cache of the text's hot rows (``set_device_cache`` / ``share_cache``).
   Outputs are bf16 [T, 2560] on every side.
 
 Ids: uniform over the table, and real text (``--tokens``, from ``bench/text_tokens.py``: the
@@ -169,7 +169,7 @@ class Ours:
 
         self.table = open_table(path, "mmap")
         self.staged = StagedTable(self.table, max_ids=max_ids, device="cuda")
-        self.cache = None if hot_rows is None else self.staged.set_hot_rows(hot_rows, CACHE_BYTES)
+        self.cache = None if hot_rows is None else self.staged.set_device_cache(hot_rows, CACHE_BYTES)
         self.graphs: dict[int, Any] = {}
         self.outs: dict[int, Any] = {}
 

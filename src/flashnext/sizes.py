@@ -1,7 +1,7 @@
 """Byte sizes as people write them: "96GiB", "64GB", "512MiB", "1.5 GiB", "8000000000B".
 
 The one size parser: the planner's flags, ``check``'s memory flags and the plugin's
-``FLASHNEXT_PLE_CACHE`` all read sizes here, and each caller raises its own area's error
+``FLASHNEXT_PLE_DEVICE_CACHE`` all read sizes here, and each caller raises its own area's error
 naming its flag or switch. A unit is required: a bare "96" could be GiB, GB or bytes, and read
 as bytes it plans nonsense. ``0`` is the one number without a unit (zero in any unit; a cache
 of ``0`` is off).

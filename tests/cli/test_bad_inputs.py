@@ -103,7 +103,7 @@ BAD_INPUTS: dict[str, dict[str, Args | str]] = {
         "missing": lambda i: [i.fresh("nothing")],
         "wrong-kind": lambda i: [i.a_file],
         "unreadable": lambda i: [_unreadable_shard(i)],
-        "out-of-range": lambda i: [i.sidecar, "--hot-rows", "-1"],
+        "out-of-range": lambda i: [i.sidecar, "--hot-tier", "-1"],
     },
     "ple profile": {
         "missing": lambda i: [i.fresh("nothing"), "--text", profile_inputs(i).text],
@@ -270,7 +270,7 @@ def _bad_flag_values(model: Path) -> dict[str, list[object]]:
         "plan --gpu-memory 0": ["plan", "--model", model, "--gpu-memory", "0"],
         "plan --gpu-memory unitless": ["plan", "--model", model, "--gpu-memory", "96"],
         "plan --max-model-len": [*plan, "--max-model-len", "12q"],
-        "plan cache + device": [*plan, "--ple-cache", "1GiB", "--ple-placement", "device"],
+        "plan cache + device": [*plan, "--ple-device-cache", "1GiB", "--ple-placement", "device"],
         "explain --gpu-memory": ["explain", log, "--gpu-memory", "5"],
         "check --gpu": ["check", "--model", model, "--gpu", "bogus"],
         "check --host-memory": ["check", "--model", model, "--gpu", "sm120", "--host-memory", "5"],

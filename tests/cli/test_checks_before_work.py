@@ -70,7 +70,7 @@ def test_preflight_refusal_speaks_flags(sidecar, tmp_path, capsys):
     host = _host(tmp_path / "small", "MemTotal: 4096 kB\nMemAvailable: 1024 kB\n")
     for residency in ("resident", "mmap"):
         argv = ["ple", "preflight", str(sidecar), "--residency", residency, "--host-root", host]
-        argv += ["--hot-rows", "200"] if residency == "mmap" else []
+        argv += ["--hot-tier", "200"] if residency == "mmap" else []
         code, out, err = run_in_process([str(a) for a in argv], capsys)
         assert code == 1, out + err
         assert not LIBRARY_WORDS.search(out + err), out + err

@@ -109,8 +109,8 @@ COMMANDS = {
         "file",
         lambda w: w.sidecar,
     ),
-    "record restore --write": Command(
-        lambda w, d: ["record", "restore", w.record, "--write", d], "file", lambda w: w.record
+    "record restore --output": Command(
+        lambda w, d: ["record", "restore", w.record, "--output", d], "file", lambda w: w.record
     ),
     "checkpoint override": Command(
         lambda w, d: ["checkpoint", "override", w.sidecar, "--layer-type", "a=b", "--out", d],
@@ -221,7 +221,7 @@ NEEDS = {
     "symlink to the input's parent": {"dir", "file"},
     "hard link to the input": {"file"},
 }
-INPUT_KIND = {"record restore --write": "file", "validate ab": "file", "demo": None,
+INPUT_KIND = {"record restore --output": "file", "validate ab": "file", "demo": None,
               "validate": None}  # fmt: skip
 PAIRS = [
     (command, case)
@@ -260,7 +260,7 @@ def test_a_new_destination_beside_the_inputs_is_accepted(world, capsys):
     # a profile may replace its own earlier profile, never another file
     code, _, err = run_in_process(COMMANDS["ple profile"].argv(world, "out/p.safetensors"), capsys)
     assert code == 0, err
-    code, _, err = run_in_process(COMMANDS["record restore --write"].argv(world, "r.sh"), capsys)
+    code, _, err = run_in_process(COMMANDS["record restore --output"].argv(world, "r.sh"), capsys)
     assert code != 2, err  # the destination passed; the (fake) record itself is refused
     assert "r.sh" not in os.listdir(world.cwd)
 

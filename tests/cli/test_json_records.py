@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from flashnext.cli._common import json_help
 from flashnext.records import check_record
 
 from .inputs import (
@@ -99,5 +100,8 @@ def test_json_output_is_a_record(command, cli_inputs, demo_run, capsys, request)
             assert code == (1 if command in FAILS_ON_PURPOSE else 0), err
     record = check_record(json.loads(out), source=f"flashnext {command} --json")
     assert record["kind"].startswith("flashnext.")
+    # the --json help is made from the kind the command really prints (json_help)
+    (option,) = [p for p in leaf_commands()[command].params if "--json" in p.opts]
+    assert option.help == json_help(record["kind"]), (command, option.help)
     assert record["environment"]["flashnext"] and record["environment"]["command"]
     assert json.loads(out) == record and out.count("\n{") == 0  # one document, nothing else

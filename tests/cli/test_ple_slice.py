@@ -142,15 +142,19 @@ def test_checkpoint_ple_prints_the_slice_command(cli_inputs, capsys):
     assert "--tp 2 --ranks R[,R...]" in out
 
 
-def test_the_hot_row_profile_comes_along_inside_the_slice(full, tmp_path, capsys):
-    from flashnext.store.profile import HotRowProfile, load_profile, write_profile
+@pytest.mark.parametrize("name", ["profile.safetensors", "hot_rows.safetensors"])
+def test_the_profile_comes_along_inside_the_slice(full, tmp_path, capsys, name):
+    """Under its name, also when the sidecar's has the name before issue 43."""
+    from flashnext.store.profile import RowProfile, load_profile, write_profile
 
     ids = np.array([700, 3, 260, 999], dtype=np.int64)
-    written = write_profile(full, HotRowProfile(ids, np.array([9, 5, 2, 1]), 20, {"layer": 0}))
-    assert written == tmp_path / "full.hot_rows.safetensors"  # ple profile's default: beside
+    written = write_profile(full, RowProfile(ids, np.array([9, 5, 2, 1]), 20, {"layer": 0}))
+    assert written == tmp_path / "full.profile.safetensors"  # ple profile's default: beside
+    written = written.rename(tmp_path / f"full.{name}")
     dst = tmp_path / "node"
     assert run_in_process(["ple", "slice", full, dst, "--tp", TP, "--ranks", 1], capsys)[0] == 0
-    assert filecmp.cmp(written, dst / "hot_rows.safetensors", shallow=False)
+    assert filecmp.cmp(written, dst / "profile.safetensors", shallow=False)
+    assert not (dst / "hot_rows.safetensors").exists()
     np.testing.assert_array_equal(load_profile(dst).row_ids, ids)
 
 

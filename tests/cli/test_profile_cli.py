@@ -76,13 +76,13 @@ def test_rows_default_path_and_its_consumers(inputs, tmp_path, capsys):
     code, stdout, err = run_in_process([*argv, "--rows", "50"], capsys)
     assert code == 0, err
     assert "rows kept" in stdout and "50 of" in stdout and "hashing text" in err
-    profile = load_profile(sidecar)  # sidecar.hot_rows.safetensors beside the directory
+    profile = load_profile(sidecar)  # sidecar.profile.safetensors beside the directory
     assert len(profile) == 50 and np.all(np.diff(profile.counts) <= 0)
-    with open_table(sidecar, hot_rows=profile) as table:
-        assert table.hot_rows == 50
-    assert not (sidecar / "hot_rows.safetensors").exists()  # never inside an input
-    for hot in ("50", str(tmp_path / "sidecar.hot_rows.safetensors")):
-        code, stdout, err = run_in_process(["ple", "preflight", sidecar, "--hot-rows", hot], capsys)
+    with open_table(sidecar, hot_tier=profile) as table:
+        assert table.hot_tier_rows == 50
+    assert not (sidecar / "profile.safetensors").exists()  # never inside an input
+    for hot in ("50", str(tmp_path / "sidecar.profile.safetensors")):
+        code, stdout, err = run_in_process(["ple", "preflight", sidecar, "--hot-tier", hot], capsys)
         assert code == 0 and "50 rows, 5.0 KB" in stdout, stdout + err
 
 

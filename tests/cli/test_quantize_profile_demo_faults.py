@@ -109,14 +109,14 @@ def test_profile_default_output_is_beside_the_sidecar_and_quantize_resumes(
     argv = ["ple", "profile", sidecar, "--text", profile_inputs.text]
     code, _, err = run_in_process([*argv, "--tokenizer", profile_inputs.tokenizer], capsys)
     assert code == 0, err
-    assert (tmp_path / "s.hot_rows.safetensors").is_file()
-    assert not (sidecar / "hot_rows.safetensors").exists()
+    assert (tmp_path / "s.profile.safetensors").is_file()
+    assert not (sidecar / "profile.safetensors").exists()
     # the sidecar is still exactly the quantizer's output: the same command resumes (keeps all)
     code, out, err = run_in_process(make, capsys)
     assert code == 0, err
     assert json.loads(out)["shards_kept"] == json.loads(out)["num_shards"]
     code, _, err = run_in_process([*make, "--force"], capsys)
-    assert code == 0 and (tmp_path / "s.hot_rows.safetensors").is_file(), err
+    assert code == 0 and (tmp_path / "s.profile.safetensors").is_file(), err
 
 
 # -- demo ---------------------------------------------------------------------------------

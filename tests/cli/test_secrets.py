@@ -74,7 +74,7 @@ def test_record_capture_diff_and_restore_redact(server, tmp_path: Path) -> None:
     assert launch["env"]["HF_TOKEN"] == "<redacted>" and "--key" in launch["argv"]
     texts |= _run_all("record", "diff", a, b) | _run_all("record", "diff", a, b, "--json")
     script = tmp_path / "r.sh"
-    texts |= _run_all("record", "restore", a) | _run_all("record", "restore", a, "--write",
+    texts |= _run_all("record", "restore", a) | _run_all("record", "restore", a, "--output",
                                                          script, out=script)  # fmt: skip
     assert not _leaks(texts), _leaks(texts)
 

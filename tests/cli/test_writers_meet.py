@@ -163,7 +163,7 @@ def _writers(w: Any, openai_url: str) -> dict[str, tuple[list[object], str, int]
         "ple profile": ([*w.profile.argv(), "--output", "p.safetensors"], "p.safetensors", 0),
         "demo": (["demo", "--base", "1000", "--out", "d"], "d", -signal.SIGKILL),
         "record capture": (capture, "r.json", 0),
-        "record restore --write": (["record", "restore", w.record, "--write", "r.sh"], "r.sh", 0),
+        "record restore --output": (["record", "restore", w.record, "--output", "r.sh"], "r.sh", 0),
         "checkpoint override": (override, "o", 0),
         "validate": (validate, "v", 1),
         "validate ab": (ab, "a", 1),
@@ -208,7 +208,7 @@ def _wait_stopped(proc: subprocess.Popen[str]) -> None:
 
 
 COMMANDS_42 = ["ple quantize", "ple slice", "ple profile", "demo", "record capture",
-               "record restore --write", "checkpoint override", "validate", "validate ab"]  # fmt: skip
+               "record restore --output", "checkpoint override", "validate", "validate ab"]  # fmt: skip
 
 
 @pytest.mark.skipif(not LINUX, reason="SIGSTOP, /proc and flock as on Linux")

@@ -398,16 +398,16 @@ def test_memory_plan_counts_the_ple_cache_of_the_planned_environment(tmp_path):
     env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path / "ple"), "FLASHNEXT_PLE_PLACEMENT": "staged"}
     rows, _ = checks_for(root, argv, env=env)
     plain = rows["memory-plan"]
-    rows, _ = checks_for(root, argv, env={**env, "FLASHNEXT_PLE_CACHE": "1KiB"})
+    rows, _ = checks_for(root, argv, env={**env, "FLASHNEXT_PLE_DEVICE_CACHE": "1KiB"})
     cached = rows["memory-plan"]
     assert plain.status == cached.status == "pass", (plain, cached)
     # The same request through the planner: the cache is a device item before the KV pool.
     req = PlanRequest(96 << 30, max_model_len=8192, max_num_seqs=4, ple_placement="staged")
-    plan = make_plan(load_model(root), dataclasses.replace(req, ple_cache=1 << 10))
-    cache = [i.bytes for i in plan.device_items if i.name.startswith("PLE hot-row")]
+    plan = make_plan(load_model(root), dataclasses.replace(req, ple_device_cache=1 << 10))
+    cache = [i.bytes for i in plan.device_items if i.name.startswith("PLE device cache")]
     assert cache == [len(plan.shape.ple_layers) << 10]
-    assert "hot-row cache" not in plain.why
-    assert f"{gib(cache[0])} of PLE hot-row cache counted first" in cached.why
+    assert "device cache" not in plain.why
+    assert f"{gib(cache[0])} of PLE device cache counted first" in cached.why
 
 
 def _sidecar_for(tmp_path, root, name, **config_change):
@@ -440,10 +440,10 @@ def test_check_refuses_what_the_plugin_refuses_at_boot(tmp_path):
     refused = {
         "FLASHNEXT_PLE_PLACEMENT=bogus": ({"FLASHNEXT_PLE_PLACEMENT": "bogus",
                                            "FLASHNEXT_PLE_SIDECAR": str(other.parent)}, "bogus"),
-        "cache 4096": ({"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_CACHE": "4096"}, "4096"),
-        "cache without sidecar": ({"FLASHNEXT_PLE_CACHE": "1MiB"}, "without FLASHNEXT_PLE_SIDECAR"),
+        "cache 4096": ({"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_DEVICE_CACHE": "4096"}, "4096"),
+        "cache without sidecar": ({"FLASHNEXT_PLE_DEVICE_CACHE": "1MiB"}, "without FLASHNEXT_PLE_SIDECAR"),
         "MOE_GUARD=maybe": ({"FLASHNEXT_MOE_GUARD": "maybe"}, "FLASHNEXT_MOE_GUARD"),
-        "device + cache": ({"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_CACHE": "1MiB",
+        "device + cache": ({"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_DEVICE_CACHE": "1MiB",
                             "FLASHNEXT_PLE_PLACEMENT": "device"}, "device placement holds"),
     }  # fmt: skip
     for case, (env, word) in refused.items():
@@ -460,11 +460,11 @@ def test_check_refuses_what_the_plugin_refuses_at_boot(tmp_path):
     argv = ["--additional-config", json.dumps({"flashnext": {"ple_sidecar": str(other.parent)}})]
     rows, _ = checks_for(root, argv)
     assert rows["ple-sidecar"].status == "fail" and "rows" in rows["ple-sidecar"].why
-    cache = {"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_CACHE": "64KiB"}
+    cache = {"FLASHNEXT_PLE_SIDECAR": ple, "FLASHNEXT_PLE_DEVICE_CACHE": "64KiB"}
     rows, _ = checks_for(root, [], env=cache)
     row = rows["ple-sidecar"]
     assert row.status == "pass" and "expected hit rate" in row.why, row
-    for profile, word in ((tmp_path / "missing.safetensors", "no hot-row profile"),
+    for profile, word in ((tmp_path / "missing.safetensors", "no profile"),
                           (foreign, "another PLE table")):  # fmt: skip
         for placement in ("auto", "pinned", "staged"):
             env = {**cache, "FLASHNEXT_PLE_PROFILE": str(profile),

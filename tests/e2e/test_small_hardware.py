@@ -58,7 +58,9 @@ def _preflight(target: Path, cgroup: MemoryCgroup) -> dict[str, Any]:
 
 
 def _plan(model: Path, cgroup: MemoryCgroup, plugin: bool) -> dict[str, Any]:
-    table = ["--ple-format", "int4", "--ple-placement", "staged"] if plugin else []
+    # stock vLLM pins the checkpoint's table; plan's default (auto) is the plugin's choice
+    table = ["--ple-format", "int4", "--ple-placement", "staged"] if plugin else [
+        "--ple-placement", "pinned"]  # fmt: skip
     done = run(
         "plan", "--model", model, "--device", "cpu", "--kv-cache-memory", "64MiB",
         "--max-model-len", 256, "--memory-cgroup", cgroup.path, "--worker-host-memory", WORKER,

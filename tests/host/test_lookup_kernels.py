@@ -43,7 +43,7 @@ def test_odd_widths_and_nonfinite_values_match_reference(fmt, width, tmp_path, r
         start, end = writer.shard_rows(i)
         writer.write_shard(i, _stored(fmt, end - start, width, rng))
     writer.finish()
-    table = open_table(tmp_path, "mmap", hot_rows=rng.choice(rows, size=20, replace=False))
+    table = open_table(tmp_path, "mmap", hot_tier=rng.choice(rows, size=20, replace=False))
     ids = rng.integers(-1, rows, size=(5, 60))
     with np.errstate(invalid="ignore"):  # inf scale x 0 is NaN, on purpose
         ref = table.reference_lookup(ids)
@@ -88,7 +88,7 @@ def test_hot_rows_are_served_from_the_hot_copy(tmp_path, rng):
     write_sidecar(tmp_path, "int4", rng.standard_normal((rows, 160), dtype=np.float32), 100)
     hot = rng.choice(rows, size=300, replace=False)
     start, end = 250, 2900
-    table = open_table(tmp_path, "mmap", row_range=(start, end), hot_rows=hot)
+    table = open_table(tmp_path, "mmap", row_range=(start, end), hot_tier=hot)
     in_range = np.sort(hot[(hot >= start) & (hot < end)])
     assert table.hot_rows == in_range.size
     # Fault injected: each row of the hot copy is overwritten with its own row id, so a row

@@ -131,11 +131,11 @@ def test_fused_kernels_match_numpy_reference(tables, fmt, residency, rng):
 
     root, _ = tables
     hot = rng.choice(1000, size=100, replace=False) if residency == "hot" else None
-    table = open_table(root / fmt, "mmap" if hot is not None else residency, hot_rows=hot)
+    table = open_table(root / fmt, "mmap" if hot is not None else residency, hot_tier=hot)
     assert table.hot_rows == (100 if hot is not None else 0)
     for row_range in (None, (130, 700)):
         if row_range:
-            table = open_table(root / fmt, "mmap", row_range=row_range, hot_rows=hot)
+            table = open_table(root / fmt, "mmap", row_range=row_range, hot_tier=hot)
         ids = rng.integers(-1, 1000, size=(3, 40_000 // 3))  # big enough to split over threads
         ref = table.reference_lookup(ids)
         got = table.lookup(ids)
@@ -157,7 +157,7 @@ def test_lookup_from_threads_matches_single_thread(tables, rng):
 
     root, _ = tables
     hot = rng.choice(1000, size=150, replace=False)
-    for table in (open_table(root / "int4"), open_table(root / "nvfp4", hot_rows=hot)):
+    for table in (open_table(root / "int4"), open_table(root / "nvfp4", hot_tier=hot)):
         calls = [
             table.lookup,
             lambda ids, t=table: t.lookup(ids, dtype=ml_dtypes.bfloat16),
@@ -327,7 +327,7 @@ def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
         pytest.skip("the page cache kept the files (eviction refused on this filesystem)")
     hot = np.sort(rng.choice(40_000, size=300, replace=False))
     major = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-    table = open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    table = open_table(tmp_path / "t", "mmap", hot_tier=hot)
     # read() brought the tier's pages in; gathering through the maps would have taken a
     # major fault per page (~300 here)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt - major < 30
@@ -335,12 +335,33 @@ def test_hot_tier_reads_its_ranges_before_gathering(tmp_path, rng):
     np.testing.assert_array_equal(table.lookup(hot), table.reference_lookup(hot))
 
 
-@pytest.mark.parametrize("hot", ["hot_rows.safetensors", 50, np.zeros((2, 3), np.int64)])
+@pytest.mark.parametrize("hot", ["profile.safetensors", 50, np.zeros((2, 3), np.int64)])
 def test_hot_rows_takes_a_profile_or_ids_only(hot, tmp_path, rng):
     """A count or a file name is no longer a hot tier: the error says what is (issue 21)."""
     write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)
-    with pytest.raises(SidecarError, match="HotRowProfile or 1-D integer row ids"):
-        open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    with pytest.raises(SidecarError, match="hot_tier must be a RowProfile or 1-D integer row ids"):
+        open_table(tmp_path / "t", "mmap", hot_tier=hot)
+
+
+def test_hot_rows_is_the_old_name_of_hot_tier(tmp_path, rng, monkeypatch, caplog):
+    """``open_table(hot_rows=)`` and ``PLETable.hot_rows`` still work; the old keyword says so
+    once per process."""
+    from flashnext import words
+
+    monkeypatch.setattr(words, "_said", set())
+    write_sidecar(tmp_path / "t", "int4", embedding_rows(300, 32, rng), 100)
+    hot = rng.permutation(300)[:40]
+    ids = rng.integers(0, 300, size=(7, 3))
+    with open_table(tmp_path / "t", "mmap", hot_tier=hot) as new:
+        want, rows = new.lookup(ids), new.hot_tier_rows
+    for _ in range(2):
+        with open_table(tmp_path / "t", "mmap", hot_rows=hot) as old:
+            assert old.hot_rows == old.hot_tier_rows == rows == 40
+            np.testing.assert_array_equal(old.lookup(ids), want)
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert said == [
+        "warning: open_table(hot_rows=) is deprecated; it is now spelled open_table(hot_tier=)"
+    ]
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs Linux page-cache advice")
@@ -355,7 +376,7 @@ def test_hot_tier_maps_what_it_read_so_lookups_take_no_faults(tmp_path, rng):
     for path in files:  # cached by plain reads: small folios, which no fault maps 2 MiB at once
         path.read_bytes()
     hot = np.arange(0, 2 * rows, 2_500) + rng.integers(0, 2_500, size=2 * rows // 2_500)
-    table = open_table(tmp_path / "t", "mmap", hot_rows=hot)
+    table = open_table(tmp_path / "t", "mmap", hot_tier=hot)
     ranges = table.row_ranges(np.sort(hot))
     for path in files:
         want = sum(n for p, _, n in ranges if p == path) // 1024

@@ -112,47 +112,47 @@ def test_versions_checked_and_refused():
 
 
 def test_cache_and_profile_switches_from_either_source(tmp_path):
-    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path), "FLASHNEXT_PLE_CACHE": "2GiB"}
+    env = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path), "FLASHNEXT_PLE_DEVICE_CACHE": "2GiB"}
     settings = PluginSettings.resolve(env=env)
-    assert settings.ple_cache == 2 * 2**30 and settings.ple_profile is None
-    section = {"ple_sidecar": str(tmp_path), "ple_cache": "512MiB", "ple_profile": "~/p.st"}
+    assert settings.ple_device_cache == 2 * 2**30 and settings.ple_profile is None
+    section = {"ple_sidecar": str(tmp_path), "ple_device_cache": "512MiB", "ple_profile": "~/p.st"}
     settings = PluginSettings.resolve(env={}, additional_config={"flashnext": section})
-    assert settings.ple_cache == 512 * 2**20
+    assert settings.ple_device_cache == 512 * 2**20
     assert settings.ple_profile == Path("~/p.st").expanduser()
-    both = {"flashnext": {"ple_cache": "1000MB"}}
-    assert PluginSettings.resolve({**env, "FLASHNEXT_PLE_CACHE": "1GB"}, both).ple_cache == 10**9
+    both = {"flashnext": {"ple_device_cache": "1000MB"}}
+    assert PluginSettings.resolve({**env, "FLASHNEXT_PLE_DEVICE_CACHE": "1GB"}, both).ple_device_cache == 10**9
     assert (
         PluginSettings.resolve(
-            {**env, "FLASHNEXT_PLE_CACHE": "0"}, {"flashnext": {"ple_cache": 0}}
-        ).ple_cache
+            {**env, "FLASHNEXT_PLE_DEVICE_CACHE": "0"}, {"flashnext": {"ple_device_cache": 0}}
+        ).ple_device_cache
         == 0
     )
-    off = PluginSettings.resolve({**env, "FLASHNEXT_PLE_CACHE": "0"})
-    assert off.ple_cache == 0 and off.parts == ("ple_sidecar",)
+    off = PluginSettings.resolve({**env, "FLASHNEXT_PLE_DEVICE_CACHE": "0"})
+    assert off.ple_device_cache == 0 and off.parts == ("ple_sidecar",)
 
 
 @pytest.mark.parametrize(
     ("env", "config", "named"),
     [
-        ({"FLASHNEXT_PLE_CACHE": "2 gigs"}, None, "FLASHNEXT_PLE_CACHE='2 gigs': expected a cache"),
-        ({"FLASHNEXT_PLE_CACHE": "-1GiB"}, None, "FLASHNEXT_PLE_CACHE='-1GiB': expected a cache"),
-        ({}, {"flashnext": {"ple_cache": -5}}, "flashnext.ple_cache=-5: expected a cache size"),
+        ({"FLASHNEXT_PLE_DEVICE_CACHE": "2 gigs"}, None, "FLASHNEXT_PLE_DEVICE_CACHE='2 gigs': expected a cache"),
+        ({"FLASHNEXT_PLE_DEVICE_CACHE": "-1GiB"}, None, "FLASHNEXT_PLE_DEVICE_CACHE='-1GiB': expected a cache"),
+        ({}, {"flashnext": {"ple_device_cache": -5}}, "flashnext.ple_device_cache=-5: expected a cache size"),
         # A bare number could be bytes or GiB: only 0 needs no unit.
-        ({}, {"flashnext": {"ple_cache": 10**9}}, "ple_cache=1000000000: expected a cache size"),
-        ({"FLASHNEXT_PLE_CACHE": "4096"}, None, "FLASHNEXT_PLE_CACHE='4096': expected a cache"),
-        ({}, {"flashnext": {"ple_cache": True}}, "flashnext.ple_cache=True: expected a cache"),
-        ({}, {"flashnext": {"ple_profile": 3}}, "flashnext.ple_profile must be a hot-row profile"),
-        ({"FLASHNEXT_PLE_CACHE": "1GiB"}, None, "set without FLASHNEXT_PLE_SIDECAR"),
+        ({}, {"flashnext": {"ple_device_cache": 10**9}}, "ple_device_cache=1000000000: expected a cache size"),
+        ({"FLASHNEXT_PLE_DEVICE_CACHE": "4096"}, None, "FLASHNEXT_PLE_DEVICE_CACHE='4096': expected a cache"),
+        ({}, {"flashnext": {"ple_device_cache": True}}, "flashnext.ple_device_cache=True: expected a cache"),
+        ({}, {"flashnext": {"ple_profile": 3}}, "flashnext.ple_profile must be a profile file"),
+        ({"FLASHNEXT_PLE_DEVICE_CACHE": "1GiB"}, None, "set without FLASHNEXT_PLE_SIDECAR"),
         ({"FLASHNEXT_PLE_PROFILE": "/p"}, None, "set without FLASHNEXT_PLE_SIDECAR"),
         (
-            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_CACHE": "1GiB"},
+            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_DEVICE_CACHE": "1GiB"},
             {"flashnext": {"ple_placement": "device"}},
             "with FLASHNEXT_PLE_PLACEMENT=device",
         ),
         (
-            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_CACHE": "1GiB"},
-            {"flashnext": {"ple_cache": "2GiB"}},
-            "FLASHNEXT_PLE_CACHE=1073741824 and --additional-config flashnext.ple_cache=2147483648",
+            {"FLASHNEXT_PLE_SIDECAR": "/s", "FLASHNEXT_PLE_DEVICE_CACHE": "1GiB"},
+            {"flashnext": {"ple_device_cache": "2GiB"}},
+            "FLASHNEXT_PLE_DEVICE_CACHE=1073741824 and --additional-config flashnext.ple_device_cache=2147483648",
         ),
     ],
 )
@@ -238,3 +238,29 @@ def test_register_reads_the_yaml_config_file_for_disk_offload(tmp_path):
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip
     assert "refused:" in out and "disk_offload=true" in out and "| installed: []" in out, out
+
+
+def test_old_cache_spellings_still_set_the_device_cache(tmp_path, monkeypatch, caplog):
+    """FLASHNEXT_PLE_CACHE and the ``ple_cache`` key are the old spellings of the device cache:
+    the same setting, one deprecation line each per process, and a disagreement refused."""
+    from flashnext import words
+
+    monkeypatch.setattr(words, "_said", set())
+    side = {"FLASHNEXT_PLE_SIDECAR": str(tmp_path)}
+    new = PluginSettings.resolve({**side, "FLASHNEXT_PLE_DEVICE_CACHE": "64MiB"})
+    for _ in range(2):
+        assert PluginSettings.resolve({**side, "FLASHNEXT_PLE_CACHE": "64MiB"}) == new
+        old_key = {"flashnext": {"ple_cache": "64MiB"}}
+        assert PluginSettings.resolve(side, old_key) == new
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert said == [
+        "warning: FLASHNEXT_PLE_CACHE is deprecated; it is now spelled FLASHNEXT_PLE_DEVICE_CACHE",
+        "warning: --additional-config flashnext.ple_cache is deprecated; it is now spelled "
+        "--additional-config flashnext.ple_device_cache",
+    ]
+    both = {**side, "FLASHNEXT_PLE_CACHE": "1MiB", "FLASHNEXT_PLE_DEVICE_CACHE": "2MiB"}
+    with pytest.raises(PluginError, match="FLASHNEXT_PLE_DEVICE_CACHE=2MiB and its old spelling"):
+        PluginSettings.resolve(both)
+    keys = {"flashnext": {"ple_cache": "1MiB", "ple_device_cache": "2MiB"}}
+    with pytest.raises(PluginError, match="ple_device_cache and its old spelling"):
+        PluginSettings.resolve(side, keys)

@@ -240,7 +240,7 @@ def test_sidecar_layer_equals_vllm_pinned_layer(
         assert emb._buffer(buffer.device) is buffer  # allocated once, reused by every step
 
 
-# -- the hot-row device cache switches (FLASHNEXT_PLE_CACHE / FLASHNEXT_PLE_PROFILE) -------------
+# -- the hot-row device cache switches (FLASHNEXT_PLE_DEVICE_CACHE / FLASHNEXT_PLE_PROFILE) -------------
 @pytest.fixture(scope="module")
 def profiled(table, geometry, tmp_path_factory):
     """(a real hot-row profile file of the sidecar's table, the token documents it counted)."""
@@ -250,7 +250,7 @@ def profiled(table, geometry, tmp_path_factory):
     gen = seeded_rng("plugin_vllm_gpu_profile")
     docs = [gen.integers(0, CONFIG["vocab_size"], size=int(gen.integers(100, 300)))
             for _ in range(12)]  # fmt: skip
-    path = tmp_path_factory.mktemp("profile") / "hot_rows.safetensors"
+    path = tmp_path_factory.mktemp("profile") / "profile.safetensors"
     return write_profile(path, build_profile(geometry, docs)), docs
 
 
@@ -269,7 +269,7 @@ def _mixed_batch(rng: np.random.Generator, docs: list, tokens: int) -> dict[str,
 @pytest.mark.parametrize("placement", ["pinned", "staged"])
 def test_cache_switches_serve_the_same_rows(vllm_pinned, table, geometry, profiled, placement,
                                             rng, caplog):  # fmt: skip
-    """FLASHNEXT_PLE_CACHE=64MiB with a profile in front of pinned and staged rows: the start
+    """FLASHNEXT_PLE_DEVICE_CACHE=64MiB with a profile in front of pinned and staged rows: the start
     line names the cache, the profile and its expected hit rate, and every step (hits and
     misses together) equals the same layer without the cache, and vLLM's, bit for bit."""
     from flashnext.ple.hashing import ngram_ids_packed as hashed
@@ -277,7 +277,7 @@ def test_cache_switches_serve_the_same_rows(vllm_pinned, table, geometry, profil
     profile_file, docs = profiled
     apply_parts(("ple_sidecar",), PluginSettings())
     plain_cfg = {"ple_sidecar": str(table[1].path), "ple_placement": placement}
-    cached_cfg = {**plain_cfg, "ple_cache": "64MiB", "ple_profile": str(profile_file)}
+    cached_cfg = {**plain_cfg, "ple_device_cache": "64MiB", "ple_profile": str(profile_file)}
     plain = _build(True, {"flashnext": plain_cfg})
     with caplog.at_level(logging.INFO, logger="flashnext.integrations.vllm"):
         cached = _build(True, {"flashnext": cached_cfg})
@@ -287,7 +287,7 @@ def test_cache_switches_serve_the_same_rows(vllm_pinned, table, geometry, profil
     line = [r.getMessage() for r in caplog.records if PREFIX in r.getMessage()][-1]
     rate = f"expected hit rate {100 * plan.expected_hit_rate:.1f}%"
     size = f"device cache {64 / 1024:.2f} GiB"  # 64 MiB, as CachePlan.describe spells it
-    for phrase in (f"{placement}: ", size, f"{plan.rows} hot rows", f"from {profile_file}", rate):
+    for phrase in (f"{placement}: ", size, f"{plan.rows} rows from", f"from {profile_file}", rate):
         assert phrase in line, (phrase, line)
     target = rows._staged if placement == "staged" else rows._gpu
     assert target.cache_info.rows == plan.rows

@@ -20,10 +20,10 @@ SRC = Path(__file__).parents[2] / "src"
 
 def test_carry_writes_the_command_line_switches_and_the_legacy_prefix() -> None:
     argv = ["serve", "m", "--additional-config",
-            json.dumps({"flashnext": {"ple_sidecar": "~/sc", "moe_guard": True, "ple_cache": 0}})]  # fmt: skip
+            json.dumps({"flashnext": {"ple_sidecar": "~/sc", "moe_guard": True, "ple_device_cache": 0}})]  # fmt: skip
     env = {"VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY": "MY_", "FLASHNEXT_MOE_GUARD": "1"}
     written = ranks.carry_to_workers(command_line_config(argv), env)
-    assert env["FLASHNEXT_PLE_SIDECAR"] == "~/sc" and env["FLASHNEXT_PLE_CACHE"] == "0"
+    assert env["FLASHNEXT_PLE_SIDECAR"] == "~/sc" and env["FLASHNEXT_PLE_DEVICE_CACHE"] == "0"
     assert env["FLASHNEXT_MOE_GUARD"] == "1"  # set already: kept (it must agree anyway)
     assert env["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MY_,FLASHNEXT_"
     assert "FLASHNEXT_MOE_GUARD" not in written
@@ -89,3 +89,10 @@ def test_the_report_runs_where_flashnext_is_not_installed(
     assert "flashnext" in answer["error"] and answer["node"], answer
     with pytest.raises(PluginError, match=r"^rank 1 on node .*flashnext is not installed"):
         ranks.check_reports([_report(0, "x"), answer], ["ple_sidecar"])
+
+
+def test_carry_writes_an_old_key_under_its_new_variable() -> None:
+    argv = ["serve", "m", "--additional-config", json.dumps({"flashnext": {"ple_cache": "1MiB"}})]
+    env: dict[str, str] = {}
+    assert "FLASHNEXT_PLE_DEVICE_CACHE" in ranks.carry_to_workers(command_line_config(argv), env)
+    assert env["FLASHNEXT_PLE_DEVICE_CACHE"] == "1MiB"

@@ -253,7 +253,7 @@ def probe(spec: dict, facts: dict, arrays: dict) -> None:
     world, rank = facts["world"], facts["rank"]
 
     def sliced(path: str) -> dict:
-        return {"flashnext": {"ple_sidecar": path, "ple_cache": "1MiB"}}
+        return {"flashnext": {"ple_sidecar": path, "ple_device_cache": "1MiB"}}
 
     facts["slice_error"] = error_of(lambda: build(spec, sliced(spec["slices"][str(1 - rank)])))
     if world == 2:

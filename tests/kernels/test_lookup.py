@@ -139,7 +139,7 @@ def test_hot_row_cache_serves_the_same_rows(sidecars, fmt, rng):
     plain = bits(gpu.lookup(torch.from_numpy(ids).to(DEVICE)))
     hot = rng.permutation(ROWS)[:400]
     bytes_per_row = gpu.layout.record_bytes
-    info = gpu.set_hot_rows(np.concatenate([[-5, ROWS + 3], hot]), 300 * bytes_per_row)
+    info = gpu.set_device_cache(np.concatenate([[-5, ROWS + 3], hot]), 300 * bytes_per_row)
     assert info.rows == 300 and info.bytes == 300 * bytes_per_row + 4 * ROWS
     cached = bits(gpu.lookup(torch.from_numpy(ids).to(DEVICE)))
     np.testing.assert_array_equal(cached, plain)
@@ -154,7 +154,7 @@ def test_cuda_graph_replays_with_new_ids(sidecars, placement, rng):
     table = open_table(sidecars / "nvfp4")
     gpu = GpuTable.from_table(table, placement, row_range=(100, 900), device=DEVICE)
     if placement == "pinned":
-        gpu.set_hot_rows(rng.permutation(ROWS), 200 * gpu.layout.record_bytes)
+        gpu.set_device_cache(rng.permutation(ROWS), 200 * gpu.layout.record_bytes)
     gpu.sort_min_ids = 1  # the sort (graph-safe) is captured too
     ids = torch.from_numpy(random_ids(rng, 24)).to(DEVICE)
     out = torch.empty(24, HEADS * WIDTH, dtype=torch.bfloat16, device=DEVICE)
@@ -185,8 +185,8 @@ def test_bad_arguments_are_named(sidecars):
             torch.zeros(2, HEADS, dtype=torch.int64, device=DEVICE),
             out=torch.empty(2, 7, dtype=torch.bfloat16, device=DEVICE),
         )
-    with pytest.raises(KernelError, match="a hot-row cache serves pinned tables"):
-        gpu.set_hot_rows(np.arange(3), 1 << 20)
+    with pytest.raises(KernelError, match="a device cache serves pinned tables"):
+        gpu.set_device_cache(np.arange(3), 1 << 20)
     if CUDA:
         with pytest.raises(KernelError, match="wait is 'poll', expected one of spin, stream"):
             GraphStagedTable(table, (2, HEADS), device=DEVICE, wait="poll")
@@ -270,7 +270,7 @@ def test_staged_cache_serves_the_same_rows_and_gathers_only_misses(sidecars, fmt
     staged = StagedTable(table, max_ids=50 * HEADS, buffers=2, device=DEVICE)
     rb = staged.layout.record_bytes
     hot = rng.permutation(ROWS)[:600]
-    info = staged.set_hot_rows(np.concatenate([[-5, ROWS + 3, 50, hot[0]], hot]), 300 * rb + 7)
+    info = staged.set_device_cache(np.concatenate([[-5, ROWS + 3, 50, hot[0]], hot]), 300 * rb + 7)
     in_range = [int(r) for r in dict.fromkeys([hot[0], *hot]) if lo <= r < hi]
     cached = set(in_range[:300])  # first in priority order, repeats and outside rows skipped
     assert info.rows == 300
@@ -284,7 +284,7 @@ def test_staged_cache_serves_the_same_rows_and_gathers_only_misses(sidecars, fmt
     batch = staged.stage(all_hits)
     assert batch.n_unique == 0
     np.testing.assert_array_equal(bits(staged.lookup(batch)), expected(table, all_hits))
-    assert staged.set_hot_rows(hot, 0).rows == 0  # off again: every row staged
+    assert staged.set_device_cache(hot, 0).rows == 0  # off again: every row staged
     ids = random_ids(rng, 7)
     batch = staged.stage(ids)
     assert batch.n_unique == len(_misses(ids, lo, hi, set()))
@@ -298,7 +298,7 @@ def test_graph_staged_cache_replays_with_new_ids(sidecars, fmt, copy_slot, wait,
     table = open_table(sidecars / fmt, "mmap", row_range=(100, 1000))
     t = 24
     staged = GraphStagedTable(table, (t, HEADS), device=DEVICE, copy_slot=copy_slot, wait=wait)
-    staged.set_hot_rows(rng.permutation(ROWS), 400 * staged.layout.record_bytes)
+    staged.set_device_cache(rng.permutation(ROWS), 400 * staged.layout.record_bytes)
     out, graph = _eager_then_captured(staged, table, t, rng)
     for step in range(4):
         ids = random_ids(rng, t)
@@ -340,7 +340,7 @@ def test_the_kernel_reads_the_slot_only_after_the_flag_and_hands_it_back(sidecar
     t = 24
     table = open_table(sidecars / fmt, "mmap", row_range=(lo, hi))
     staged = StagedTable(table, max_ids=t * HEADS, buffers=2, device=DEVICE)
-    staged.set_hot_rows(rng.permutation(ROWS), 300 * staged.layout.record_bytes)
+    staged.set_device_cache(rng.permutation(ROWS), 300 * staged.layout.record_bytes)
     flag = torch.zeros(1, dtype=torch.int32, pin_memory=CUDA)
     counts = torch.zeros(2, dtype=torch.int32, device=DEVICE)
     # on the GPU the kernel reads the pinned slot through UVA; the interpreter reads a CPU one

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from devtools.vllm_cpu import VllmServer
-from flashnext.plan.logs import explain
+from flashnext.plan.logs import explain_log
 from flashnext.plan.planner import PlanRequest, load_model, make_plan
 
 
@@ -26,7 +26,7 @@ def test_real_kv_capacity_failure(early_boots: dict[str, VllmServer], tiny_model
     finally:
         server.stop()
     log = (server.log_dir / f"vllm-{server.port}-{server.starts}.log").read_text(errors="replace")
-    events = {e.kind: e for e in explain(log.splitlines())}
+    events = {e.kind: e for e in explain_log(log.splitlines())}
     assert "kv_capacity_error" in events, log[-3000:]
     err = events["kv_capacity_error"]
     args = events["cli_args"].values

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashnext.plan.logs import explain, read_log
+from flashnext.plan.logs import explain_log, read_log
 
 from ..cli.runner import run_in_process
 
@@ -33,7 +33,7 @@ CUDA_OOM = (
 
 
 def test_kv_capacity_error_numbers_and_options() -> None:
-    (event,) = explain([KV_ERROR])
+    (event,) = explain_log([KV_ERROR])
     assert event.kind == "kv_capacity_error" and event.failure
     assert event.values == {
         "max_model_len": 245760,
@@ -46,14 +46,14 @@ def test_kv_capacity_error_numbers_and_options() -> None:
 
 
 def test_mamba_block_error_numbers_and_options() -> None:
-    (event,) = explain([MAMBA_ERROR])
+    (event,) = explain_log([MAMBA_ERROR])
     assert event.kind == "mamba_blocks_error"
     assert event.values == {"max_num_seqs": 1024, "num_blocks": 598}
     assert event.options[0]["change"] == "--max-num-seqs 598"
 
 
 def test_cuda_oom_sizes_in_mib() -> None:
-    (event,) = explain([CUDA_OOM])
+    (event,) = explain_log([CUDA_OOM])
     assert event.kind == "cuda_oom"
     assert event.values == {"requested_mib": 192.0, "total_mib": 94.97 * 1024, "free_mib": 32.44}
     # the seeds' second OOM printed without the capacity part
@@ -69,7 +69,7 @@ def test_seed_startup_failures() -> None:
         "ValueError: There is no module or parameter named "
         "'model.layers.1.ple.ple_embedding.ngram_embedding.shard_.weight' in Qwen4ExpForCausalLM",
     ]
-    kinds = {e.kind: e for e in explain(lines)}
+    kinds = {e.kind: e for e in explain_log(lines)}
     assert set(kinds) == {"pidfd_getfd", "host_oom", "ple_empty_shard_name"}
     assert kinds["host_oom"].values == {"bytes": 102400491520}
     assert "SYS_PTRACE" in kinds["pidfd_getfd"].options[0]["change"]
@@ -109,7 +109,7 @@ def test_real_failure_log_is_read_once() -> None:
 
 
 def test_unrelated_text_gives_no_events() -> None:
-    assert explain(["hello", "INFO: Started server process [1]", ""]) == []
+    assert explain_log(["hello", "INFO: Started server process [1]", ""]) == []
 
 
 def test_explain_reads_stdin(monkeypatch, capsys) -> None:
@@ -126,11 +126,11 @@ def test_stall_after_graph_capture_points_at_ptrace() -> None:
         "INFO [gpu_model_runner.py:6582] Graph capturing finished in 41 secs, took 1.23 GiB",
         "INFO [ple_offload/connector.py:88] waiting for offload worker",
     ]
-    (capture, stall) = explain(lines)
+    (capture, stall) = explain_log(lines)
     assert capture.kind == "graph_capture"
     assert stall.kind == "stalled_after_graph_capture" and stall.failure
     assert "SYS_PTRACE" in stall.options[0]["change"]
-    assert len(explain([*lines, "INFO:     Application startup complete."])) == 1
+    assert len(explain_log([*lines, "INFO:     Application startup complete."])) == 1
 
 
 def test_secret_flags_never_reach_the_output() -> None:
@@ -151,7 +151,7 @@ def test_graph_capture_failure_offers_eager_and_piecewise() -> None:
         "  File \"/vllm/v1/worker/gpu_model_runner.py\", line 4250, in capture_model",
         "RuntimeError: CUDA error: operation not permitted when stream is capturing",
     ]
-    (failure,) = [e for e in explain(lines) if e.failure]
+    (failure,) = [e for e in explain_log(lines) if e.failure]
     assert failure.kind == "graph_capture_failed" and failure.line == 4
     changes = [o["change"] for o in failure.options]
     assert changes[0] == "--enforce-eager" and "PIECEWISE" in changes[1]
@@ -162,12 +162,12 @@ def test_a_log_that_stops_while_loading_weights_is_a_stall() -> None:
         "INFO [default_loader.py:267] Loading weights took 0.00 seconds",
         "Loading safetensors checkpoint shards:   7% Completed | 3/41 [00:05<01:10, 1.8s/it]",
     ]
-    (stall,) = explain(lines)
+    (stall,) = explain_log(lines)
     assert stall.kind == "stalled_while_loading" and stall.failure and stall.line == 2
     assert stall.values == {"shards_loaded": 3, "shards": 41}
     assert "iostat" in stall.options[0]["change"]
     finished = [*lines, "Loading safetensors checkpoint shards: 100% Completed | 41/41 [01:10]"]
-    assert explain(finished) == []  # loaded (the rest of the boot is not in this log yet)
+    assert explain_log(finished) == []  # loaded (the rest of the boot is not in this log yet)
 
 
 def test_an_oom_while_allocating_the_kv_pool_is_about_the_pool() -> None:
@@ -177,13 +177,13 @@ def test_an_oom_while_allocating_the_kv_pool_is_about_the_pool() -> None:
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 16.48 GiB. GPU 0 has a "
         "total capacity of 79.19 GiB of which 11.02 GiB is free.",
     ]
-    (oom,) = [e for e in explain(lines) if e.failure]
+    (oom,) = [e for e in explain_log(lines) if e.failure]
     assert oom.kind == "kv_alloc_oom" and "KV pool could not be allocated" in oom.summary
     assert "--gpu-memory-utilization" in oom.options[0]["change"]
     # a plain OOM elsewhere keeps its advice, without the allocator flag the launch never set
-    (plain,) = [e for e in explain(lines[2:]) if e.failure]
+    (plain,) = [e for e in explain_log(lines[2:]) if e.failure]
     assert plain.kind == "cuda_oom"
     assert not any("expandable_segments" in o["change"] for o in plain.options)
     with_flag = ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", *lines[2:]]
-    (flagged,) = [e for e in explain(with_flag) if e.failure]
+    (flagged,) = [e for e in explain_log(with_flag) if e.failure]
     assert any("expandable_segments" in o["change"] for o in flagged.options)

@@ -61,7 +61,7 @@ def test_the_issue_repro_and_a_whole_log_of_them():
     lines = [_fill("ngram_embedding.weight_scale" + f) for f in ("a", "1", " ")]
     lines.append(_fill("There is no module or parameter named a"))
     t0 = time.perf_counter()
-    logs.explain(lines)
+    logs.explain_log(lines)
     assert time.perf_counter() - t0 < 4 * BOUND
 
 
@@ -92,8 +92,8 @@ def test_colour_codes_read_as_the_plain_log():
             + re.sub(r"(\d[\d.,]*)", "\x1b[1;32m\\1\x1b[0m", line)
             for line in plain
         ]
-        want = [(e.kind, e.values) for e in logs.explain(plain)]
+        want = [(e.kind, e.values) for e in logs.explain_log(plain)]
         assert want, name
-        assert [(e.kind, e.values) for e in logs.explain(coloured)] == want
+        assert [(e.kind, e.values) for e in logs.explain_log(coloured)] == want
         data = "\n".join(coloured).encode()
         assert logs.log_lines(data, name) == [logs.strip_ansi(line) for line in coloured]

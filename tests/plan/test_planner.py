@@ -132,7 +132,7 @@ def test_old_placement_words_still_plan_with_one_deprecation_line(
 def test_placement_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["plan", "--model", str(QWEN4), "--gpu-memory", "96GiB"]
     for flags, named in (
-        (["--ple-placement", "nvme"], "'nvme': expected one of device, pinned, staged"),
+        (["--ple-placement", "nvme"], "'nvme': expected one of auto, device, pinned, staged"),
         (["--ple-placement", "pinned", "--ple-residency", "mmap"], "applies to --ple-placement"),
         (["--ple-placement", "mmap", "--ple-residency", "resident"], "contradicts"),
     ):
@@ -230,17 +230,20 @@ def test_binary_search_matches_a_linear_scan(rng: np.random.Generator) -> None:
         assert vllm_kv.largest_fitting_len(layout, available, upper) == best, seed
 
 
-def test_ple_table_placement_and_hot_row_cache() -> None:
+def test_ple_table_placement() -> None:
     """INT4 rows are 100 bytes at width 160 (FACTS: 320,001,536 rows for d = 0)."""
     base = PlanRequest(
-        96 * GIB, 0.92, max_model_len=32768, ple_format="int4", host_memory=64 * 10**9
+        96 * GIB,
+        0.92,
+        max_model_len=32768,
+        ple_format="int4",
+        host_memory=64 * 10**9,
+        ple_placement="pinned",
     )
     on_host = make_plan(_qwen4(), base)
     on_gpu = make_plan(_qwen4(), dataclasses.replace(base, ple_placement="device"))
-    cached = make_plan(_qwen4(), dataclasses.replace(base, ple_gpu_cache_rows=1_000_000))
     table = 320_001_536 * 100
     assert on_host.fit.available_bytes - on_gpu.fit.available_bytes == table
-    assert on_host.fit.available_bytes - cached.fit.available_bytes == 1_000_000 * 100
     host = {i.name: i for i in on_host.host_items}
     assert host["PLE table (int4, pinned)"].bytes == table
     assert on_host.host_fits  # 8 GiB worker + 29.8 GiB table < 64 GB
@@ -253,7 +256,12 @@ def test_host_short_suggests_a_quantized_sidecar() -> None:
     from flashnext.plan.advice import options
 
     req = PlanRequest(
-        96 * GIB, 0.92, max_model_len=32768, ple_format="bf16", host_memory=64 * 10**9
+        96 * GIB,
+        0.92,
+        max_model_len=32768,
+        ple_format="bf16",
+        host_memory=64 * 10**9,
+        ple_placement="pinned",
     )
     plan = make_plan(_qwen4(), req)
     (opt,) = options(_qwen4(), plan)
@@ -262,7 +270,7 @@ def test_host_short_suggests_a_quantized_sidecar() -> None:
 
 
 def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[str]) -> None:
-    """FLASHNEXT_PLE_CACHE bytes per PLE layer, plus GpuTable's int32 slot map when pinned."""
+    """FLASHNEXT_PLE_DEVICE_CACHE bytes per PLE layer, plus GpuTable's int32 slot map when pinned."""
     model = _qwen4()
     base = PlanRequest(96 * GIB, 0.92, max_model_len=32768, ple_format="int4", tp=2)
     layers = len(make_plan(model, base).shape.ple_layers)
@@ -270,7 +278,7 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
     rows = sum(per_layer)
     for placement, slot_map in (("pinned", 4 * rows // 2), ("staged", 0)):
         req = dataclasses.replace(base, ple_placement=placement)
-        cached = dataclasses.replace(req, ple_cache=GIB)
+        cached = dataclasses.replace(req, ple_device_cache=GIB)
         lost = (
             make_plan(model, req).fit.available_bytes - make_plan(model, cached).fit.available_bytes
         )
@@ -279,18 +287,19 @@ def test_ple_cache_is_counted_before_the_kv_pool(capsys: pytest.CaptureFixture[s
         # per layer: int32 slot map + the hit index's 64-byte line per 384 rows, and a 64 MiB
         # memo per rank (tp = 2)
         staged = sum(4 * r + 64 * -(-r // 384) + 2 * (64 << 20) for r in per_layer)
-        assert host.get("PLE hot-row cache host index (staged)") == (
+        assert host.get("PLE device cache host index (staged)") == (
             staged if placement == "staged" else None
         )
     argv = ["plan", "--model", QWEN4, "--gpu-memory", "96GiB", "--ple-format", "int4"]
     code, out, _ = run_in_process(
-        [*argv, "--ple-cache", "2GiB", "--ple-placement", "staged"], capsys
+        [*argv, "--ple-device-cache", "2GiB", "--ple-placement", "staged"], capsys
     )
-    assert code in (0, 3) and "PLE hot-row cache (--ple-cache)" in out
+    assert code in (0, 3) and "PLE device cache (--ple-device-cache)" in out
     for bad, named in (
+        (["--ple-device-cache", "2 gigs"], "--ple-device-cache '2 gigs': expected a number"),
         (["--ple-cache", "2 gigs"], "--ple-cache '2 gigs': expected a number with a unit"),
-        (["--ple-cache", "1GiB", "--ple-placement", "device"], "the table is on the GPU already"),
-        (["--ple-cache", "1GiB", "--ple-gpu-cache-rows", "5"], "both size the cache"),
+        (["--ple-device-cache", "1GiB", "--ple-placement", "device"], "on the GPU already"),
+        (["--ple-device-cache", "1G", "--ple-cache", "1G"], "give --ple-device-cache only"),
     ):
         code, _, err = run_in_process([*argv, *bad], capsys)
         assert code == 2 and named in err and err.count("\n") == 1, err
@@ -353,13 +362,14 @@ def test_config_only_plan_beside_other_safetensors(
     beside it (a profile, a sidecar shard, a partial download), as it does in a bare dir."""
     (tmp_path / "config.json").write_text(QWEN4.read_text())
     for name in (
-        "ple.hot_rows.safetensors",
+        "ple.profile.safetensors",
         "shard_0.safetensors",
         "model-00001-of-00009.safetensors",
     ):
         (tmp_path / name).write_bytes(b"\x08" + bytes(15))
     log = FIXTURES / "vllm-cpu-tiny-qwen2-startup.log"
     argv = {"plan": ["plan"], "explain": ["explain", log]}[command] + ["--gpu-memory", "96GiB"]
+    argv += ["--host-memory", "64GB"]  # auto's note names the host's room: this host's moves
     code, out, err = run_in_process([*argv, "--model", tmp_path / "config.json"], capsys)
     assert code in (0, 3) and "error" not in err, (code, err)
     code_bare, out_bare, _ = run_in_process([*argv, "--model", QWEN4], capsys)
@@ -371,7 +381,9 @@ def test_engram_paths_count_their_host_and_device_bytes() -> None:
     """disk_offload: no table, its staging buffers (0.34's __init__: ids, pinned and pageable
     rows on the host; rows, bf16 decode and row ids on the GPU); cpu_offload: one pinned table
     per DP replica, one per node with dp_shared_memory."""
-    base = PlanRequest(96 * GIB, 0.92, max_model_len=32768, ple_format="nvfp4", tp=2)
+    base = PlanRequest(
+        96 * GIB, 0.92, max_model_len=32768, ple_format="nvfp4", tp=2, ple_placement="pinned"
+    )
     g = PLEGeometry.from_config(_qwen4().config, 0)
     row = g.width // 2 + g.width // 16  # packed E2M1 + fp8 block scales
     tokens = 4096
@@ -404,3 +416,33 @@ def test_plan_cli_reads_engram_config(capsys: pytest.CaptureFixture[str]) -> Non
     assert "PLE table on GPU" in out, out
     code, _, err = run_in_process([*base, "--engram-config", '{"disk_ofload": true}'], capsys)
     assert code != 0 and "disk_ofload" in err and err.count("\n") <= 2, err
+
+
+def test_placement_auto_is_the_plugins_choice() -> None:
+    """``auto`` (the default, as the plugin's) is what ``choose_placement`` picks for the host
+    memory planned: pinned while every pinned copy and its headroom fit, else staged."""
+    from flashnext.host.preflight import HostMemory
+    from flashnext.serve.serving import choose_placement
+
+    model = _qwen4()
+    table = 320_001_536 * 100  # int4, d = 0
+    worker = 8 * GIB
+    picks = []
+    for host, dp in ((64 * 10**9, 1), (40 * 10**9, 1), (64 * 10**9, 2)):
+        req = PlanRequest(
+            96 * GIB, 0.92, max_model_len=32768, ple_format="int4", host_memory=host, dp=dp,
+            worker_host_bytes=worker,
+        )  # fmt: skip
+        assert req.ple_placement == "auto"
+        plan = make_plan(model, req)
+        memory = HostMemory(host - worker * dp)
+        expected = choose_placement("auto", "cuda", table * dp, memory=memory).placement
+        assert plan.request.ple_placement == expected, (host, dp)
+        picks.append(expected)
+        assert any(f"--ple-placement auto: {expected}" in a for a in plan.assumptions)
+        host_names = [i.name for i in plan.host_items]
+        assert f"PLE table (int4, {expected}{', mmap' if expected == 'staged' else ''})" in (
+            host_names
+        ), host_names
+    # 64 GB holds one 32 GB table pinned, not two; 40 GB less the worker not one plus headroom
+    assert picks == ["pinned", "staged", "staged"]

@@ -11,7 +11,7 @@ import pytest
 
 from flashnext.errors import PluginError
 from flashnext.serve.cache_plan import SLOT_MAP_BYTES, parse_cache_size, plan_cache
-from flashnext.store.profile import HotRowProfile
+from flashnext.store.profile import RowProfile
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ def test_sizes(text, size):
 )
 def test_bad_sizes_name_the_switch(text):
     # A bare number other than 0 could be bytes or GiB: refused like every size flag.
-    with pytest.raises(PluginError, match=r"^FLASHNEXT_PLE_CACHE=.*: expected a cache size"):
+    with pytest.raises(PluginError, match=r"^FLASHNEXT_PLE_DEVICE_CACHE=.*: expected a cache size"):
         parse_cache_size(text)
 
 
@@ -36,7 +36,7 @@ def test_bad_sizes_name_the_switch(text):
 def profile(rng):
     ids = rng.permutation(10_000)[:3_000].astype(np.int64)
     counts = np.sort(rng.integers(1, 1000, size=ids.size))[::-1].astype(np.int64)
-    return HotRowProfile(ids, counts, int(counts.sum()))
+    return RowProfile(ids, counts, int(counts.sum()))
 
 
 def test_device_bytes_follow_the_placement(profile, tmp_path):

@@ -186,19 +186,24 @@ def test_profile_defaults_to_the_sidecars_own(tmp_path, rng):
     _sidecar(tmp_path / "s", geo, rng)
     assert profile_path(tmp_path / "s", None, PREFIX) is None
     _profiled(tmp_path / "s", geo, rng)  # where `ple profile` writes: beside the sidecar
-    beside = tmp_path / "s.hot_rows.safetensors"
+    beside = tmp_path / "s.profile.safetensors"
     assert profile_path(tmp_path / "s", None, PREFIX) == beside
-    shutil.move(beside, tmp_path / "s" / "hot_rows.safetensors")  # inside: a slice's, older
-    inside = tmp_path / "s" / "hot_rows.safetensors"
+    shutil.move(beside, tmp_path / "s" / "profile.safetensors")  # inside: a slice's
+    inside = tmp_path / "s" / "profile.safetensors"
     assert profile_path(tmp_path / "s", None, PREFIX) == inside
     assert profile_path(tmp_path / "elsewhere", inside, PREFIX) == inside
     assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == inside
     (tmp_path / "p" / "layer_3").mkdir(parents=True)
-    shutil.copy(inside, tmp_path / "p" / "layer_3.hot_rows.safetensors")
-    assert (
-        profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.hot_rows.safetensors"
-    )
-    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no hot-row profile for"):
+    shutil.copy(inside, tmp_path / "p" / "layer_3.profile.safetensors")
+    assert profile_path(tmp_path / "x", tmp_path / "p", PREFIX).name == "layer_3.profile.safetensors"
+    # the name before issue 43 is still read, inside and beside
+    old = tmp_path / "s" / "hot_rows.safetensors"
+    shutil.move(inside, old)
+    assert profile_path(tmp_path / "s", None, PREFIX) == old
+    assert profile_path(tmp_path / "x", tmp_path / "s", PREFIX) == old
+    shutil.move(old, tmp_path / "s.hot_rows.safetensors")
+    assert profile_path(tmp_path / "s", None, PREFIX) == tmp_path / "s.hot_rows.safetensors"
+    with pytest.raises(PluginError, match=r"FLASHNEXT_PLE_PROFILE=.*no profile for"):
         profile_path(tmp_path / "s", tmp_path / "p" / "layer_3", PREFIX)
 
 
@@ -225,12 +230,12 @@ def test_cache_plan_counts_the_rows_that_fit_and_their_hit_rate(tmp_path, rng, r
 
 
 def test_a_truncated_profile_counts_its_unprofiled_lookups_as_misses(tmp_path, rng):
-    from flashnext.store.profile import HotRowProfile
+    from flashnext.store.profile import RowProfile
 
     ids = rng.permutation(1000)[:50].astype(np.int64)
     counts = np.sort(rng.integers(1, 100, size=50))[::-1].astype(np.int64)
     total = int(counts.sum()) + 4000  # lookups of rows `--rows` left out
-    profile = HotRowProfile(ids, counts, total)
+    profile = RowProfile(ids, counts, total)
     whole = plan_cache(profile, tmp_path, 20 * 7, 7, (0, 1000), 1000)
     assert whole.rows == 20 and whole.expected_hit_rate == pytest.approx(profile.coverage(20))
     lo, hi = 0, 400  # 40% of the rows: 40% of the unprofiled lookups
@@ -247,12 +252,12 @@ def test_open_rows_plans_the_cache_from_the_sidecars_profile(tmp_path, rng):
     assert rows.cache.expected_hit_rate is None and "the cpu path has none" in rows.cache.describe()
     sidecar = open_sidecar(tmp_path / "s")
     plan, _ = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "staged")
-    assert "no hot-row profile beside or in" in plan.describe()
+    assert "no profile beside or in" in plan.describe()
     _profiled(tmp_path / "s", geo, rng)
     plan, profile = plan_layer_cache(sidecar, PREFIX, 2**20, None, (0, geo.num_rows), "pinned")
     assert plan.rows == len(profile) and plan.expected_hit_rate == pytest.approx(1.0)
     off, none = plan_layer_cache(sidecar, PREFIX, 0, None, (0, geo.num_rows), "pinned")
-    assert none is None and "FLASHNEXT_PLE_CACHE is 0" in off.describe()
+    assert none is None and "FLASHNEXT_PLE_DEVICE_CACHE is 0" in off.describe()
 
 
 def test_a_profile_of_another_layer_is_refused(tmp_path, rng):

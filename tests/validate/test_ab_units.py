@@ -11,7 +11,7 @@ import pytest
 
 from flashnext.errors import ValidationError
 from flashnext.validate import ab_metrics as M
-from flashnext.validate.ab import Thresholds, summarize, teacher_forced, verdict
+from flashnext.validate.ab import Thresholds, summarize_ab, teacher_forced, verdict
 from flashnext.validate.ab_prompts import fill_repeats, load_prompts
 
 
@@ -120,27 +120,27 @@ def _row(first, agreement, kls, same):
 
 def test_verdict_statuses():
     th = Thresholds()
-    ident = summarize([_row(None, 1.0, [0.0, 0.0], [True, True])])
+    ident = summarize_ab([_row(None, 1.0, [0.0, 0.0], [True, True])])
     assert verdict(ident, th)["status"] == "identical"
     # the same tokens and scores, but one side stopped where the other ran out of tokens
     ends = _row(None, 1.0, [0.0, 0.0], [True, True])
     ends.update(baseline={"finish_reason": "length"}, candidate={"finish_reason": "stop"})
-    v = verdict(summarize([ends, _row(None, 1.0, [0.0], [True])]), th)
+    v = verdict(summarize_ab([ends, _row(None, 1.0, [0.0], [True])]), th)
     assert v["status"] == "pass" and v["passed"]
     assert v["reasons"] == ["1 prompt ends with another finish_reason (first: x, length -> stop)"]
-    assert summarize([ends])["identical"] == 0
-    close = summarize([_row(5, 0.9, [1e-4] * 40, [True] * 40)])
+    assert summarize_ab([ends])["identical"] == 0
+    close = summarize_ab([_row(5, 0.9, [1e-4] * 40, [True] * 40)])
     assert verdict(close, th)["status"] == "pass"
-    far = summarize([_row(0, 0.1, [0.5] * 10, [False, True] * 5)])
+    far = summarize_ab([_row(0, 0.1, [0.5] * 10, [False, True] * 5)])
     v = verdict(far, th)
     assert v["status"] == "fail" and not v["passed"]
     assert any("top1_agreement" in r for r in v["reasons"])
-    broken = summarize(
+    broken = summarize_ab(
         [_row(None, 1.0, [0.0], [True]), {"id": "y", "error": {"side": "candidate"}}]
     )
     assert verdict(broken, th)["status"] == "error"
     # an interrupted run is never a pass, whatever its finished prompts say
-    for summary, n in ((ident, 1), (summarize([]), 0)):
+    for summary, n in ((ident, 1), (summarize_ab([]), 0)):
         stop = {"signal": "SIGINT", "prompts_done": n, "prompts_total": 3}
         v = verdict(summary, th, None, stop)
         assert v["status"] == "interrupted" and v["passed"] is False

@@ -90,7 +90,7 @@ def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatc
     outputs += [diff.stdout, diff.stderr]
     second.stop()
 
-    restore = run("record", "restore", str(out_a), "--write", str(tmp_path / "restore.sh"))
+    restore = run("record", "restore", str(out_a), "--output", str(tmp_path / "restore.sh"))
     assert restore.returncode == 0, restore.stderr
     assert restore.stdout == f"wrote {tmp_path / 'restore.sh'}\n"
     outputs += [restore.stdout, restore.stderr]

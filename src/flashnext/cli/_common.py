@@ -33,7 +33,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from flashnext.records import dumps, make_record
+from flashnext.records import KINDS, dumps, make_record
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -171,6 +171,29 @@ def human_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n} B"
+
+
+def json_help(kind: str) -> str:
+    """The ``--json`` help of a command whose record is of ``kind`` (one of records.KINDS)."""
+    if kind not in KINDS:
+        raise ValueError(f"{kind!r} is not a record kind of flashnext.records")
+    return f"Print a {kind} record (JSON) on stdout."
+
+
+def json_option(kind: str) -> Callable[[F], F]:
+    """``--json`` (parameter ``as_json``) for a command that prints a ``kind`` record."""
+    option = click.option("--json", "as_json", is_flag=True, help=json_help(kind))
+    return option  # type: ignore[return-value]
+
+
+#: The one metavar of every argument and option that names a sidecar directory.
+SIDECAR = "SIDECAR"
+
+
+def sidecar_argument(name: str) -> Callable[[F], F]:
+    """A command's sidecar directory argument (parameter ``name``), shown as :data:`SIDECAR`."""
+    path = click.Path(exists=True, file_okay=False, path_type=Path)
+    return click.argument(name, metavar=SIDECAR, type=path)  # type: ignore[return-value]
 
 
 def old_spelling(old: str, new: str, dest: str, **option: Any) -> Callable[[F], F]:

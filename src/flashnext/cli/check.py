@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, out_console
+from flashnext.cli._common import err_console, json_option, out_console
 from flashnext.records import DEPLOY_CHECK
 
 
@@ -46,7 +46,7 @@ def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int 
     metavar="NAME=VALUE",
     help="Serving environment (repeatable); default: this shell's environment.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a record on stdout.")
+@json_option(DEPLOY_CHECK)
 @click.argument("serve_args", nargs=-1, type=click.UNPROCESSED)
 def check(
     model_dir: Path, gpu: str, host_memory: int | None, vllm_version: str | None,

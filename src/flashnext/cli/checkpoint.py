@@ -17,6 +17,7 @@ from flashnext.cli._common import (
     OutputDir,
     cell,
     human_bytes,
+    json_option,
     note,
     old_spelling,
     print_record,
@@ -26,6 +27,7 @@ from flashnext.cli._common import (
 )
 from flashnext.cli._destination import check_output
 from flashnext.errors import CheckpointError
+from flashnext.records import CHECKPOINT_OVERRIDE, CHECKPOINT_PLE, CHECKPOINT_VERIFY
 
 if TYPE_CHECKING:
     from rich.text import Text
@@ -51,9 +53,7 @@ def checkpoint() -> None:
     default=None,
     help="Hashing threads (default: CPUs, max 8).",
 )
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the report as a JSON record on stdout."
-)
+@json_option(CHECKPOINT_VERIFY)
 def verify(directory: Path, do_hash: bool, workers: int | None, as_json: bool) -> None:
     """Check that the snapshot in DIRECTORY is complete; exit 0 only if it is.
 
@@ -139,10 +139,8 @@ def _print_report(report: VerifyReport) -> None:
     default=None,
     help="Also show each rank's row copies for this TP size.",
 )
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the tables as a JSON record on stdout."
-)
-def ple(directory: Path, tp: int | None, as_json: bool) -> None:
+@json_option(CHECKPOINT_PLE)
+def checkpoint_ple(directory: Path, tp: int | None, as_json: bool) -> None:
     """Find each PLE layer's n-gram table in DIRECTORY: layout, prefix, format, shapes checked."""
     from flashnext.checkpoint.ple_report import (
         RECORD_KIND,
@@ -202,9 +200,7 @@ def _slice_command(layer_index: int, tp: int | None) -> dict[str, str]:
 @click.option("--out", type=OutputDir(), default=None, help="Write a servable copy here.")
 @click.option("--hf-overrides", "hf", is_flag=True, help="Print JSON for vLLM --hf-overrides.")
 @click.option("--reason", default=None, help="Why the override is needed (recorded).")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the override record as JSON on stdout."
-)
+@json_option(CHECKPOINT_OVERRIDE)
 def override(
     directory: Path,
     layer_types: tuple[str, ...],
@@ -254,9 +250,9 @@ def override(
 
 
 def _attach_plan() -> None:
-    from flashnext.cli.checkpoint_plan import plan
+    from flashnext.cli.checkpoint_plan import checkpoint_plan
 
-    checkpoint.add_command(plan)
+    checkpoint.add_command(checkpoint_plan)
 
 
 _attach_plan()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, human_bytes, out_console
+from flashnext.cli._common import SIDECAR, err_console, human_bytes, json_option, out_console
 from flashnext.records import CHECKPOINT_PLAN
 
 
@@ -20,12 +20,13 @@ from flashnext.records import CHECKPOINT_PLAN
     "sidecars",
     multiple=True,
     type=click.Path(path_type=Path),
+    metavar=SIDECAR,
     help="A sidecar that will serve a PLE table (repeatable): checked against config.json.",
 )
 @click.option("--repo", "repo_id", help="Hub repository id (default: from a hub cache path).")
 @click.option("--local-dir", help="Where `hf download` should write.")
-@click.option("--json", "as_json", is_flag=True, help="Print a record on stdout.")
-def plan(
+@json_option(CHECKPOINT_PLAN)
+def checkpoint_plan(
     index_or_dir: Path, sidecars: tuple[Path, ...], repo_id: str | None, local_dir: str | None,
     as_json: bool,
 ) -> None:  # fmt: skip

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 from rich.table import Table
 
-from flashnext.cli._common import OutputDir, human_bytes, note, print_record, show
+from flashnext.cli._common import OutputDir, human_bytes, json_option, note, print_record, show
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import terminate_cleanly
 from flashnext.records import DEMO_RUN
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     default=None,
     help="Quantizer processes [default: up to 4 cores].",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print every measurement as JSON on stdout.")
+@json_option(DEMO_RUN)
 def demo(out_dir: Path | None, base: int, workers: int | None, as_json: bool) -> None:
     """Build a synthetic PLE table, quantize it three ways, hash real text, time lookups.
 

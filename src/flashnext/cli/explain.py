@@ -1,6 +1,6 @@
 """``flashnext explain LOG|-``: what a vLLM log says about memory, and what to change.
 
-Thin: reads the log, calls :func:`flashnext.plan.logs.explain`; with ``--model`` re-plans each
+Thin: reads the log, calls :func:`flashnext.plan.logs.explain_log`; with ``--model`` re-plans each
 KV-capacity or Mamba-block failure with the pool the log reports and prints the plan that
 would have fit. Output to stdout (``--json``: a ``flashnext.explain`` record).
 """
@@ -13,10 +13,10 @@ from typing import Any
 import click
 
 from flashnext import records
+from flashnext.cli._common import json_option
 from flashnext.cli.plan import build_request, deployment_options, read_lines
 from flashnext.plan.advice import other_model, replan_failure
-from flashnext.plan.logs import explain as explain_log
-from flashnext.plan.logs import logged_kv_memory_bytes
+from flashnext.plan.logs import explain_log, logged_kv_memory_bytes
 from flashnext.plan.model import PlanError
 from flashnext.plan.planner import load_model
 from flashnext.plan.render import events_text, plan_text
@@ -31,14 +31,14 @@ from flashnext.plan.render import events_text, plan_text
     help="Checkpoint directory or config.json: also print the plan that would fit.",
 )
 @deployment_options
-@click.option("--json", "as_json", is_flag=True, help="Print a flashnext.explain record.")
+@json_option(records.PLAN_EXPLAIN)
 def explain(log: str, model_path: str | None, as_json: bool, **kw: Any) -> None:
     """Explain the memory events of a vLLM log (a file, or - for stdin)."""
     events = explain_log(read_lines(log))
     plans = []
     if model_path:
         model = load_model(model_path)
-        req = build_request(kw)
+        req = build_request(kw, model)
         for e in events:
             if e.kind in ("kv_capacity_error", "mamba_blocks_error"):
                 plan = replan_failure(model, req, e, logged_kv_memory_bytes(events))

@@ -14,11 +14,10 @@ from typing import Any
 import click
 
 from flashnext import records
-from flashnext.cli._common import FiniteRange
+from flashnext.cli._common import FiniteRange, json_option, old_spelling
 from flashnext.placement import (
-    PLACEMENTS,
+    PLACEMENT_SETTINGS,
     RESIDENCIES,
-    as_placement,
     as_residency,
     deprecation_line,
     from_old_plan_word,
@@ -28,7 +27,9 @@ from flashnext.plan.logs import log_lines, logged_kv_pool, read_log
 from flashnext.plan.model import PlanError, dtype_bytes
 from flashnext.plan.planner import (
     WORKER_HOST_BYTES,
+    ModelInput,
     PlanRequest,
+    cache_bytes_for_rows,
     calibrate_headroom,
     load_model,
 )
@@ -41,20 +42,29 @@ GIB = 1 << 30
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return _parse_size(value, f"--{(param.name or '').replace('_', '-')}")
+
+
+def _parse_size(value: str | None, flag: str) -> int | None:
     try:
-        return None if value is None else parse_size(value, f"--{param.name.replace('_', '-')}")
+        return None if value is None else parse_size(value, flag)
     except PlanError as exc:  # a flag's value, before any work: usage (exit 2)
         raise click.UsageError(str(exc)) from None
 
 
+def _old_cache_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return _parse_size(value, "--ple-cache")
+
+
 def _placement(ctx: click.Context, param: click.Parameter, value: str) -> tuple[str, str | None]:
-    """(placement, residency an old word implied or None); old words get one stderr line."""
-    if value in PLACEMENTS:
+    """(placement or auto, residency an old word implied or None); old words get one stderr
+    line."""
+    if value in PLACEMENT_SETTINGS:
         return value, None
     old = from_old_plan_word(value)
     if old is None:
         raise click.BadParameter(
-            f"{value!r}: expected one of {', '.join(PLACEMENTS)}", ctx=ctx, param=param
+            f"{value!r}: expected one of {', '.join(PLACEMENT_SETTINGS)}", ctx=ctx, param=param
         )
     click.echo(deprecation_line("--ple-placement", value, *old), err=True)
     return old
@@ -63,9 +73,10 @@ def _placement(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 def _residency(kw: dict[str, Any]) -> str:
     placement, implied = kw["ple_placement"]
     given = kw["ple_residency"]
-    if given is not None and placement != "staged":
+    if given is not None and placement not in ("staged", "auto"):
         raise click.BadParameter(
-            f"applies to --ple-placement staged, not {placement}", param_hint="--ple-residency"
+            f"applies to --ple-placement staged (or auto), not {placement}",
+            param_hint="--ple-residency",
         )
     if given is not None and implied is not None and given != implied:
         raise click.BadParameter(
@@ -76,17 +87,19 @@ def _residency(kw: dict[str, Any]) -> str:
 
 
 def _ple_options() -> list[Callable[[Any], Any]]:
-    """The PLE table's flags: format, placement and residency (flashnext.placement's words)."""
+    """The PLE table's flags: format, placement, residency (flashnext.placement's words) and the
+    device cache (flashnext.words')."""
     return [
         click.option("--ple-format", type=click.Choice(["bf16", "fp8", "int4", "nvfp4"])),
         click.option(
             "--ple-placement",
-            default="pinned",
+            default="auto",
             show_default=True,
             callback=_placement,
-            metavar="[device|pinned|staged]",
+            metavar=f"[{'|'.join(PLACEMENT_SETTINGS)}]",
             help="Where the GPU reads PLE rows: GPU memory, pinned host memory (UVA), or staged "
-            "from a host table.",
+            "from a host table; auto: the plugin's own choice (pinned when the host holds the "
+            "table, else staged).",
         ),
         click.option(
             "--ple-residency",
@@ -95,16 +108,21 @@ def _ple_options() -> list[Callable[[Any], Any]]:
             help="How a staged table's host copy holds rows: mmap (page cache; the default) "
             "or resident (committed RAM).",
         ),
-        click.option(
+        old_spelling(
             "--ple-gpu-cache-rows",
+            "--ple-device-cache",
+            "ple_gpu_cache_rows",
             type=click.IntRange(min=0),
-            default=0,
-            help="GPU hot-row cache rows.",
+        ),
+        old_spelling(
+            "--ple-cache", "--ple-device-cache", "ple_device_cache", callback=_old_cache_size
         ),
         click.option(
-            "--ple-cache",
+            "--ple-device-cache",
             callback=_size,
-            help="Device cache of hot PLE rows per PLE layer, e.g. 2GiB (FLASHNEXT_PLE_CACHE).",
+            metavar="SIZE",
+            help="Device cache per PLE layer in front of a pinned or staged table, e.g. 2GiB "
+            "(FLASHNEXT_PLE_DEVICE_CACHE).",
         ),
         click.option(
             "--engram-config",
@@ -234,8 +252,8 @@ def _host_memory(kw: dict[str, Any]) -> int | None:
     return min(level.available for level in levels)
 
 
-def build_request(kw: dict[str, Any]) -> PlanRequest:
-    """A :class:`PlanRequest` from the parsed deployment flags."""
+def build_request(kw: dict[str, Any], model: ModelInput) -> PlanRequest:
+    """A :class:`PlanRequest` for ``model`` from the parsed deployment flags."""
     gpu = kw["gpu_memory"]
     if gpu is None:
         if kw["kv_cache_memory"] is None:
@@ -253,10 +271,9 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         host_memory=_host_memory(kw),
         worker_host_bytes=kw["worker_host_memory"] or WORKER_HOST_BYTES,
         ple_format=kw["ple_format"],
-        ple_placement=_engram_placement(kw, as_placement(kw["ple_placement"][0])),
+        ple_placement=_engram_placement(kw, kw["ple_placement"][0]),
         ple_residency=as_residency(_residency(kw)),
-        ple_gpu_cache_rows=kw["ple_gpu_cache_rows"],
-        ple_cache=kw["ple_cache"] or 0,
+        ple_device_cache=kw["ple_device_cache"] or 0,
         headroom=kw["headroom"],
         kv_cache_memory=kw["kv_cache_memory"],
         device=kw["device"],
@@ -267,6 +284,13 @@ def build_request(kw: dict[str, Any]) -> PlanRequest:
         mamba_ssm_cache_dtype=kw["mamba_ssm_cache_dtype"],
         **_engram_fields(kw),
     )
+    rows = kw.pop("ple_gpu_cache_rows", None)
+    if rows is not None:  # the old flag counted rows; the one cache flag sizes bytes per layer
+        if kw["ple_device_cache"] is not None:
+            raise click.UsageError(
+                "give --ple-device-cache only (--ple-gpu-cache-rows is its old spelling)"
+            )
+        req = dataclasses.replace(req, ple_device_cache=cache_bytes_for_rows(model, req, rows))
     try:  # every flag's value and combination before any work: usage errors (exit 2)
         req.check()
     except PlanError as exc:
@@ -334,14 +358,14 @@ def read_lines(path: str) -> list[str]:
 )
 @deployment_options
 @click.option("--from-log", "from_log", type=click.Path(), help="Calibrate headroom from a log.")
-@click.option("--json", "as_json", is_flag=True, help="Print a flashnext.plan record.")
+@json_option(records.PLAN_MEMORY)
 def plan(model_path: str, from_log: str | None, as_json: bool, **kw: Any) -> None:
     """Plan device and host memory for serving MODEL with vLLM; say what to change.
 
     Exit status: 0 when it fits, 3 when it does not (options printed), 1 on bad input.
     """
     model = load_model(model_path)
-    req = build_request(kw)
+    req = build_request(kw, model)
     notes = []
     if from_log:
         available = logged_kv_pool(read_log(read_lines(from_log)))

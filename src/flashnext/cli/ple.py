@@ -21,6 +21,7 @@ from flashnext.cli._common import (
     OutputDir,
     cell,
     human_bytes,
+    json_option,
     note,
     old_spelling,
     out_console,
@@ -28,6 +29,7 @@ from flashnext.cli._common import (
     progress,
     say,
     show,
+    sidecar_argument,
 )
 from flashnext.cli._destination import check_output
 from flashnext.cli._signals import Terminated, terminate_cleanly
@@ -58,7 +60,7 @@ from flashnext.store.destination import progress_kept
 from flashnext.store.profile import (
     DEMO_TOKENIZER,
     PROFILE_NAME,
-    HotRowProfile,
+    RowProfile,
     default_profile_path,
     load_profile,
     profile_sidecar,
@@ -87,15 +89,15 @@ def ple() -> None:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("directory")
 @click.option(
     "--no-verify",
     is_flag=True,
     help="Skip re-hashing the shards against META.json and scanning their values.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@json_option(PLE_INFO)
 def info(directory: Path, no_verify: bool, as_json: bool) -> None:
-    """Format, rows, width, size, checksum and value status of the sidecar DIRECTORY.
+    """Format, rows, width, size, checksum and value status of SIDECAR.
 
     Verifying re-hashes the shards against META.json's sha256 and reads every floating-point
     value (bf16/fp8 weights, scales) for inf and NaN. Exits 1 when a shard no longer matches
@@ -165,7 +167,7 @@ def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
         note(line, style="red")
 
 
-@ple.command()
+@ple.command("quantize")
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("dst", type=OutputDir())
 @click.option("--format", "fmt", type=click.Choice(FORMATS), required=True, help="Output format.")
@@ -212,8 +214,8 @@ def _show_info(record: dict[str, Any], found: SidecarInfo) -> None:
     help="Quantize even when SRC already stores FORMAT exactly (by default such a table is "
     "copied: rel. RMSE 0).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
-def quantize(
+@json_option(PLE_QUANTIZE)
+def quantize_sidecar(
     src: Path,
     dst: Path,
     fmt: str,
@@ -381,18 +383,18 @@ def _parse_ids(text: str) -> np.ndarray:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("directory")
 @click.option("--ids", required=True, help="Row ids, comma separated (-1 pads).")
 @click.option("--residency", type=click.Choice(RESIDENCIES), default="mmap", show_default=True)
 @click.option("--raw", is_flag=True, help="Also show the stored (quantized) tensors.")
 @click.option(
     "--warm", is_flag=True, help="Read the shard files into the page cache first (mmap only)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print full rows as JSON on stdout.")
+@json_option(PLE_LOOKUP)
 def lookup(directory: Path, ids: str, residency: str, raw: bool, warm: bool, as_json: bool) -> None:
-    """Print the dequantized rows of DIRECTORY for --ids (for debugging).
+    """Print the dequantized rows of SIDECAR for --ids (for debugging).
 
-    DIRECTORY may be a slice (`flashnext ple slice`): its rows are looked up where it holds
+    SIDECAR may be a slice (`flashnext ple slice`): its rows are looked up where it holds
     them, and an id outside them is refused, naming the rows it holds.
     """
     from flashnext.host.table import open_table
@@ -475,10 +477,10 @@ def _warm(table: PLETable, disable: bool, populate: bool = True) -> Warming:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@sidecar_argument("directory")
+@json_option(PLE_WARM)
 def warm(directory: Path, as_json: bool) -> None:
-    """Read the shard files of DIRECTORY into the page cache (no anonymous copy).
+    """Read the shard files of SIDECAR into the page cache (no anonymous copy).
 
     Large sequential reads after posix_fadvise(WILLNEED): the first lookups of a server that
     maps the table afterwards find their rows cached instead of reading them from disk. Warns
@@ -520,8 +522,12 @@ def warm(directory: Path, as_json: bool) -> None:
         note(pageout_warning(agent, str(directory)), style="yellow")
 
 
-def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]:
-    """``--hot-rows`` as (rows, profile path): a count, or a profile file / directory."""
+#: 2: ``hot_rows`` / ``hot_rows_profile`` became ``hot_tier_rows`` / ``hot_tier_profile``.
+PREFLIGHT_SCHEMA = 2
+
+
+def _hot_tier_option(value: str | None, num_rows: int) -> tuple[int, str | None]:
+    """``--hot-tier`` as (rows, profile path): a count, or a profile file / directory."""
     if value is None:
         return 0, None
     if value.isdigit():
@@ -529,8 +535,8 @@ def _hot_rows_option(value: str | None, num_rows: int) -> tuple[int, str | None]
     path = Path(value)
     if not path.exists():
         raise click.BadParameter(
-            f"expected a row count or a hot-row profile, found {value!r} (no such file)",
-            param_hint="--hot-rows",
+            f"expected a row count or a profile, found {value!r} (no such file)",
+            param_hint="--hot-tier",
         )
     profile = load_profile(path)
     return min(len(profile), num_rows), str(path)
@@ -550,7 +556,7 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
 
 
 @ple.command()
-@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("directory")
 @click.option(
     "--residency",
     type=click.Choice(RESIDENCIES),
@@ -558,11 +564,12 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
     help="How the table is held: mmap (a sidecar's default) or resident (a checkpoint's: stock "
     "vLLM copies its table into the weights).",
 )
+@old_spelling("--hot-rows", "--hot-tier", "hot_tier")
 @click.option(
-    "--hot-rows",
+    "--hot-tier",
     metavar="N|PROFILE",
     default=None,
-    help="mmap: a hot tier of N rows, or of the rows of a hot-row profile.",
+    help="mmap: a hot tier of N rows, or of the rows of a profile (flashnext ple profile).",
 )
 @click.option(
     "--host-root",
@@ -578,18 +585,18 @@ def _checkpoint_table_bytes(directory: Path) -> tuple[int, str]:
     help="Check against this memory cgroup's directory (v1 or v2), where the server will run, "
     "instead of this process's own cgroup; vLLM itself does not read the limit.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@json_option(PLE_PREFLIGHT)
 def preflight(
     directory: Path,
     residency: str | None,
-    hot_rows: str | None,
+    hot_tier: str | None,
     host_root: Path,
     memory_cgroup: Path | None,
     as_json: bool,
 ) -> None:
-    """Will the table of DIRECTORY fit in this host's memory when served with --residency?
+    """Will the table of SIDECAR fit in this host's memory when served with --residency?
 
-    DIRECTORY is a sidecar, or a checkpoint (config.json, no META.json): the table stock vLLM
+    SIDECAR may also be a checkpoint (config.json, no META.json): the table stock vLLM
     would copy into its weights, always resident. Resident: the whole table is anonymous memory
     (MemAvailable, the memory cgroup's limit less its usage plus reclaimable page cache, the
     commit limit under vm.overcommit_memory=2). Memory-mapped: the hot tier is, and the table
@@ -598,11 +605,11 @@ def preflight(
     """
     checkpoint = (directory / "config.json").exists() and not (directory / "META.json").exists()
     if checkpoint:
-        if residency == "mmap" or hot_rows is not None:
+        if residency == "mmap" or hot_tier is not None:
             raise click.BadParameter(
                 "a checkpoint's table is copied into vLLM's weights: it is served resident "
                 "(quantize it to a sidecar to serve it memory-mapped)",
-                param_hint="--residency/--hot-rows",
+                param_hint="--residency/--hot-tier",
             )
         table_bytes, fmt = _checkpoint_table_bytes(directory)
         hot, profile_path, per_row, residency = 0, None, 0, "resident"
@@ -610,13 +617,13 @@ def preflight(
     else:
         sidecar = open_sidecar(directory)
         residency, fmt = residency or "mmap", sidecar.format
-        if residency == "resident" and hot_rows is not None:
+        if residency == "resident" and hot_tier is not None:
             raise click.BadParameter(
-                "a hot tier applies to --residency mmap", param_hint="--hot-rows"
+                "a hot tier applies to --residency mmap", param_hint="--hot-tier"
             )
         per_row = sidecar.codec.bytes_per_row(sidecar.width)
         table_bytes = sidecar.num_rows * per_row
-        hot, profile_path = _hot_rows_option(hot_rows, sidecar.num_rows)
+        hot, profile_path = _hot_tier_option(hot_tier, sidecar.num_rows)
         fixes = COMMAND_LINE
     verdict = preflight_table(
         table_bytes,
@@ -627,21 +634,21 @@ def preflight(
         fixes=fixes,
     )
     if as_json:
-        extra = {"format": fmt, "hot_rows": hot, "hot_rows_profile": profile_path}
-        print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra})
+        extra = {"format": fmt, "hot_tier_rows": hot, "hot_tier_profile": profile_path}
+        print_record(PLE_PREFLIGHT, {**verdict.to_dict(), **extra}, PREFLIGHT_SCHEMA)
     else:
         _show_preflight(verdict, hot)
     if not verdict.ok:
         raise SystemExit(1)
 
 
-def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
+def _show_preflight(verdict: Preflight, hot_tier_rows: int) -> None:
     mem = verdict.memory
     table = Table(title=cell(f"preflight: {verdict.what}"), show_header=False, box=None)
     table.add_row("residency", verdict.residency)
     table.add_row("table", human_bytes(verdict.table_bytes))
     if verdict.residency == "mmap":
-        table.add_row("hot tier", f"{hot_rows:,} rows, {human_bytes(verdict.hot_bytes)}")
+        table.add_row("hot tier", f"{hot_tier_rows:,} rows, {human_bytes(verdict.hot_bytes)}")
     table.add_row("anonymous memory", human_bytes(verdict.anonymous_bytes))
     table.add_row("page cache", human_bytes(verdict.page_cache_bytes))
     table.add_row("can allocate", cell(f"{human_bytes(mem.available)} ({mem.explain()})"))
@@ -656,7 +663,7 @@ def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
 
 
 @ple.command()
-@click.argument("sidecar_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("sidecar_dir")
 @click.option(
     "--text",
     "texts",
@@ -690,9 +697,9 @@ def _show_preflight(verdict: Preflight, hot_rows: int) -> None:
     "out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help=f"Profile file [default: SIDECAR_DIR.{PROFILE_NAME} beside SIDECAR_DIR].",
+    help=f"Profile file [default: SIDECAR.{PROFILE_NAME} beside SIDECAR].",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option(PLE_PROFILE_SUMMARY)
 def profile(
     sidecar_dir: Path,
     texts: tuple[Path, ...],
@@ -702,11 +709,11 @@ def profile(
     out: Path | None,
     as_json: bool,
 ) -> None:
-    """Count which rows of SIDECAR_DIR real text reads: a hot-row profile for --hot-rows.
+    """Count which rows of SIDECAR real text reads: a profile (for --hot-tier, a device cache).
 
     The text is tokenized and hashed exactly as the model does, through the geometry recorded
-    in the sidecar's META.json. The profile is written beside SIDECAR_DIR (never inside an
-    input); an existing file there is replaced only when it is a hot-row profile.
+    in the sidecar's META.json. The profile is written beside SIDECAR (never inside an
+    input); an existing file there is replaced only when it is a profile.
     """
     target = out or default_profile_path(sidecar_dir)
     tokenizer_file = Path(tokenizer) if tokenizer and Path(tokenizer).exists() else None
@@ -735,7 +742,7 @@ def _is_profile(path: Path) -> bool:
     return True
 
 
-def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[str, object]:
+def _profile_summary(found: RowProfile, target: Path, num_rows: int) -> dict[str, object]:
     # Counted before --rows truncated the profile (a 5-row profile says nothing of 1%).
     cover = found.meta.get("coverage_by_table_share", {})
     return {
@@ -753,7 +760,7 @@ def _profile_summary(found: HotRowProfile, target: Path, num_rows: int) -> dict[
 
 
 def _show_profile(summary: dict[str, Any]) -> None:
-    table = Table(title=cell(f"hot-row profile: {summary['profile']}"), show_header=False, box=None)
+    table = Table(title=cell(f"profile: {summary['profile']}"), show_header=False, box=None)
     table.add_row("corpus", f"{summary['files']} files, {summary['tokens']:,} tokens")
     table.add_row("tokenizer", cell(str(summary["tokenizer"])))
     table.add_row("layer", str(summary["layer"]))
@@ -785,7 +792,7 @@ def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 
 
 @ple.command("slice")
-@click.argument("sidecar", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@sidecar_argument("sidecar")
 @click.argument("dst", type=OutputDir())
 @click.option("--tp", type=click.IntRange(min=1, max=4096), required=True, is_eager=True,
               help="Tensor-parallel size the model is served with.")  # fmt: skip
@@ -794,13 +801,13 @@ def _rank_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
 @click.option("--force", is_flag=True,
               help="Replace a DST that holds anything else (the old contents stay until the new "
               "slice is complete).")  # fmt: skip
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON record on stdout.")
+@json_option(PLE_SLICE)
 def slice_(
     sidecar: Path, dst: Path, tp: int, ranks: tuple[int, ...], force: bool, as_json: bool
 ) -> None:
     """Copy the shards of SIDECAR that ranks --ranks of --tp read into DST, byte for byte.
 
-    Each copy's sha256 is checked against SIDECAR's META.json; hot_rows.safetensors comes
+    Each copy's sha256 is checked against SIDECAR's META.json; profile.safetensors comes
     along; DST's META.json says which rows are present. The plugin and `ple lookup` serve a
     rank from DST when its rows lie inside them, and refuse naming the missing rows otherwise.
     DST must be new, empty, or this command's own slice of the same SIDECAR and ranks (an

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import click
 
-from flashnext.cli._common import err_console, old_spelling, out_console, say, server_url
+from flashnext.cli._common import (
+    err_console,
+    json_option,
+    old_spelling,
+    out_console,
+    say,
+    server_url,
+)
 from flashnext.cli._destination import check_output
 from flashnext.errors import FlashnextError
 from flashnext.records import DEPLOY_RECORD_DIFF
@@ -103,7 +110,7 @@ def _load(path: Path) -> dict:
 @record.command("diff")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print a record on stdout.")
+@json_option(DEPLOY_RECORD_DIFF)
 def diff(a: Path, b: Path, as_json: bool) -> None:
     """What changed from record A to B, grouped; exit 1 when anything did."""
     from flashnext.deploy.record_diff import GROUPS, record_diff, variables_changed
@@ -140,14 +147,20 @@ def diff(a: Path, b: Path, as_json: bool) -> None:
 
 @record.command("restore")
 @click.argument("a", type=click.Path(path_type=Path))
-@click.option("--write", "write_to", type=click.Path(path_type=Path), help="Write a script here.")
+@old_spelling("--write", "--output", "write_to", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--output",
+    "write_to",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the command as a script to this file (else stdout).",
+)
 @click.option("--exec", "do_exec", is_flag=True, help="Run it now (local launches only).")
 def restore(a: Path, write_to: Path | None, do_exec: bool) -> None:
     """Print (or write) the command that relaunches what record A describes."""
     from flashnext.deploy.record_diff import restore_command
     from flashnext.store.destination import write_text_locked
 
-    check_output(write_to, [a], hint="--write", expect="file", owns=_is_script)
+    check_output(write_to, [a], hint="--output", expect="file", owns=_is_script)
     rec = _load(a)
     command = restore_command(rec)
     if write_to is not None:

@@ -23,6 +23,7 @@ from flashnext.cli._common import (
     FiniteRange,
     OutputDir,
     err_console,
+    json_option,
     old_spelling,
     out_console,
     server_url,
@@ -30,7 +31,7 @@ from flashnext.cli._common import (
 )
 from flashnext.cli._destination import check_output
 from flashnext.errors import ValidationError
-from flashnext.records import dumps
+from flashnext.records import VALIDATE_AB, VALIDATE_COMPARE, VALIDATE_REPORT, dumps
 
 if TYPE_CHECKING:
     from flashnext.store.destination import ReportDestination
@@ -91,7 +92,7 @@ def _parse_stages(text: str) -> tuple[str, ...]:
     is_flag=True,
     help="Replace report files in --out that flashnext did not write (other files stay).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report JSON on stdout.")
+@json_option(VALIDATE_REPORT)
 @click.option(
     "--ready-timeout",
     type=FiniteRange(min=0, min_open=True),
@@ -400,7 +401,7 @@ def _print_summary(report: dict[str, Any]) -> None:
 @validate.command("compare")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON.")
+@json_option(VALIDATE_COMPARE)
 def compare_cmd(a: Path, b: Path, as_json: bool) -> None:
     """Show what changed between two report.json files (A then B). Exits 1 when a stage that
     passed in A fails in B, so CI can gate on it."""
@@ -515,7 +516,7 @@ def _ab_baseline(ctx: click.Context, param: click.Parameter, value: str) -> str 
     is_flag=True,
     help="Replace ab files in --out that flashnext did not write (other files stay).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the ab.json record on stdout.")
+@json_option(VALIDATE_AB)
 @click.option("--no-png", is_flag=True, help="Skip ab.png.")
 @click.pass_context
 def ab_cmd(ctx: click.Context, **o: Any) -> None:

@@ -452,7 +452,7 @@ def check_ple_sidecar(ctx: CheckContext) -> Check:
     """The sidecars ``FLASHNEXT_PLE_SIDECAR`` names, checked as the plugin will at boot.
 
     One per PLE layer (``DIR/layer_L`` or ``DIR`` itself), its rows, width and hashing geometry
-    against this model's config, and the hot-row profile its device cache would load, with the
+    against this model's config, and the profile its device cache would load, with the
     plugin's own policy (:mod:`flashnext.serve.serving`, :mod:`flashnext.serve.cache_plan`).
     """
     try:
@@ -512,31 +512,32 @@ def _check_layer_sidecar(root: Path, config: dict[str, Any], layer_id: int) -> t
 
 
 def _check_sidecar_caches(plugin: PluginSettings, sidecars: list[tuple[str, Any]]) -> Check:
-    """Each layer's hot-row cache planned as the plugin plans it at boot
+    """Each layer's device cache planned as the plugin plans it at boot
     (:func:`~flashnext.serve.cache_plan.plan_layer_cache`): a profile that is missing or made
     for another table fails while the cache is on, and warns while it is off (unread then)."""
     from flashnext.serve.cache_plan import plan_layer_cache
 
     # auto serves pinned or staged: both put the same cache, and the same profile, in front
     placement = "pinned" if plugin.ple_placement == "auto" else plugin.ple_placement
-    asked = plugin.ple_cache or (1 if plugin.ple_profile is not None else 0)
+    asked = plugin.ple_device_cache or (1 if plugin.ple_profile is not None else 0)
     described = []
     try:
         for prefix, sidecar in sidecars:
             plan, _ = plan_layer_cache(sidecar, prefix, asked, plugin.ple_profile,
                                        (0, sidecar.num_rows), placement)  # fmt: skip
-            described.append(plan.describe() if plugin.ple_cache else "")
+            described.append(plan.describe() if plugin.ple_device_cache else "")
     except FlashnextError as exc:
-        if plugin.ple_cache:
+        if plugin.ple_device_cache:
             return Check("ple-sidecar", "fail", str(exc),
                          "point FLASHNEXT_PLE_PROFILE at this sidecar's profile (flashnext ple "
                          "profile SIDECAR --text FILES), or unset it")  # fmt: skip
         return Check("ple-sidecar", "warn", f"FLASHNEXT_PLE_PROFILE is unread while "
-                     f"FLASHNEXT_PLE_CACHE is 0, and it is wrong: {exc}",
+                     f"FLASHNEXT_PLE_DEVICE_CACHE is 0, and it is wrong: {exc}",
                      "unset FLASHNEXT_PLE_PROFILE or fix it", blocking=False)  # fmt: skip
-    if plugin.ple_profile is not None and not plugin.ple_cache:
+    if plugin.ple_profile is not None and not plugin.ple_device_cache:
         return Check("ple-sidecar", "warn", f"FLASHNEXT_PLE_PROFILE={plugin.ple_profile} is "
-                     "unread: FLASHNEXT_PLE_CACHE is 0", "set FLASHNEXT_PLE_CACHE=SIZE or unset "
+                     "unread: FLASHNEXT_PLE_DEVICE_CACHE is 0",
+                     "set FLASHNEXT_PLE_DEVICE_CACHE=SIZE or unset "
                      "FLASHNEXT_PLE_PROFILE", blocking=False)  # fmt: skip
     return Check("ple-sidecar", "pass", "".join(f"; {d}" for d in described if d))
 
@@ -572,8 +573,8 @@ def check_memory_plan(ctx: CheckContext) -> Check:
     command = f"flashnext plan --model {ctx.model_dir} --gpu-memory {ctx.gpu.memory_bytes}B"
     if plan.problems:
         return Check("memory-plan", "fail", "; ".join(plan.problems), f"{command} for options")
-    cache = sum(i.bytes for i in plan.device_items if i.name.startswith("PLE hot-row cache"))
-    counted = f"; {gib(cache)} of PLE hot-row cache counted first" if req.ple_cache else ""
+    cache = sum(i.bytes for i in plan.device_items if i.name.startswith("PLE device cache"))
+    counted = f"; {gib(cache)} of PLE device cache counted first" if req.ple_device_cache else ""
     return Check(
         "memory-plan", "pass", f"KV fits: up to {plan.max_model_len_one:,} tokens for one request, "
         f"{plan.max_num_seqs_state:,} sequences' state{counted}",
@@ -581,17 +582,14 @@ def check_memory_plan(ctx: CheckContext) -> Check:
 
 
 def _planned_ple(cpu_offload: bool, plugin: PluginSettings | None) -> dict[str, Any]:
-    """The PLE placement and hot-row cache the planned environment serves with: vLLM's own
-    (pinned with cpu_offload, else device) unless a sidecar placement is switched on, and the
-    ``FLASHNEXT_PLE_CACHE`` bytes per layer in front of it (counted before the KV pool)."""
+    """The PLE placement and device cache the planned environment serves with: vLLM's own
+    (pinned with cpu_offload, else device) unless a sidecar is switched on, and the
+    ``FLASHNEXT_PLE_DEVICE_CACHE`` bytes per layer in front of it (counted before the KV pool)."""
     placement = "pinned" if cpu_offload else "device"
     if plugin is None or plugin.ple_sidecar is None:
         return {"ple_placement": placement}
-    if plugin.ple_placement != "auto":
-        placement = plugin.ple_placement
-    elif plugin.ple_cache:
-        placement = "pinned"  # auto places pinned or staged; the cache costs the same bar the map
-    return {"ple_placement": placement, "ple_cache": plugin.ple_cache}
+    # auto is resolved by the planner as the plugin resolves it (choose_placement)
+    return {"ple_placement": plugin.ple_placement, "ple_device_cache": plugin.ple_device_cache}
 
 
 def probe_pidfd_getfd() -> tuple[str, int]:

@@ -281,7 +281,7 @@ _META = "META.json"
 _META_BYTES = 64 << 20  # a META.json lists one record per shard: kilobytes, never this
 
 
-def sidecar_identity(root: str | Path) -> dict[str, Any]:
+def describe_sidecar(root: str | Path) -> dict[str, Any]:
     """What a ``FLASHNEXT_PLE_SIDECAR`` directory holds, so that a diff sees a re-quantized
     table at the same path: per table (``""`` for ``root`` itself, else ``layer_L``) its
     format, rows and META.json's sha256; ``present`` False when ``root`` is not here (a
@@ -487,9 +487,9 @@ def capture(
 
 
 def _sidecar_of(launch_rec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """:func:`sidecar_identity` of the launch's ``FLASHNEXT_PLE_SIDECAR`` (None: not set)."""
+    """:func:`describe_sidecar` of the launch's ``FLASHNEXT_PLE_SIDECAR`` (None: not set)."""
     root = ((launch_rec or {}).get("env") or {}).get(SIDECAR_SWITCH)
-    return None if not root or root == REDACTED else sidecar_identity(root)
+    return None if not root or root == REDACTED else describe_sidecar(root)
 
 
 def describe(record: dict[str, Any] | None) -> str:

@@ -114,7 +114,7 @@ class RecordDiffError(FlashnextError):
 
 
 @dataclass(frozen=True)
-class Change:
+class RecordChange:
     group: str
     name: str
     before: Any
@@ -145,7 +145,7 @@ def _pairs(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[tuple[str, Any, A
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
-def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
+def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[RecordChange]:
     """What changed from record ``a`` to ``b`` (capture times and pids ignored).
 
     Raises:
@@ -153,19 +153,19 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
     """
     for rec, name in ((a, "first record"), (b, "second record")):
         check_deployment_record(rec, source=name)
-    out: list[Change] = []
+    out: list[RecordChange] = []
     for flag, x, y in _pairs(_flags(a), _flags(b)):
-        out.append(Change(_flag_group(flag), flag, x, y, True))
+        out.append(RecordChange(_flag_group(flag), flag, x, y, True))
     launch_a, launch_b = a.get("launch") or {}, b.get("launch") or {}
     for key in ("source", "cwd"):  # restore runs the command from the cwd, in the source's way
         if launch_a.get(key) != launch_b.get(key):
-            out.append(Change("runtime", f"launch {key}", launch_a.get(key), launch_b.get(key),
-                              True))  # fmt: skip
+            out.append(RecordChange("runtime", f"launch {key}", launch_a.get(key),
+                                    launch_b.get(key), True))  # fmt: skip
     env_a = launch_a.get("env") or {}
     env_b = launch_b.get("env") or {}
-    out += [Change("environment", k, x, y, True) for k, x, y in _pairs(env_a, env_b)]
+    out += [RecordChange("environment", k, x, y, True) for k, x, y in _pairs(env_a, env_b)]
     out += [
-        Change("runtime", f"package {k}", x, y, True)
+        RecordChange("runtime", f"package {k}", x, y, True)
         for k, x, y in _pairs(a.get("packages") or {}, b.get("packages") or {})
     ]
     cont_a = (a.get("launch") or {}).get("container") or {}
@@ -173,31 +173,34 @@ def record_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
     for key in CONTAINER_KEYS:
         if cont_a.get(key) != cont_b.get(key):
             out.append(
-                Change("runtime", f"container {key}", cont_a.get(key), cont_b.get(key), True)
+                RecordChange("runtime", f"container {key}", cont_a.get(key), cont_b.get(key), True)
             )
     ck_a, ck_b = a.get("checkpoint") or {}, b.get("checkpoint") or {}
     for key in ("path", "revision", "config_sha256", "index_sha256", "weights"):
         if ck_a.get(key) != ck_b.get(key):
-            out.append(Change("model", f"checkpoint {key}", ck_a.get(key), ck_b.get(key), True))
+            change = RecordChange("model", f"checkpoint {key}", ck_a.get(key), ck_b.get(key), True)
+            out.append(change)
     out += _sidecar_changes(a, b)
     srv_a, srv_b = a.get("server") or {}, b.get("server") or {}
     if srv_a.get("version") != srv_b.get("version"):
         out.append(
-            Change("runtime", "server version", srv_a.get("version"), srv_b.get("version"), False)
+            RecordChange(
+                "runtime", "server version", srv_a.get("version"), srv_b.get("version"), False
+            )
         )
     if srv_a.get("models") != srv_b.get("models"):
         out.append(
-            Change("memory", "served models", srv_a.get("models"), srv_b.get("models"), False)
+            RecordChange("memory", "served models", srv_a.get("models"), srv_b.get("models"), False)
         )
     for k, x, y in _pairs(srv_a.get("cache_config") or {}, srv_b.get("cache_config") or {}):
-        out.append(Change("memory", f"cache_config {k}", x, y, False))
+        out.append(RecordChange("memory", f"cache_config {k}", x, y, False))
     for key, group in (("gpus", "memory"), ("host_memory_bytes", "memory")):
         if a.get(key) != b.get(key):
-            out.append(Change(group, key, a.get(key), b.get(key), False))
+            out.append(RecordChange(group, key, a.get(key), b.get(key), False))
     return out
 
 
-def _sidecar_changes(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
+def _sidecar_changes(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[RecordChange]:
     """The sidecar tables' identities (``plugin.sidecar``): a table re-quantized or rewritten at
     the same path changes its format or META.json sha256, which the environment cannot show."""
     side_a = (a.get("plugin") or {}).get("sidecar") or {}
@@ -209,14 +212,14 @@ def _sidecar_changes(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]
         where = f"sidecar {name + ' ' if name else ''}"
         for key in ("format", "num_rows", "meta_sha256", "error"):
             if x.get(key) != y.get(key):
-                out.append(Change("model", where + key, x.get(key), y.get(key), True))
+                out.append(RecordChange("model", where + key, x.get(key), y.get(key), True))
     if side_a.get("present") != side_b.get("present"):
-        out.append(Change("model", "sidecar present", side_a.get("present"),
+        out.append(RecordChange("model", "sidecar present", side_a.get("present"),
                           side_b.get("present"), True))  # fmt: skip
     return out
 
 
-def variables_changed(changes: list[Change]) -> int:
+def variables_changed(changes: list[RecordChange]) -> int:
     return sum(1 for c in changes if c.variable)
 
 

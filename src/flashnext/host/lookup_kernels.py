@@ -15,12 +15,12 @@ Where a row lives (the *locator*, built once at open by the table with :func:`pa
 the one place that writes it) is one int64 array ``loc``:
 
 - ``loc[0:8]``: rows per shard, first open shard, row_range start, row_range end, the table's
-  row count, S (open shards), T (per-row tensors), H (hot rows).
+  row count, S (open shards), T (per-row tensors), H (hot-tier rows).
 - ``loc[8:10]``: addresses of the format's decode tables (see :func:`decode_tables`).
 - ``loc[10:12]``: addresses of the hot tier's index (see :func:`hot_index`), 0 without one.
 - then ``seg_start`` [S] (global row held at ``bases[t, k]`` for open shard ``k``), ``bases``
   [T, S + 1] (address of tensor ``t``'s row ``seg_start[k]``; column ``S`` is the hot-tier copy,
-  whose row ``j`` holds the ``j``-th hot row in row order) and ``row_bytes`` [T].
+  whose row ``j`` holds the ``j``-th hot-tier row in row order) and ``row_bytes`` [T].
 
 ``scalars`` float32 [S] is the per-shard scalar (nvfp4 ``weight_scale_2``; ones otherwise).
 
@@ -307,9 +307,9 @@ def _group_bf16(typingctx, src, dst, out):  # type: ignore[no-untyped-def]
 def hot_index(hot_rel: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray]:
     """The hot tier's index over ``rows`` rows: ``(bitmap, rank)``.
 
-    ``hot_rel`` int64 [H]: hot rows relative to the first open row, sorted, unique. ``bitmap``
-    uint64 [ceil(rows / 512) * 8]: bit ``r % 64`` of word ``r // 64`` set for a hot row ``r``;
-    ``rank`` int64 [ceil(rows / 512)]: hot rows before row ``512 * b``. Row ``r``'s place in
+    ``hot_rel`` int64 [H]: hot-tier rows relative to the first open row, sorted, unique. ``bitmap``
+    uint64 [ceil(rows / 512) * 8]: bit ``r % 64`` of word ``r // 64`` set for a hot-tier row ``r``;
+    ``rank`` int64 [ceil(rows / 512)]: hot-tier rows before row ``512 * b``. Row ``r``'s place in
     the hot copy is ``rank[r // 512]`` plus the set bits before it in its 512-row block.
     """
     blocks = (rows + (1 << _RANK_SHIFT) - 1) >> _RANK_SHIFT

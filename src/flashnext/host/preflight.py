@@ -49,7 +49,7 @@ class Fixes:
     (a CLI user cannot pass ``preflight=False``)."""
 
     mmap: str = "residency='mmap'"
-    hot_tier: str = "a hot tier for the most-used rows (hot_rows)"
+    hot_tier: str = "a hot tier for the most-used rows (hot_tier)"
     row_range: str = "open only this rank's rows (row_range)"
     skip: str = " Pass preflight=False to open_table to skip the check."
 
@@ -59,7 +59,7 @@ LIBRARY = Fixes()
 #: The wording for ``flashnext ple preflight`` and other commands.
 COMMAND_LINE = Fixes(
     mmap="--residency mmap",
-    hot_tier="a hot tier for the most-used rows (--hot-rows N or a profile)",
+    hot_tier="a hot tier for the most-used rows (--hot-tier N or a profile)",
     row_range="split the rows across tensor-parallel ranks (each rank maps only its own)",
     skip="",
 )

@@ -3,7 +3,7 @@
 ``mmap`` maps each shard's tensors straight from the safetensors data offsets: nothing is read
 until a row is gathered, the cost in host RAM is reclaimable page cache, and the maps are
 advised ``MADV_RANDOM`` so one row does not drag in readahead. ``resident`` copies the rows
-into anonymous memory at open. ``hot_rows`` (mmap only) copies the most-used rows of a
+into anonymous memory at open. ``hot_tier`` (mmap only) copies the most-used rows of a
 profile (:mod:`flashnext.store.profile`) into a small anonymous tier at open, in one pass in
 file order; every other row stays mapped. :meth:`PLETable.warm` pulls the mapped files into
 the page cache in the background.
@@ -34,12 +34,13 @@ from flashnext.host.mapping import MADV_POPULATE_READ, Warming, advise, will_nee
 from flashnext.host.preflight import HostMemory, check_fits
 from flashnext.placement import RESIDENCIES, Residency
 from flashnext.ple.formats import BF16, Codec
-from flashnext.store.profile import HotRowProfile
+from flashnext.store.profile import RowProfile
 from flashnext.store.sidecar import Shard, Sidecar, open_sidecar
+from flashnext.words import say_renamed
 
 #: A hot tier: a profile (:func:`~flashnext.store.profile.load_profile` reads one from a file;
 #: ``profile.row_ids[:n]`` keeps its top n) or row ids (int, 1-D) in priority order.
-HotRows = Union[HotRowProfile, np.ndarray, None]  # noqa: UP007
+HotRows = Union[RowProfile, np.ndarray, None]  # noqa: UP007
 PAD_ID = -1
 _NO_SCALARS = np.zeros(0, np.float32)
 _NO_ROWS = np.zeros((0, 0), np.uint8)  # the absent second tensor of a one-tensor format
@@ -125,7 +126,7 @@ class PLETable:
         residency: Residency,
         row_range: tuple[int, int] | None,
         preflight: bool | HostMemory = True,
-        hot_rows: HotRows = None,
+        hot_tier: HotRows = None,
         threads: int | None = None,
     ):
         if residency not in RESIDENCIES:
@@ -164,7 +165,7 @@ class PLETable:
         self._maps: dict[Path, mmap.mmap] = {}
         self._segments = self._open_segments(start, end)
         self._state: _Locator | None = self._locator({}, np.zeros(0, np.int64))
-        hot_ids = self._hot_ids(hot_rows)
+        hot_ids = self._hot_ids(hot_tier)
         if hot_ids.size:
             if preflight is not False:
                 check_fits(  # the rows, and the index (at most 2 bits per open row)
@@ -194,14 +195,16 @@ class PLETable:
         return self.sidecar.width
 
     @property
-    def hot_rows(self) -> int:
+    def hot_tier_rows(self) -> int:
         """Rows held in the hot tier (0 without one)."""
         return 0 if self._state is None else self._state.hot_rows
+
+    hot_rows = hot_tier_rows  # deprecated: the old name of hot_tier_rows
 
     @property
     def resident_bytes(self) -> int:
         """Anonymous memory held for rows: the whole copy (resident) or the hot tier (mmap)."""
-        hot = self.hot_rows * self.codec.bytes_per_row(self.width)
+        hot = self.hot_tier_rows * self.codec.bytes_per_row(self.width)
         if self.residency == "mmap":
             return hot
         return sum(a.nbytes for seg in self._segments for a in seg.arrays.values())
@@ -317,16 +320,16 @@ class PLETable:
         keep = (self._segments, dict(hot), index)
         return _Locator(loc, scalars, int(hot_ids.size), keep)
 
-    def _hot_ids(self, hot_rows: HotRows) -> np.ndarray:
+    def _hot_ids(self, hot_tier: HotRows) -> np.ndarray:
         """The hot tier's global row ids inside row_range, unique and sorted (file order)."""
-        if hot_rows is None:
+        if hot_tier is None:
             return np.zeros(0, np.int64)
         if self.residency != "mmap":
             raise SidecarError(
-                f"{self.sidecar.path}: hot_rows applies to residency='mmap'; a resident table "
+                f"{self.sidecar.path}: hot_tier applies to residency='mmap'; a resident table "
                 "already holds every row in memory"
             )
-        ids = hot_rows.row_ids if isinstance(hot_rows, HotRowProfile) else hot_rows
+        ids = hot_tier.row_ids if isinstance(hot_tier, RowProfile) else hot_tier
         if (
             not isinstance(ids, np.ndarray)
             or ids.ndim != 1
@@ -334,14 +337,14 @@ class PLETable:
         ):
             found = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, np.ndarray) else type(ids)
             raise SidecarError(
-                f"{self.sidecar.path}: hot_rows must be a HotRowProfile or 1-D integer row ids, "
+                f"{self.sidecar.path}: hot_tier must be a RowProfile or 1-D integer row ids, "
                 f"found {found} (load a profile file with flashnext.store.profile.load_profile)"
             )
         ids = ids.astype(np.int64, copy=False)
         bad = ids[(ids < 0) | (ids >= self.num_rows)]
         if bad.size:
             raise SidecarError(
-                f"{self.sidecar.path}: hot row id {int(bad[0])} is outside the table's "
+                f"{self.sidecar.path}: hot-tier row id {int(bad[0])} is outside the table's "
                 f"{self.num_rows} rows; was the profile built for another table?"
             )
         start, end = self.row_range
@@ -661,7 +664,7 @@ class PLETable:
         return (
             f"PLETable({str(self.sidecar.path)!r}, format={self.format}, rows={self.num_rows}, "
             f"width={self.width}, residency={self.residency}, row_range={self.row_range}, "
-            f"hot_rows={self.hot_rows})"
+            f"hot_tier_rows={self.hot_tier_rows})"
         )
 
 
@@ -670,8 +673,10 @@ def open_table(
     residency: Residency = "mmap",
     row_range: tuple[int, int] | None = None,
     preflight: bool | HostMemory = True,
-    hot_rows: HotRows = None,
+    hot_tier: HotRows = None,
     threads: int | None = None,
+    *,
+    hot_rows: HotRows = None,
 ) -> PLETable:
     """Open a sidecar directory for lookups.
 
@@ -685,17 +690,21 @@ def open_table(
             (MemAvailable, the cgroup limit less usage plus reclaimable page cache, and the
             commit limit under ``vm.overcommit_memory=2``) cannot hold it; a
             :class:`HostMemory` checks against that reading instead (another host's, say).
-        hot_rows: mmap only: a :class:`HotRowProfile` or row ids (int, 1-D) in priority
+        hot_tier: mmap only: a :class:`RowProfile` or row ids (int, 1-D) in priority
             order, copied into anonymous memory at open; other rows stay mapped.
         threads: threads a big lookup is split over (default: the CPUs this process may use).
+        hot_rows: the old name of ``hot_tier`` (one deprecation line).
 
     Raises:
         SidecarError: the directory is not a valid sidecar, ``row_range`` is out of bounds, or
-            ``hot_rows`` is not a profile or 1-D integer ids, or names rows outside the table.
+            ``hot_tier`` is not a profile or 1-D integer ids, or names rows outside the table.
         PreflightError: a resident copy or hot tier would not fit in host memory.
     """
     sidecar = path if isinstance(path, Sidecar) else open_sidecar(path)
-    return PLETable(sidecar, residency, row_range, preflight, hot_rows, threads)
+    if hot_rows is not None:
+        say_renamed("open_table(hot_rows=)", "open_table(hot_tier=)")
+        hot_tier = hot_rows if hot_tier is None else hot_tier
+    return PLETable(sidecar, residency, row_range, preflight, hot_tier, threads)
 
 
 def _row_range(value: Any) -> tuple[int, int]:

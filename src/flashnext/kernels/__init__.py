@@ -1,7 +1,7 @@
 """GPU PLE lookups (extra ``flashnext[gpu]``: torch, triton): fused gather + dequantize.
 
 :class:`GpuTable` serves one table (or one tensor-parallel rank's rows) from GPU memory or
-pinned host memory (UVA), with an optional device cache of hot rows; :class:`StagedTable`
+pinned host memory (UVA), with an optional device cache of a profile's rows; :class:`StagedTable`
 serves a memory-mapped table through pinned staging buffers, and :class:`GraphStagedTable`
 does so inside a CUDA graph (the graph waits on a host-written flag).
 :mod:`flashnext.kernels.records`

@@ -1,7 +1,7 @@
 """The staged path's layouts, declared once: the step context, the slot, the device cache.
 
 Read by the numba kernels (:mod:`flashnext.kernels.stager`), the Python side that fills what
-they read (``HostStager``), the GPU cache (``GpuTable.set_hot_rows``) and the planner
+they read (``HostStager``), the GPU cache (``GpuTable.set_device_cache``) and the planner
 (:mod:`flashnext.serve.cache_plan`), which must not load numba or numpy to import it: this
 module imports neither at the top.
 

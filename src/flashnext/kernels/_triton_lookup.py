@@ -2,7 +2,7 @@
 
 One program handles ``BLOCK_R`` ids (flattened ``[T * heads]``) and all ``width`` columns of
 their rows. Per id: ``valid = row_start <= id < row_end`` (so -1 and other ranks' ids give
-+0.0 rows), the record is read from the hot-row cache when the slot map has the row, else from
++0.0 rows), the record is read from the device cache when the slot map has the row, else from
 the table (device memory or pinned host memory through UVA), and dequantized in float32 in the
 order of :mod:`flashnext.ple.formats` (``E2M1[code] * scale`` is exact, then ``* scale_2``),
 then rounded once to bf16. With ``CODED`` (the staged path's device cache) an id ``<= -2`` names

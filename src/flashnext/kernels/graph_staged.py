@@ -231,9 +231,11 @@ class GraphStagedTable:
         self.stage(ids.cpu().numpy() if hasattr(ids, "cpu") else ids)
         self.lookup(out)
 
-    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
-        """:meth:`StagedTable.set_hot_rows <flashnext.kernels.staged.StagedTable.set_hot_rows>`."""
-        return self.slots.set_hot_rows(hot_rows, cache_bytes)
+    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
+        """:meth:`StagedTable.set_device_cache <flashnext.kernels.staged.StagedTable.set_device_cache>`."""
+        return self.slots.set_device_cache(profile, cache_bytes)
+
+    set_hot_rows = set_device_cache  # deprecated: the old name of set_device_cache
 
     def share_cache(self, other: OnSlots) -> CacheInfo:
         """:meth:`StagedTable.share_cache <flashnext.kernels.staged.StagedTable.share_cache>`."""

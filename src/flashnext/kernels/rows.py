@@ -19,7 +19,7 @@ class Rows(Protocol):
         range give zeros), enqueued on the current stream."""
         ...
 
-    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> Any:
-        """Serve the first rows of ``hot_rows`` that fit in ``cache_bytes`` from a device
+    def set_device_cache(self, profile: Any, cache_bytes: int) -> Any:
+        """Serve the first rows of ``profile`` that fit in ``cache_bytes`` from a device
         cache (``_layout.rows_that_fit``); returns the cache's ``CacheInfo``."""
         ...

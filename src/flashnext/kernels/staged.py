@@ -10,8 +10,8 @@ the inverse index as row ids (-1 = a zero row). ``buffers`` slots (2 = double-bu
 host gather step N+1 while the GPU still runs step N: :meth:`StagedTable.stage` waits only for
 the copy that last read the slot it is about to overwrite.
 
-A device cache of hot rows (:meth:`StagedTable.set_hot_rows`, the profile format and size rule of
-``GpuTable.set_hot_rows``) sits in front: the host looks each id up in a slot map (int32 per
+A device cache (:meth:`StagedTable.set_device_cache`, the profile format and size rule of
+``GpuTable.set_device_cache``) sits in front: the host looks each id up in a slot map (int32 per
 served row, host RAM, not pinned); a hit is written into the inverse index as ``-(slot + 2)``
 and never gathered, so only the misses are deduplicated (through the slot map itself: no sort),
 gathered and copied, and the one kernel reads hits from the cache and misses from the staged
@@ -176,9 +176,9 @@ class StagingSlots:
             counts=handover[1] if handover else None,
         )
 
-    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
-        """:meth:`StagedTable.set_hot_rows`."""
-        records, s2 = self.stager.cache_rows(hot_row_ids(hot_rows), cache_bytes)
+    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
+        """:meth:`StagedTable.set_device_cache`."""
+        records, s2 = self.stager.cache_rows(hot_row_ids(profile), cache_bytes)
         if records.shape[0] == 0:
             self.cache = self.cache_s2 = None
         else:
@@ -329,11 +329,11 @@ class StagedTable:
         host = ids.cpu().numpy() if hasattr(ids, "cpu") else ids
         self.lookup(self.stage(host), out=out)
 
-    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
-        """Cache the first rows of ``hot_rows`` that fit in ``cache_bytes`` on the device.
+    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
+        """Cache the first rows of ``profile`` that fit in ``cache_bytes`` on the device.
 
-        The rule of ``GpuTable.set_hot_rows`` (``_layout.rows_that_fit``): ``hot_rows`` is a
-        HotRowProfile (``.row_ids``) or 1-D int row ids in priority order; rows outside the
+        The rule of ``GpuTable.set_device_cache`` (``_layout.rows_that_fit``): ``profile`` is a
+        RowProfile (``.row_ids``) or 1-D int row ids in priority order; rows outside the
         table's ``row_range`` are skipped, repeats keep their first place, and ``cache_bytes
         // record_bytes`` rows are kept. The slot map (4 bytes per served row) lives in host
         RAM here, not on the device. Call between steps, with no staged step pending (and
@@ -346,12 +346,14 @@ class StagedTable:
         Raises:
             KernelError: ids are not 1-D integers.
         """
-        return self.slots.set_hot_rows(hot_rows, cache_bytes)
+        return self.slots.set_device_cache(profile, cache_bytes)
+
+    set_hot_rows = set_device_cache  # deprecated: the old name of set_device_cache
 
     def share_cache(self, other: OnSlots) -> CacheInfo:
         """Serve from ``other``'s device cache (same table and row range; e.g. one
         :class:`GraphStagedTable` per step shape over one cache). Same rules as
-        :meth:`set_hot_rows` for when to call it.
+        :meth:`set_device_cache` for when to call it.
 
         Raises:
             KernelError: ``other`` serves another table or row range.

@@ -2,7 +2,7 @@
 
 ``placement="device"`` copies the table's per-row records into GPU memory; ``"pinned"`` keeps
 them in pinned host memory that the kernel reads through UVA (zero-copy, as vLLM 0.33 does
-with BF16 rows), optionally with a device cache of hot rows in front. Either way
+with BF16 rows), optionally with a device cache in front. Either way
 :meth:`GpuTable.lookup` is one kernel launch: no host sync, no allocation when ``out`` is given,
 so it can be captured in a CUDA graph and replayed with new ids.
 
@@ -36,7 +36,7 @@ from flashnext.kernels import _triton_lookup as _lookup  # noqa: E402  (needs tr
 #: Pinned tables sort steps of at least this many ids before the gather (graph-safe, on the
 #: GPU): over UVA sorted ids gathered 1.2x faster at 131K ids and 3.6x at 1M (H200, PCIe 5).
 SORT_MIN_IDS = 32768
-#: The same behind a hot-row cache: at 131K real-text ids (55-85% hits) the sort cost more
+#: The same behind a device cache: at 131K real-text ids (55-85% hits) the sort cost more
 #: than it saved (x0.8-0.95), at 1M ids it still gained 2-2.3x.
 CACHED_SORT_MIN_IDS = 262144
 _PACK_ROWS = 1 << 20  # rows packed per chunk when copying to the device
@@ -55,7 +55,7 @@ class UvaPointer:
 
 @dataclass(frozen=True)
 class CacheInfo:
-    """The hot-row cache: ``rows`` cached rows, ``bytes`` of device memory (records + slot map)."""
+    """The device cache: ``rows`` cached rows, ``bytes`` of device memory (records + slot map)."""
 
     rows: int
     bytes: int
@@ -70,13 +70,13 @@ def code_luts(device: Any) -> tuple[Any, Any]:
     )
 
 
-def hot_row_ids(hot_rows: Any) -> np.ndarray:
-    """Row ids in priority order from an int array or a HotRowProfile (``.row_ids``)."""
-    ids = getattr(hot_rows, "row_ids", hot_rows)
+def hot_row_ids(profile: Any) -> np.ndarray:
+    """Row ids in priority order from an int array or a RowProfile (``.row_ids``)."""
+    ids = getattr(profile, "row_ids", profile)
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise KernelError(
-            f"hot_rows must be 1-D integer row ids (or a HotRowProfile), found {arr.dtype} "
+            f"a profile must be 1-D integer row ids (or a RowProfile), found {arr.dtype} "
             f"{list(arr.shape)}"
         )
     return arr.astype(np.int64, copy=False)
@@ -125,7 +125,7 @@ class GpuTable:
         table: PLETable,
         placement: Placement = "device",
         row_range: tuple[int, int] | None = None,
-        hot_rows: Any = None,
+        profile: Any = None,
         cache_bytes: int = 0,
         device: Any = "cuda",
     ) -> GpuTable:
@@ -136,8 +136,8 @@ class GpuTable:
             placement: ``"device"`` (GPU memory) or ``"pinned"`` (pinned host memory over UVA).
             row_range: ``(start, end)`` global rows this rank serves; must lie inside the
                 table's open ``row_range``. ``None`` = all open rows.
-            hot_rows: row ids in priority order (or a HotRowProfile) to cache on the device
-                in front of a pinned table, up to ``cache_bytes`` of records.
+            profile: row ids in priority order (or a RowProfile) for the device cache in
+                front of a pinned table, up to ``cache_bytes`` of records.
             cache_bytes: device bytes for cached records (the slot map, 4 bytes per served
                 row, comes on top).
             device: the CUDA device (``"cpu"`` runs the kernel in Triton's interpreter).
@@ -164,8 +164,8 @@ class GpuTable:
         s2 = _shard_scale_2(stored.codec, stored)
         gpu = cls(layout, records, (start, end), stored.num_rows, shard_starts=stored.shard_starts,
                   shard_scale_2=s2, device=device)  # fmt: skip
-        if hot_rows is not None and cache_bytes > 0:
-            gpu.set_hot_rows(hot_rows, cache_bytes)
+        if profile is not None and cache_bytes > 0:
+            gpu.set_device_cache(profile, cache_bytes)
         return gpu
 
     @classmethod
@@ -197,8 +197,8 @@ class GpuTable:
         return cls(layout, records, row_range, num_rows, shard_starts=np.asarray(shard_starts),
                    shard_scale_2=s2, device=device)  # fmt: skip
 
-    def set_hot_rows(self, hot_rows: Any, cache_bytes: int) -> CacheInfo:
-        """Cache the first rows of ``hot_rows`` that fit in ``cache_bytes`` on the device.
+    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
+        """Cache the first rows of ``profile`` that fit in ``cache_bytes`` on the device.
 
         Rows outside this table's range are skipped; repeats keep their first place. Call
         between steps (not during graph replay): it replaces the cache tensors.
@@ -207,9 +207,9 @@ class GpuTable:
             KernelError: the table is device-placed (nothing to cache) or ids are not 1-D ints.
         """
         if self.placement != "pinned":
-            raise KernelError("a hot-row cache serves pinned tables; this one is on the device")
+            raise KernelError("a device cache serves pinned tables; this one is on the device")
         start, end = self.row_range
-        ids = hot_row_ids(hot_rows)
+        ids = hot_row_ids(profile)
         ids = ids[rows_that_fit(ids, self.row_range, cache_bytes, self.layout.record_bytes)]
         local = torch.from_numpy(ids - start)
         slot_map = torch.full((end - start,), -1, dtype=torch.int32, device=self.device)
@@ -220,6 +220,8 @@ class GpuTable:
         self._slot_map = slot_map
         self.sort_min_ids = CACHED_SORT_MIN_IDS
         return self.cache_info
+
+    set_hot_rows = set_device_cache  # deprecated: the old name of set_device_cache
 
     @property
     def slot_map(self) -> Any:

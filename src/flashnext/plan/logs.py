@@ -2,7 +2,7 @@
 
 Each :data:`PATTERNS` entry is one event kind with a regex over one log line; the numbers are
 the regex's named groups converted to int/float (thousands separators dropped, MiB/GiB kept
-in the field name). :func:`read_log` returns the events in log order; :func:`explain` adds,
+in the field name). :func:`read_log` returns the events in log order; :func:`explain_log` adds,
 per failure, the options in order of cost.
 
 A log is user text of any size: every pattern's work is linear in the line. A regex is never
@@ -598,7 +598,7 @@ def _oom_in_kv_allocation(lines: list[str], events: list[Event]) -> None:
             e.summary = "the KV pool could not be allocated: less memory was free than sized"
 
 
-def explain(text: Iterable[str]) -> list[Event]:
+def explain_log(text: Iterable[str]) -> list[Event]:
     """:func:`read_log` with :func:`static_options` filled in for every failure, plus a stall
     after graph capture or during weight loading when the log ends there."""
     lines = list(text)

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from flashnext.checkpoint.config import read_config
-from flashnext.placement import PLACEMENTS, RESIDENCIES, Placement, Residency
+from flashnext.placement import (
+    PLACEMENT_SETTINGS,
+    RESIDENCIES,
+    Placement,
+    PlacementSetting,
+    Residency,
+)
 from flashnext.plan import vllm_kv
 from flashnext.plan.engram import disk_offload_staging, pinned_table_copies
 from flashnext.plan.model import ModelShape, PlanError, host_has_avx512_bf16, kv_spec, model_shape
@@ -55,10 +61,10 @@ class PlanRequest:
     host_memory: int | None = None
     worker_host_bytes: int = WORKER_HOST_BYTES  # the worker's own host memory besides the table
     ple_format: str | None = None  # None: as stored (headers) or bf16 (estimate)
-    ple_placement: Placement = "pinned"  # flashnext.placement's words
+    # flashnext.placement's words; auto: the plugin's own choice (:func:`resolve_placement`)
+    ple_placement: PlacementSetting = "auto"
     ple_residency: Residency = "mmap"  # how a staged table's host copy holds rows
-    ple_gpu_cache_rows: int = 0
-    ple_cache: int = 0  # device bytes of hot rows per PLE layer (FLASHNEXT_PLE_CACHE)
+    ple_device_cache: int = 0  # device cache bytes per PLE layer (FLASHNEXT_PLE_DEVICE_CACHE)
     headroom: int | None = None
     kv_cache_memory: int | None = None
     dtype: str = "auto"
@@ -84,17 +90,16 @@ class PlanRequest:
             raise PlanError(
                 f"--gpu-memory-utilization {self.gpu_memory_utilization}: expected 0 < u <= 1"
             )
-        if self.ple_placement not in PLACEMENTS:
+        if self.ple_placement not in PLACEMENT_SETTINGS:
             raise PlanError(
-                f"--ple-placement {self.ple_placement!r}: expected one of {', '.join(PLACEMENTS)}"
+                f"--ple-placement {self.ple_placement!r}: expected one of "
+                f"{', '.join(PLACEMENT_SETTINGS)}"
             )
         if self.ple_residency not in RESIDENCIES:
             raise PlanError(
                 f"--ple-residency {self.ple_residency!r}: expected one of {', '.join(RESIDENCIES)}"
             )
-        if self.ple_disk_offload and (
-            self.ple_placement == "staged" or self.ple_cache or self.ple_gpu_cache_rows
-        ):
+        if self.ple_disk_offload and (self.ple_placement == "staged" or self.ple_device_cache):
             raise PlanError(
                 "--engram-config disk_offload with a flashnext placement or cache: vLLM's disk "
                 "offload replaces the table (and refuses the sidecar); plan one of them"
@@ -102,16 +107,12 @@ class PlanRequest:
         for name in ("max_num_seqs", "tp", "gpu_memory", "dp", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise PlanError(f"--{name.replace('_', '-')} must be positive")
-        if self.num_speculative_tokens < 0 or self.ple_gpu_cache_rows < 0 or self.ple_cache < 0:
+        if self.num_speculative_tokens < 0 or self.ple_device_cache < 0:
+            raise PlanError("--num-speculative-tokens and --ple-device-cache must be >= 0")
+        if self.ple_device_cache and self.ple_placement == "device":
             raise PlanError(
-                "--num-speculative-tokens, --ple-gpu-cache-rows and --ple-cache must be >= 0"
-            )
-        if self.ple_cache and self.ple_gpu_cache_rows:
-            raise PlanError("--ple-cache and --ple-gpu-cache-rows both size the cache: give one")
-        if self.ple_cache and self.ple_placement == "device":
-            raise PlanError(
-                "--ple-cache with --ple-placement device: the table is on the GPU already; "
-                "the cache serves pinned and staged"
+                "--ple-device-cache with --ple-placement device: the table is on the GPU "
+                "already; the device cache serves pinned and staged"
             )
 
 
@@ -244,7 +245,7 @@ def _staging(model: ModelInput, shape: ModelShape, req: PlanRequest) -> tuple[in
 def _device_items(
     model: ModelInput, shape: ModelShape, req: PlanRequest, weights: Weights
 ) -> list[Item]:
-    table, row_bytes, fmt = _ple_bytes(model, shape, req)
+    table, _row, fmt = _ple_bytes(model, shape, req)
     skip = ("ple_table", "mtp")
     items = [
         Item(f"weights: {k}", v // req.tp, weights.source)
@@ -257,10 +258,7 @@ def _device_items(
         items.append(Item("PLE disk-offload staging", _staging(model, shape, req)[1], "vLLM 0.34"))
     elif table and req.ple_placement == "device":
         items.append(Item("PLE table on GPU", table // req.tp, fmt))
-    if table and req.ple_gpu_cache_rows:
-        cache = req.ple_gpu_cache_rows * row_bytes
-        items.append(Item("PLE hot-row cache", cache, f"{req.ple_gpu_cache_rows:,} rows/layer"))
-    if table and req.ple_cache:
+    if table and req.ple_device_cache:
         items.extend(_cache_items(model, shape, req, table))
     headroom = DEFAULT_HEADROOM if req.headroom is None else req.headroom
     src = "default" if req.headroom is None else "given/calibrated"
@@ -269,15 +267,16 @@ def _device_items(
 
 
 def _cache_items(model: ModelInput, shape: ModelShape, req: PlanRequest, table: int) -> list[Item]:
-    """The hot-row device cache: ``ple_cache`` bytes per PLE layer (at most the rank's rows),
+    """The device cache: ``ple_device_cache`` bytes per PLE layer (at most the rank's rows),
     plus, in front of a pinned table, ``GpuTable``'s slot map of 4 bytes per served row."""
     layers = len(shape.ple_layers)
-    cached = min(req.ple_cache, table // req.tp // layers) * layers
-    items = [Item("PLE hot-row cache (--ple-cache)", cached, f"{gib(req.ple_cache)} per layer")]
+    cached = min(req.ple_device_cache, table // req.tp // layers) * layers
+    per_layer = f"{gib(req.ple_device_cache)} per layer"
+    items = [Item("PLE device cache (--ple-device-cache)", cached, per_layer)]
     if slot_map_on_device(req.ple_placement):
         rows = sum(PLEGeometry.from_config(model.config, d).num_rows for d in range(layers))
         slots = SLOT_MAP_BYTES * rows // req.tp
-        items.append(Item("PLE hot-row cache slot map", slots, f"{SLOT_MAP_BYTES} bytes per row"))
+        items.append(Item("PLE device cache slot map", slots, f"{SLOT_MAP_BYTES} bytes per row"))
     return items
 
 
@@ -299,14 +298,14 @@ def _host_items(
         items.append(Item(f"PLE table ({fmt}, staged, resident)", table, "committed RAM"))
     if table and req.ple_placement == "staged" and req.ple_residency == "mmap":
         items.append(Item(f"PLE table ({fmt}, staged, mmap)", table, "page cache, reclaimable"))
-    if table and req.ple_cache and not slot_map_on_device(req.ple_placement):
+    if table and req.ple_device_cache and not slot_map_on_device(req.ple_placement):
         # StagedTable keeps its cache's slot map, hit index and group memo in host RAM, one
         # cache per layer and rank: every rank's rows, a memo each.
         slots = sum(
             staged_cache_host_bytes(PLEGeometry.from_config(model.config, d).num_rows, req.tp)
             for d in range(len(shape.ple_layers))
         )
-        items.append(Item("PLE hot-row cache host index (staged)", slots, "committed RAM"))
+        items.append(Item("PLE device cache host index (staged)", slots, "committed RAM"))
     streamed = weights.total(exclude=("ple_table",))
     items.append(Item("checkpoint streaming", streamed, "page cache while loading, reclaimable"))
     return items
@@ -329,6 +328,53 @@ def _limits(
     return one, all_len, fit.num_blocks, state
 
 
+def cache_bytes_for_rows(model: ModelInput, req: PlanRequest, rows: int) -> int:
+    """Device cache bytes per PLE layer that hold ``rows`` rows in the planned format (what the
+    old ``--ple-gpu-cache-rows`` gave)."""
+    shape = model_shape(model.config, req.dtype)
+    _table, row, _fmt = _ple_bytes(model, shape, req)
+    return rows * row // max(1, len(shape.ple_layers))
+
+
+def _resolve_placement(
+    model: ModelInput, shape: ModelShape, req: PlanRequest
+) -> tuple[PlanRequest, list[str]]:
+    """``req`` with ``auto`` replaced by what the plugin would choose, and a note saying so.
+
+    The plugin's rule (:func:`flashnext.serve.serving.choose_placement`): pinned when the host
+    holds the table (every data-parallel copy) plus its headroom, else staged from a memory map.
+    The host is ``--host-memory`` less the workers' own memory, or this host when none is given.
+    """
+    if req.ple_placement != "auto":
+        return req, []
+    table, _row, _fmt = _ple_bytes(model, shape, req)
+    if not table or req.ple_disk_offload:  # nothing of ours to place: vLLM's own pinned table
+        return dataclasses.replace(req, ple_placement="pinned"), []
+    from flashnext.host.preflight import DEFAULT_HEADROOM as PINNED_HEADROOM
+    from flashnext.host.preflight import HostMemory, host_memory
+    from flashnext.serve.serving import choose_placement
+
+    if req.host_memory is None:
+        memory, where = host_memory(), "this host leaves"
+    else:
+        workers = req.worker_host_bytes * req.tp * req.dp
+        memory = HostMemory(max(0, req.host_memory - workers), sources=("--host-memory",))
+        where = "--host-memory less the workers' leaves"
+    pinned = table * pinned_table_copies(req.dp, req.dp_shared_memory)
+    choice = choose_placement("auto", req.device, pinned, memory=memory)
+    if choice.placement == "cpu":  # host lookups from a memory map: staged's host side
+        return dataclasses.replace(req, ple_placement="staged"), [
+            "--ple-placement auto: staged (the plugin's choice on a CPU device: host lookups "
+            "from a memory map)"
+        ]
+    placement: Placement = choice.placement
+    note = (
+        f"--ple-placement auto: {placement} (the plugin's choice: pinned needs {gib(pinned)} "
+        f"+ {gib(PINNED_HEADROOM)} headroom, {where} {gib(memory.available)})"
+    )
+    return dataclasses.replace(req, ple_placement=placement), [note]
+
+
 def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None = None) -> Plan:
     """Plan ``req`` for ``model``: see the module doc for the budget.
 
@@ -337,6 +383,7 @@ def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None
     """
     req.check()
     shape = model_shape(model.config, req.dtype)
+    req, placed = _resolve_placement(model, shape, req)
     weights = model.weights or estimate(model.config, shape, req.weights_format)
     max_len = req.max_model_len or shape.max_position_embeddings
     spec = kv_spec(
@@ -382,7 +429,7 @@ def make_plan(model: ModelInput, req: PlanRequest, assumptions: list[str] | None
         max_num_seqs_graphs=seqs_graphs,
         max_num_seqs_state=seqs_state,
         host_fits=None if req.host_memory is None else committed <= req.host_memory,
-        assumptions=[*(assumptions or []), *_assumptions(shape, weights, req)],
+        assumptions=[*(assumptions or []), *placed, *_assumptions(shape, weights, req)],
     )
     plan.problems = _problems(plan)
     return plan

@@ -44,7 +44,7 @@ _RULES = (
 FORMAT_BYTES = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16, "int4": 0.5 + 2 / 16}
 
 
-def classify(name: str) -> str:
+def tensor_kind(name: str) -> str:
     """The kind of a tensor name (see the module doc)."""
     if name.startswith("mtp.") or ".mtp." in name:
         return "mtp"
@@ -74,7 +74,7 @@ def from_headers(root: str | Path) -> Weights:
     """
     by_kind = dict.fromkeys(KINDS, 0)
     for name, (_path, entry) in tensor_map(root).items():
-        by_kind[classify(name)] += entry.nbytes
+        by_kind[tensor_kind(name)] += entry.nbytes
     return Weights(by_kind, "headers")
 
 

@@ -1,16 +1,16 @@
-"""The device cache of hot rows in front of a pinned or staged table, planned without a GPU.
+"""The device cache in front of a pinned or staged table, planned without a GPU.
 
-What the plugin's ``FLASHNEXT_PLE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean, in
+What the plugin's ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE`` / ``FLASHNEXT_PLE_PROFILE=PATH`` switches mean, in
 the one place the plugin (:mod:`flashnext.serve.serving`), ``flashnext plan`` and ``flashnext
 check`` share (no torch, no vLLM, no GPU):
 
 - :func:`parse_cache_size`: the size (``2GiB``, ``512MiB``, ``1.5GB``; ``0`` = off, the one
   number without a unit), read by :mod:`flashnext.sizes` like every size.
 - :func:`profile_path`: which profile fills a layer's cache (the setting's file, its
-  ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.hot_rows.safetensors``
-  beside it, where ``flashnext ple profile`` writes, or ``hot_rows.safetensors`` inside it).
-- :func:`plan_cache`: how many rows of a rank's range the cache holds (``GpuTable.set_hot_rows``
-  / ``StagedTable.set_hot_rows``' rule), the GPU bytes they take and the hit rate the profile
+  ``layer_L`` entry when it is a directory, else the sidecar's own: ``SIDECAR.profile.safetensors``
+  beside it, where ``flashnext ple profile`` writes, or ``profile.safetensors`` inside it).
+- :func:`plan_cache`: how many rows of a rank's range the cache holds (``GpuTable.set_device_cache``
+  / ``StagedTable.set_device_cache``' rule), the GPU bytes they take and the hit rate the profile
   itself predicts (a truncated profile's unprofiled lookups count as misses).
 - :func:`plan_layer_cache`: all of that for one served layer, refusing a profile made for
   another table (its geometry against the sidecar's META.json).
@@ -37,7 +37,7 @@ from flashnext.kernels._layout import (  # the cache's layout, declared with the
 from flashnext.sizes import SIZE_HINT, SizeError, byte_count, gib
 
 if TYPE_CHECKING:
-    from flashnext.store.profile import HotRowProfile
+    from flashnext.store.profile import RowProfile
     from flashnext.store.sidecar import Sidecar
 
 #: The 0-based decoder index in a layer's name (``model.layers.3.ple...`` -> 3).
@@ -56,7 +56,7 @@ def staged_cache_host_bytes(rows: int, ranks: int = 1) -> int:
 CACHED_PLACEMENTS = ("pinned", "staged")
 
 
-def parse_cache_size(value: object, where: str = "FLASHNEXT_PLE_CACHE") -> int:
+def parse_cache_size(value: object, where: str = "FLASHNEXT_PLE_DEVICE_CACHE") -> int:
     """Bytes from ``2GiB``, ``512MiB``, ``1.5GB``, or ``0`` (off; text or a JSON number).
 
     A size needs its unit, as every size flag does (:mod:`flashnext.sizes`): ``0`` is the one
@@ -82,11 +82,12 @@ def slot_map_on_device(placement: str) -> bool:
 
 @dataclass(frozen=True)
 class CachePlan:
-    """The hot-row device cache in front of one layer's pinned or staged rows.
+    """The device cache in front of one layer's pinned or staged rows.
 
     Attributes:
-        cache_bytes: device bytes asked for cached records (``FLASHNEXT_PLE_CACHE``; 0 = off).
-        profile: the hot-row profile file that fills it, or None (no cache then).
+        cache_bytes: device bytes asked for cached records (``FLASHNEXT_PLE_DEVICE_CACHE``;
+            0 = off).
+        profile: the profile file that fills it, or None (no cache then).
         rows: rows of this rank's range that fit (the profile's order, ``cache_bytes //
             record_bytes`` at most).
         expected_hit_rate: the share of this rank's profiled lookups those rows serve (from
@@ -108,38 +109,39 @@ class CachePlan:
         if self.expected_hit_rate is None:
             return f"no device cache ({self.reason})"
         return (
-            f"device cache {gib(self.cache_bytes)} = {self.rows} hot rows from "
+            f"device cache {gib(self.cache_bytes)} = {self.rows} rows from "
             f"{self.profile}, expected hit rate {100 * self.expected_hit_rate:.1f}%"
         )
 
 
 def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path | None:
-    """The hot-row profile for the layer ``prefix`` serves from ``sidecar_dir``.
+    """The profile for the layer ``prefix`` serves from ``sidecar_dir``.
 
     ``setting`` (``FLASHNEXT_PLE_PROFILE``) is a profile file, or a directory read like the
-    sidecar root (``layer_{L}/hot_rows.safetensors``, ``layer_{L}.hot_rows.safetensors`` or
-    ``hot_rows.safetensors`` in it). None means the sidecar's own profile when it has one:
-    ``SIDECAR.hot_rows.safetensors`` beside it (where ``flashnext ple profile`` writes), else
-    ``hot_rows.safetensors`` inside it (earlier versions, and ``flashnext ple slice``).
+    sidecar root (``layer_{L}.profile.safetensors``, ``layer_{L}/profile.safetensors`` or
+    ``profile.safetensors`` in it). None means the sidecar's own profile when it has one:
+    ``SIDECAR.profile.safetensors`` beside it (where ``flashnext ple profile`` writes), else
+    ``profile.safetensors`` inside it (``flashnext ple slice``); either also under its old
+    name ``hot_rows.safetensors`` (:func:`~flashnext.store.profile.profile_files`).
 
     Raises:
         PluginError: ``setting`` is given but holds no profile for this layer.
     """
-    from flashnext.store.profile import PROFILE_NAME, default_profile_path
+    from flashnext.store.profile import OLD_PROFILE_NAME, PROFILE_NAME, profile_files
 
     if setting is None:
-        candidates = [default_profile_path(sidecar_dir), sidecar_dir / PROFILE_NAME]
+        candidates = profile_files(sidecar_dir)
     elif setting.is_file():
         candidates = [setting]
     else:
         match = LAYER_INDEX.search(prefix)
         layer = [setting / f"layer_{match.group(1)}"] if match else []
-        candidates = [d / PROFILE_NAME for d in layer] + [default_profile_path(d) for d in layer]
-        candidates.append(setting / PROFILE_NAME)
+        candidates = [p for d in layer for p in profile_files(d)]
+        candidates += [setting / PROFILE_NAME, setting / OLD_PROFILE_NAME]
     found = next((p for p in candidates if p.is_file()), None)
     if found is None and setting is not None:
         raise PluginError(
-            f"FLASHNEXT_PLE_PROFILE={setting}: no hot-row profile for {prefix} (expected a "
+            f"FLASHNEXT_PLE_PROFILE={setting}: no profile for {prefix} (expected a "
             f"profile file, or {PROFILE_NAME} in that directory, in its layer_L or beside it as "
             f"layer_L.{PROFILE_NAME}); build one with `flashnext ple profile SIDECAR --text "
             "FILES...`"
@@ -148,7 +150,7 @@ def profile_path(sidecar_dir: Path, setting: Path | None, prefix: str) -> Path |
 
 
 def plan_cache(
-    profile: HotRowProfile,
+    profile: RowProfile,
     path: Path | None,
     cache_bytes: int,
     record_bytes: int,
@@ -161,13 +163,13 @@ def plan_cache(
     """How many of ``profile``'s rows a cache of ``cache_bytes`` holds for ``row_range``, the
     GPU bytes they take, and the share of the rank's lookups they serve.
 
-    The rows kept follow ``set_hot_rows``' rule (profile order, rows inside the range,
+    The rows kept follow ``set_device_cache``' rule (profile order, rows inside the range,
     ``cache_bytes // record_bytes`` of them). The hit rate's denominator is the profiled lookups
     of this range: the profile's counts inside it, plus the lookups of rows the profile left
     out (``total_lookups`` less every count) in the range's share of the table's rows.
 
     Args:
-        profile: the hot-row profile (row ids int64 ``[n]`` in priority order, counts ``[n]``).
+        profile: the profile (row ids int64 ``[n]`` in priority order, counts ``[n]``).
         path: its file, for the description.
         cache_bytes, record_bytes: the cache size and one row's record bytes.
         row_range: this rank's rows ``[start, end)``; num_rows: the table's rows.
@@ -212,12 +214,12 @@ def plan_layer_cache(
 
     path = None
     if cache_bytes <= 0:
-        reason = "FLASHNEXT_PLE_CACHE is 0"
+        reason = "FLASHNEXT_PLE_DEVICE_CACHE is 0"
     elif placement not in CACHED_PLACEMENTS:
         reason = f"the {placement} path has none"
     else:
         path = profile_path(sidecar.path, setting, prefix)
-        reason = f"no FLASHNEXT_PLE_PROFILE and no hot-row profile beside or in {sidecar.path}"
+        reason = f"no FLASHNEXT_PLE_PROFILE and no profile beside or in {sidecar.path}"
     plan, profile = CachePlan(max(0, cache_bytes), None, reason=reason), None
     if path is not None:
         profile = load_profile(path)
@@ -228,7 +230,7 @@ def plan_layer_cache(
     return plan, profile
 
 
-def check_profile_table(profile: HotRowProfile, path: Path, sidecar: Sidecar) -> None:
+def check_profile_table(profile: RowProfile, path: Path, sidecar: Sidecar) -> None:
     """Refuse a profile made for another table than ``sidecar`` (geometry or row count).
 
     Raises:
@@ -241,13 +243,13 @@ def check_profile_table(profile: HotRowProfile, path: Path, sidecar: Sidecar) ->
     rows = geometry.get("num_rows") if isinstance(geometry, dict) else None
     if ours is not None and isinstance(geometry, dict) and geometry != ours:
         raise PluginError(
-            f"hot-row profile {path} was made for another PLE table than sidecar {sidecar.path} "
+            f"profile {path} was made for another PLE table than sidecar {sidecar.path} "
             "(their geometries differ: another layer or model); profile this sidecar with "
             "`flashnext ple profile`"
         )
     top = int(profile.row_ids.max()) if len(profile) else -1
     if top >= sidecar.num_rows or (rows is not None and rows != sidecar.num_rows):
         raise PluginError(
-            f"hot-row profile {path} names rows up to {max(top, (rows or 0) - 1)}, but sidecar "
+            f"profile {path} names rows up to {max(top, (rows or 0) - 1)}, but sidecar "
             f"{sidecar.path} has {sidecar.num_rows} rows; profile this sidecar"
         )

@@ -199,23 +199,23 @@ def host_residency(choice: PlacementChoice, setting: str) -> Residency:
     return "resident" if choice.placement == "cpu" and setting in ("device", "pinned") else "mmap"
 
 
-# -- the device cache of hot rows (planned by flashnext.serve.cache_plan) ---------------------
+# -- the device cache (planned by flashnext.serve.cache_plan) -----------------------------------
 def attach_cache(target: Any, profile: Any, cache_bytes: int) -> Any:
     """Fill the device cache of a pinned ``GpuTable`` or a ``StagedTable`` from ``profile``.
 
-    Both take the same call, ``set_hot_rows(profile, cache_bytes)``: the one place the
+    Both take the same call, ``set_device_cache(profile, cache_bytes)``: the one place the
     plugin's cache switch meets the kernels. Returns their ``CacheInfo``.
 
     Raises:
         PluginError: ``target`` has no device cache (a staged table of a flashnext built before
             the staged cache existed).
     """
-    if not hasattr(target, "set_hot_rows"):
+    if not hasattr(target, "set_device_cache"):
         raise PluginError(
             f"{type(target).__name__} has no device cache in this flashnext; set "
-            "FLASHNEXT_PLE_CACHE=0 or use FLASHNEXT_PLE_PLACEMENT=pinned"
+            "FLASHNEXT_PLE_DEVICE_CACHE=0 or use FLASHNEXT_PLE_PLACEMENT=pinned"
         )
-    return target.set_hot_rows(profile, cache_bytes)
+    return target.set_device_cache(profile, cache_bytes)
 
 
 # -- the rows object the plugin calls ------------------------------------------------------
@@ -227,7 +227,7 @@ class SidecarRows:
         choice: the serving path (:func:`choose_placement`).
         device: the torch device the lookups run on.
         max_ids: the most ids one staged lookup takes (``staged`` sizes its buffers by it).
-        cache: the hot-row cache (:func:`plan_layer_cache`) and its profile; pinned and staged
+        cache: the device cache (:func:`plan_layer_cache`) and its profile; pinned and staged
             only, ignored elsewhere.
     """
 
@@ -297,7 +297,7 @@ class RowsRequest:
         device: the device the model is built on (a torch device or its name).
         device_free: free GPU bytes, or None when unknown.
         max_ids: the most ids one lookup takes (``staged`` sizes its buffers by it).
-        cache_bytes: the device cache (``FLASHNEXT_PLE_CACHE``; 0 = off).
+        cache_bytes: the device cache (``FLASHNEXT_PLE_DEVICE_CACHE``; 0 = off).
         profile: ``FLASHNEXT_PLE_PROFILE`` (:func:`profile_path`), or None.
     """
 

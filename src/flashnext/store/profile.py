@@ -1,6 +1,6 @@
-"""Hot-row profiles: which rows of a PLE table real text reads most, in priority order.
+"""Profiles: which rows of a PLE table real text reads most, in priority order.
 
-Spec (schema version 1): a safetensors file, by default ``SIDECAR.hot_rows.safetensors`` beside
+Spec (schema version 1): a safetensors file, by default ``SIDECAR.profile.safetensors`` beside
 the sidecar directory ``SIDECAR`` (:func:`default_profile_path`; never inside it: a writer does
 not add files to its input, and the sidecar's own writer would not know the file), holding
 
@@ -46,14 +46,16 @@ from flashnext.store.destination import DestinationLock
 from flashnext.store.sidecar import Sidecar, open_sidecar
 from flashnext.user_files import read_user_file
 
-PROFILE_NAME = "hot_rows.safetensors"
+PROFILE_NAME = "profile.safetensors"
+#: Its name before issue 43 ("hot rows"): still read, never written.
+OLD_PROFILE_NAME = "hot_rows.safetensors"
 PROFILE_KIND = PLE_PROFILE
 SCHEMA_VERSION = 1
 DEMO_TOKENIZER = "demo"
 
 
 @dataclass(frozen=True)
-class HotRowProfile:
+class RowProfile:
     """Rows by use: ``row_ids`` int64 [N] (count descending, ties by id), ``counts`` int64 [N].
 
     ``meta`` is the profile record's payload (corpus, tokenizer, geometry, layer).
@@ -74,12 +76,15 @@ class HotRowProfile:
         return float(self.counts[: max(n, 0)].sum()) / self.total_lookups
 
 
+HotRowProfile = RowProfile  # deprecated: the old name of RowProfile
+
+
 def build_profile(
     geometry: PLEGeometry,
     token_arrays: Iterable[object],
     rows: int | None = None,
     meta: Mapping[str, Any] | None = None,
-) -> HotRowProfile:
+) -> RowProfile:
     """Hash each token array (one fresh request each) through ``geometry`` and count rows.
 
     Args:
@@ -109,7 +114,7 @@ def build_profile(
         "coverage_by_table_share": tiers,
         **(meta or {}),
     }
-    return HotRowProfile(ids_seen[order], counts[order], total, payload)
+    return RowProfile(ids_seen[order], counts[order], total, payload)
 
 
 def _coverage_tiers(
@@ -127,15 +132,23 @@ def _coverage_tiers(
 
 
 def default_profile_path(sidecar_dir: str | os.PathLike[str]) -> Path:
-    """Where ``ple profile`` writes by default: ``SIDECAR.hot_rows.safetensors`` beside it."""
+    """Where ``ple profile`` writes by default: ``SIDECAR.profile.safetensors`` beside it."""
     root = Path(sidecar_dir)
     return root.with_name(f"{root.name}.{PROFILE_NAME}")
 
 
+def profile_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """Where a sidecar (or slice) directory's profile may be, in the order they are tried:
+    beside it (``ple profile``'s default), then inside it (``ple slice``'s copy, and earlier
+    versions), each under :data:`PROFILE_NAME` and then :data:`OLD_PROFILE_NAME`."""
+    root = Path(directory)
+    names = (PROFILE_NAME, OLD_PROFILE_NAME)
+    return [root.with_name(f"{root.name}.{n}") for n in names] + [root / n for n in names]
+
+
 def _profile_in(directory: Path) -> Path:
-    """A sidecar directory's profile: beside it, or inside it (written by earlier versions)."""
-    beside = default_profile_path(directory)
-    return beside if beside.is_file() else directory / PROFILE_NAME
+    """A sidecar directory's profile (:func:`profile_files`), or where it would be written."""
+    return next((p for p in profile_files(directory) if p.is_file()), directory / PROFILE_NAME)
 
 
 def _merge_counts(
@@ -149,7 +162,7 @@ def _merge_counts(
 
 
 def write_profile(
-    path: str | os.PathLike[str], profile: HotRowProfile, lock: DestinationLock | None = None
+    path: str | os.PathLike[str], profile: RowProfile, lock: DestinationLock | None = None
 ) -> Path:
     """Write ``profile`` to ``path`` (a file, or a sidecar directory: the file beside it,
     :func:`default_profile_path`), atomically, under the file's :class:`DestinationLock`:
@@ -184,7 +197,7 @@ def write_profile(
     return target
 
 
-def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
+def load_profile(path: str | os.PathLike[str]) -> RowProfile:
     """Read a profile file (or a sidecar directory's: beside it, else inside) and check it.
 
     Raises:
@@ -196,7 +209,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
         target = _profile_in(target)
     if not target.is_file():
         raise SidecarError(
-            f"{target}: no hot-row profile; build one with `flashnext ple profile SIDECAR "
+            f"{target}: no profile; build one with `flashnext ple profile SIDECAR "
             "--text FILES...`"
         )
     try:
@@ -208,7 +221,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
             source=str(target),
         )
     except (SafetensorsError, RecordError, json.JSONDecodeError) as exc:
-        raise SidecarError(f"{target}: not a hot-row profile ({exc})") from None
+        raise SidecarError(f"{target}: not a profile ({exc})") from None
     arrays = {}
     for name in ("row_ids", "counts"):
         entry = header.tensors.get(name)
@@ -223,7 +236,7 @@ def load_profile(path: str | os.PathLike[str]) -> HotRowProfile:
             "re-create the profile with `flashnext ple profile`"
         )
     meta = {k: v for k, v in record.items() if k not in ("schema_version", "kind")}
-    return HotRowProfile(ids, counts, int(record.get("total_lookups", 0)), meta)
+    return RowProfile(ids, counts, int(record.get("total_lookups", 0)), meta)
 
 
 # -- building a profile from text files ---------------------------------------------------------
@@ -323,7 +336,7 @@ def profile_text_files(
     tokenizer_meta: Mapping[str, Any],
     rows: int | None = None,
     progress: Callable[[int], None] | None = None,
-) -> HotRowProfile:
+) -> RowProfile:
     """Tokenize each file, hash it through ``geometry`` (a fresh request per file) and count rows.
 
     ``progress(nbytes)`` is called after each file. The record names every file with its
@@ -348,7 +361,7 @@ def profile_text_files(
     except OSError as exc:
         raise SidecarError(f"{exc.filename}: cannot read the text file ({exc.strerror})") from None
     full_meta = {**profile.meta, "corpus": corpus, "tokens": sum(c["tokens"] for c in corpus)}
-    return HotRowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
+    return RowProfile(profile.row_ids, profile.counts, profile.total_lookups, full_meta)
 
 
 def profile_sidecar(
@@ -360,7 +373,7 @@ def profile_sidecar(
     layer: int | None = None,
     rows: int | None = None,
     progress: Callable[[int], None] | None = None,
-) -> tuple[Sidecar, HotRowProfile]:
+) -> tuple[Sidecar, RowProfile]:
     """Profile ``texts`` for the sidecar at ``sidecar_dir`` (layer ordinal ``layer`` of its
     recorded geometry) and write the profile to the file ``target``, holding ``target``'s
     :class:`~flashnext.store.destination.DestinationLock` from before the work: a second
@@ -382,7 +395,7 @@ def profile_sidecar(
                 f"{sidecar_dir}: META.json records no geometry, so its row ids cannot be "
                 "computed; re-create the sidecar with `flashnext ple quantize` from the checkpoint"
             )
-        geometry = layer_geometry(sidecar.geometry, layer)
+        geometry = ordinal_geometry(sidecar.geometry, layer)
         if (geometry.num_rows, geometry.width) != (sidecar.num_rows, sidecar.width):
             raise SidecarError(
                 f"--layer {layer}: that layer's table has {geometry.num_rows} x {geometry.width} "
@@ -396,7 +409,7 @@ def profile_sidecar(
     return sidecar, found
 
 
-def layer_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:
+def ordinal_geometry(geometry: PLEGeometry, layer: int | None) -> PLEGeometry:
     """``geometry`` of another PLE layer ordinal (same config fields; buffers not carried over).
 
     Raises:

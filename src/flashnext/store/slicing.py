@@ -3,8 +3,9 @@
 Under tensor parallelism rank ``r`` of ``tp`` serves rows ``[r*P, (r+1)*P)``, ``P = num_rows /
 tp`` (vLLM's contiguous split), so a node needs only the shards overlapping its ranks' rows.
 :func:`plan_slice` says which; :func:`write_slice` copies them, checks each copy's sha256
-against the source's META.json (where it records one), copies the hot-row profile (beside
-or inside the sidecar) into the slice as ``hot_rows.safetensors``, and writes META.json last with ``rows_present`` (the sidecar spec in
+against the source's META.json (where it records one), copies the profile (beside
+or inside the sidecar) into the slice as ``profile.safetensors``, and writes META.json last with
+``rows_present`` (the sidecar spec in
 :mod:`flashnext.store.sidecar`). Every file is written under a temporary name and renamed when
 complete. A slice opens like any sidecar; :func:`flashnext.host.table.open_table` serves a
 ``row_range`` inside the rows present and refuses one outside, naming the missing rows.
@@ -29,7 +30,7 @@ from flashnext import __version__
 from flashnext.atomic import atomic_write, write_json
 from flashnext.errors import SidecarError
 from flashnext.store.destination import SidecarDestination
-from flashnext.store.profile import PROFILE_NAME, default_profile_path
+from flashnext.store.profile import PROFILE_NAME, profile_files
 from flashnext.store.sidecar import (
     FORMAT_VERSION,
     META_NAME,
@@ -106,9 +107,8 @@ def plan_slice(sidecar: Sidecar, tp: int, ranks: Sequence[int]) -> SlicePlan:
 
 
 def source_profile(sidecar: Sidecar) -> Path | None:
-    """The sidecar's hot-row profile: beside it (``ple profile``'s default) or inside it."""
-    own = [default_profile_path(sidecar.path), sidecar.path / PROFILE_NAME]
-    return next((p for p in own if p.is_file()), None)
+    """The sidecar's profile: beside it (``ple profile``'s default) or inside it."""
+    return next((p for p in profile_files(sidecar.path) if p.is_file()), None)
 
 
 class SliceWriter:
@@ -188,7 +188,7 @@ def write_slice(
     *,
     force: bool = False,
 ) -> Path:
-    """Copy ``plan``'s shards (and the hot-row profile) into ``dst``, then write META.json.
+    """Copy ``plan``'s shards (and the profile) into ``dst``, then write META.json.
 
     ``dst``'s life is :class:`~flashnext.store.destination.SidecarDestination`'s, as for every
     sidecar writer: its lock for the whole copy, an interrupted slice of the same source and

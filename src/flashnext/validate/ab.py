@@ -124,7 +124,7 @@ async def run_ab(
     wall_s = round(time.monotonic() - t0, 3)
     results = [finished[i] for i in sorted(finished)]
     answers = [r.pop("_answer") for r in results if "_answer" in r]
-    summary = summarize(results)
+    summary = summarize_ab(results)
     stop = _interruption(interrupts, len(results), len(cfg.prompts))
     return {
         "baseline": base.info(),
@@ -378,14 +378,14 @@ def teacher_forced(base: list[M.TopK], cand: list[M.TopK], tokens: list[int]) ->
     return {
         "positions": len(tokens),
         "top1_agreement": sum(bool(s) for s in same) / len(same),
-        "kl": M.summarize([float(v) for v in pos["kl"]]),
-        "tv": M.summarize([float(v) for v in pos["tv"]]),
-        "logprob_delta_abs": M.summarize(deltas),
+        "kl": M.distribution([float(v) for v in pos["kl"]]),
+        "tv": M.distribution([float(v) for v in pos["tv"]]),
+        "logprob_delta_abs": M.distribution(deltas),
         "per_position": {"kl": pos["kl"], "tv": pos["tv"], "top1_same": same},
     }
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize_ab(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Pooled numbers over the prompts that completed (teacher-forced ones pooled by position)."""
     ok = [r for r in rows if not r.get("error")]
     tf = [r["tf"] for r in ok if r.get("tf")]
@@ -417,8 +417,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tf_prompts": len(tf),
         "tf_positions": len(same),
         "top1_agreement": sum(same) / len(same) if same else None,
-        "kl": M.summarize(kl),
-        "tv": M.summarize(tv),
+        "kl": M.distribution(kl),
+        "tv": M.distribution(tv),
     }
 
 

@@ -122,7 +122,7 @@ def position_divergence(
     return {"kl": kl, "tv": tv, "top1_same": same, "logprob_delta": delta}
 
 
-def summarize(values: Sequence[float]) -> dict[str, float | None]:
+def distribution(values: Sequence[float]) -> dict[str, float | None]:
     """Mean and max of the finite values (None when there are none)."""
     arr = np.array([v for v in values if math.isfinite(v)], dtype=np.float64)
     if arr.size == 0:

@@ -195,7 +195,7 @@ def _check_rows_dtype(module: Any, name: str, tensor: Any) -> None:
         )
 
 
-def rank_rows(embedding: Any) -> tuple[int, int]:
+def checked_rank_rows(embedding: Any) -> tuple[int, int]:
     """This rank's table rows ``[start, end)``, checked to be the contiguous split
     ``[r*P, (r+1)*P)``, ``P = rows / tp`` (the partition flashnext's row maps assume).
 
@@ -242,7 +242,7 @@ def load_whole_table(module: Any, name: str, tensor: Any) -> None:
         # shard (every rank stages full rows: no partition to check).
         accept(0, tensor, expected[0], "weight")
         return
-    rank_rows(embedding)
+    checked_rank_rows(embedding)
     embedding.weight.weight_loader(embedding.weight, tensor, checkpoint_start=0)
 
 

@@ -133,7 +133,7 @@ def open_rows(settings: PluginSettings, layer: Any, vllm_config: Any, max_ids: i
         device=device,
         device_free=torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None,
         max_ids=max_ids,
-        cache_bytes=settings.ple_cache,
+        cache_bytes=settings.ple_device_cache,
         profile=settings.ple_profile,
     )
     try:

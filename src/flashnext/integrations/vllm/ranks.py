@@ -36,7 +36,7 @@ from typing import Any
 
 from flashnext import __version__ as FLASHNEXT_VERSION
 from flashnext.errors import PluginError
-from flashnext.integrations.vllm.settings import CONFIG_SECTION, ENV_NAMES
+from flashnext.integrations.vllm.settings import CONFIG_SECTION, ENV_NAMES, OLD_KEYS
 
 #: The variable vLLM's Ray executors read for extra prefixes to copy to the workers.
 RAY_PREFIXES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
@@ -66,7 +66,7 @@ def carry_to_workers(argv_config: Any, env: Any = None) -> list[str]:
     written = []
     section = argv_config.get(CONFIG_SECTION) if isinstance(argv_config, Mapping) else None
     for name, value in (section or {}).items() if isinstance(section, Mapping) else ():
-        var = ENV_NAMES.get(name)
+        var = ENV_NAMES.get(str(OLD_KEYS.get(name, name)))
         if var is None or value is None or var in env:
             continue  # an unknown key was refused already; a variable set wins (it must agree)
         env[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)

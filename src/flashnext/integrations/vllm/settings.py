@@ -10,10 +10,11 @@ Two sources, read at different times:
                                    layer (``L`` = the 0-based decoder index of the checkpoint's tensor
                                    names), or ``DIR`` itself when it is one sidecar
   ``FLASHNEXT_PLE_PLACEMENT=P``    ``auto`` (default), ``device``, ``pinned`` or ``staged``
-  ``FLASHNEXT_PLE_CACHE=SIZE``     device cache of hot rows in front of a pinned or staged
-                                   placement (``2GiB``, ``512MiB``; ``0`` = off, the default)
-  ``FLASHNEXT_PLE_PROFILE=PATH``   the hot-row profile that fills the cache (``flashnext ple
-                                   profile``); default: the sidecar's ``hot_rows.safetensors``
+  ``FLASHNEXT_PLE_DEVICE_CACHE=SIZE``  device cache of a profile's rows in front of a pinned or
+                                   staged placement (``2GiB``, ``512MiB``; ``0`` = off, the
+                                   default); ``FLASHNEXT_PLE_CACHE`` is its old spelling
+  ``FLASHNEXT_PLE_PROFILE=PATH``   the profile that fills the device cache (``flashnext ple
+                                   profile``); default: the sidecar's ``profile.safetensors``
   ``FLASHNEXT_MOE_GUARD=1``        sanitize B12x top-k ids, share MoE workspaces
   ``FLASHNEXT_PLE_LOADER_FIX=1``   load a table the checkpoint keeps (empty shard index, both
                                    prefixes, FP8 ``weight_scale``)
@@ -23,8 +24,9 @@ Two sources, read at different times:
   ===============================  =================================================================
 
 - **``--additional-config``** (``vllm serve ... --additional-config '{"flashnext": {...}}'``, keys
-  ``ple_sidecar``, ``ple_placement``, ``ple_cache``, ``ple_profile``, ``moe_guard``,
-  ``ple_loader_fix``, ``drop_indexer``, ``allow_untested_vllm``):
+  ``ple_sidecar``, ``ple_placement``, ``ple_device_cache``, ``ple_profile``, ``moe_guard``,
+  ``ple_loader_fix``, ``drop_indexer``, ``allow_untested_vllm``; ``ple_cache`` is the old
+  spelling of ``ple_device_cache``):
   read when the model is built (the first PLE layer's construction, from vLLM's current config),
   because a general plugin is called before vLLM has parsed its config. Parts switched on only
   here are applied at that point, still checked before they are applied.
@@ -46,6 +48,7 @@ values are refused with the variable or key named.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -56,21 +59,28 @@ from typing import Any
 from flashnext.errors import PluginError
 from flashnext.placement import PLACEMENT_SETTINGS, PlacementSetting
 from flashnext.serve.cache_plan import parse_cache_size
+from flashnext.words import say_renamed
 
+#: The plugin's logger (:mod:`flashnext.integrations.vllm` routes it through vLLM's).
+_log = logging.getLogger("flashnext.integrations.vllm")
 #: The ``--additional-config`` section the plugin reads.
 CONFIG_SECTION = "flashnext"
 #: Setting name -> environment variable.
 ENV_NAMES = {
     "ple_sidecar": "FLASHNEXT_PLE_SIDECAR",
     "ple_placement": "FLASHNEXT_PLE_PLACEMENT",
-    "ple_cache": "FLASHNEXT_PLE_CACHE",
+    "ple_device_cache": "FLASHNEXT_PLE_DEVICE_CACHE",
     "ple_profile": "FLASHNEXT_PLE_PROFILE",
     "moe_guard": "FLASHNEXT_MOE_GUARD",
     "ple_loader_fix": "FLASHNEXT_PLE_LOADER_FIX",
     "drop_indexer": "FLASHNEXT_DROP_INDEXER",
     "allow_untested_vllm": "FLASHNEXT_ALLOW_UNTESTED_VLLM",
 }
-_PATHS_AND_WORDS = ("ple_sidecar", "ple_placement", "ple_cache", "ple_profile")
+#: Old spellings (environment and ``--additional-config`` key) -> the setting they still set,
+#: each with one deprecation line per process.
+OLD_ENV_NAMES = {"FLASHNEXT_PLE_CACHE": "ple_device_cache"}
+OLD_KEYS = {"ple_cache": "ple_device_cache"}
+_PATHS_AND_WORDS = ("ple_sidecar", "ple_placement", "ple_device_cache", "ple_profile")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -83,9 +93,9 @@ class PluginSettings:
         ple_sidecar: directory of the sidecar(s) serving the PLE tables, or None (off).
         ple_placement: where a GPU reads the rows (:mod:`flashnext.placement`; ``auto`` lets
             :func:`flashnext.serve.serving.choose_placement` decide).
-        ple_cache: device bytes for the hot-row cache (0 = off); used by the pinned and staged
-            placements only.
-        ple_profile: the hot-row profile file, or None (the sidecar's ``hot_rows.safetensors``
+        ple_device_cache: bytes per layer for the device cache (0 = off); used by the pinned and
+            staged placements only.
+        ple_profile: the profile file that fills it, or None (the sidecar's ``profile.safetensors``
             when it has one).
         moe_guard: the B12x guard (route sanitizer, shared workspaces).
         ple_loader_fix: the loader fix for checkpoints that keep the table.
@@ -95,7 +105,7 @@ class PluginSettings:
 
     ple_sidecar: Path | None = None
     ple_placement: PlacementSetting = "auto"
-    ple_cache: int = 0
+    ple_device_cache: int = 0
     ple_profile: Path | None = None
     moe_guard: bool = False
     ple_loader_fix: bool = False
@@ -177,16 +187,18 @@ class PluginSettings:
                 "ple_sidecar and ple_loader_fix are both on: a sidecar replaces the checkpoint's "
                 "table, the loader fix loads it; switch one off"
             )
-        if self.ple_sidecar is None and (self.ple_cache or self.ple_profile is not None):
+        if self.ple_sidecar is None and (self.ple_device_cache or self.ple_profile is not None):
             raise PluginError(
-                "FLASHNEXT_PLE_CACHE / FLASHNEXT_PLE_PROFILE set without FLASHNEXT_PLE_SIDECAR: "
-                "the hot-row cache serves a sidecar's rows; set the sidecar or drop the cache"
+                "FLASHNEXT_PLE_DEVICE_CACHE / FLASHNEXT_PLE_PROFILE set without "
+                "FLASHNEXT_PLE_SIDECAR: "
+                "the device cache serves a sidecar's rows; set the sidecar or drop the cache"
             )
-        if self.ple_cache and self.ple_placement == "device":
+        if self.ple_device_cache and self.ple_placement == "device":
             raise PluginError(
-                f"FLASHNEXT_PLE_CACHE={self.ple_cache} with FLASHNEXT_PLE_PLACEMENT=device: the "
+                f"FLASHNEXT_PLE_DEVICE_CACHE={self.ple_device_cache} with "
+                "FLASHNEXT_PLE_PLACEMENT=device: the "
                 "device placement holds every row on the GPU already; the cache serves pinned "
-                "and staged (set FLASHNEXT_PLE_CACHE=0 or another placement)"
+                "and staged (set FLASHNEXT_PLE_DEVICE_CACHE=0 or another placement)"
             )
 
 
@@ -212,10 +224,34 @@ def command_line_config(argv: Sequence[str]) -> dict[str, Any] | None:
 def _parse_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, var in ENV_NAMES.items():
-        raw = env.get(var)
+        raw = _env_value(env, name, var)
         if raw is None or (raw.strip() == "" and name in _PATHS_AND_WORDS):
             continue
         out[name] = _value(name, raw, var)
+    return out
+
+
+def _env_value(env: Mapping[str, str], name: str, var: str) -> str | None:
+    """``env[var]``, or the old spelling of ``var`` (one deprecation line) when only it is set."""
+    old = next((o for o, new in OLD_ENV_NAMES.items() if new == name and o in env), None)
+    if old is None:
+        return env.get(var)
+    if var in env and env[var] != env[old]:
+        raise PluginError(f"{var}={env[var]} and its old spelling {old}={env[old]} disagree")
+    say_renamed(old, var, _log.warning)
+    return env[old]
+
+
+def _new_keys(section: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``section`` with old keys renamed (one deprecation line each)."""
+    out = dict(section)
+    for old, new in OLD_KEYS.items():
+        if old not in out:
+            continue
+        if new in out and out[new] != out[old]:
+            raise PluginError(f"{where}.{new} and its old spelling {where}.{old} disagree")
+        say_renamed(f"{where}.{old}", f"{where}.{new}", _log.warning)
+        out[new] = out.pop(old)
     return out
 
 
@@ -232,6 +268,7 @@ def _parse_section(additional_config: Any) -> dict[str, Any]:
         raise PluginError(
             f"{where} must be an object like {{'ple_sidecar': DIR}}, found {section!r}"
         )
+    section = _new_keys(section, where)
     unknown = sorted(set(section) - set(ENV_NAMES))
     if unknown:
         raise PluginError(f"{where}: unknown key(s) {unknown}; known: {sorted(ENV_NAMES)}")
@@ -250,9 +287,9 @@ def _value(name: str, raw: Any, where: str) -> Any:
         return Path(raw).expanduser()
     if name == "ple_profile":
         if not isinstance(raw, str | os.PathLike) or not str(raw).strip():
-            raise PluginError(f"{where} must be a hot-row profile file, found {raw!r}")
+            raise PluginError(f"{where} must be a profile file, found {raw!r}")
         return Path(raw).expanduser()
-    if name == "ple_cache":
+    if name == "ple_device_cache":
         return _cache_bytes(raw, where)
     if name == "ple_placement":
         if raw not in PLACEMENT_SETTINGS:
