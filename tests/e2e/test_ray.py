@@ -10,7 +10,9 @@ serve another sidecar; the cluster itself is started once.
 Every way the probe of issue 41 found the plugin silently not applied has a test:
 ``--additional-config`` under Ray (no worker sees the command line), the legacy executor (it
 copies listed prefixes only), a node without flashnext, a node with another sidecar, and Ray's
-log dedup hiding a rank's line (the driver logs every rank's line itself).
+log dedup hiding a rank's line (the driver logs every rank's line itself). One refused boot (the
+node without flashnext) proves a refusal stops the boot; the other two (another sidecar, swapped
+slices) are checked by Ray tasks on the same nodes, without a boot each.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,42 +200,53 @@ def test_a_node_without_flashnext_stops_the_boot(
     ]
 
 
-def test_a_node_with_another_sidecar_stops_the_boot(
-    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path], sidecars: dict[str, Path]
+def test_each_node_checks_its_own_rows_and_refusals_name_it(
+    nodes: Nodes, e2e_runtime: E2eRuntime, sidecars: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Node 1's ``~/sidecar`` is the nvfp4 sidecar of the same table: it would serve, slightly
-    differently, without complaint."""
-    nodes.relink(1, "sidecar", sidecars["nvfp4"])
-    try:
-        server = ray_server(
-            e2e_runtime, checkpoints["tiny"], nodes, "other-sidecar", [],
-            FLASHNEXT_PLE_SIDECAR="~/sidecar",
-        )  # fmt: skip
-        code, log = _boot_fails(server)
-    finally:
-        nodes.relink(1, "sidecar", nodes.slices[1])
-    assert code != 0, log[-4000:]
-    assert f"rank 1 on node {WORKER_IP} " in log and "every rank must serve slices" in log, log[
-        -4000:
-    ]
+    """The other two ways a node would serve wrong rows, checked on each real node by a Ray task
+    (ray_ranks_child.py: the node's HOME and flashnext, the rank's open of ``~/NAME`` and the
+    report a worker sends the driver, checked by the driver's ``check_reports``) rather than by a
+    TP=2 boot each: the boot's wiring of these checks (the executor's rank check stopping the
+    boot, naming the rank and node) is test_a_node_without_flashnext_stops_the_boot's.
 
-
-def test_swapped_slices_name_the_rank_and_node(
-    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path]
-) -> None:
-    """Node 0 holds rank 1's slice and node 1 rank 0's: each rank lacks its rows, and the
-    refusal says which rank on which node."""
-    nodes.relink(0, "sidecar", nodes.slices[1])
-    nodes.relink(1, "sidecar", nodes.slices[0])
-    try:
-        server = ray_server(
-            e2e_runtime, checkpoints["tiny"], nodes, "swapped", [],
-            FLASHNEXT_PLE_SIDECAR="~/sidecar",
-        )  # fmt: skip
-        code, log = _boot_fails(server)
-    finally:
-        for i in (0, 1):
-            nodes.relink(i, "sidecar", nodes.slices[i])
-    assert code != 0, log[-4000:]
+    - ``sidecar``: each node's own slice: both ranks pass, one table;
+    - ``other``: node 1 holds the nvfp4 sidecar of the same table (it would serve, slightly
+      differently, without complaint): refused naming rank 1 and its node;
+    - ``swapped``: node 0 holds rank 1's slice and node 1 rank 0's: each rank lacks its rows.
+    """
+    half = json.loads((sidecars["int4"] / "META.json").read_text())["num_rows"] // 2
+    rows = [[0, half], [half, 2 * half]]
+    for i in (0, 1):
+        nodes.relink(i, "other", nodes.slices[i] if i == 0 else sidecars["nvfp4"])
+        nodes.relink(i, "swapped", nodes.slices[1 - i])
+    assert nodes.cluster is not None
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps({"nodes": NODES, "rows": rows, "links": ["sidecar", "other", "swapped"]})
+    )
+    env = {
+        **os.environ,
+        **e2e_runtime.env(plugin=True),
+        **RAY_ENV,
+        "RAY_ADDRESS": nodes.cluster.address,
+    }
+    done = subprocess.run(
+        [str(e2e_runtime.python), str(Path(__file__).with_name("ray_ranks_child.py")), str(spec)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
     named = [f"rank {r} on node {ip} " for r, ip in enumerate(NODES)]
-    assert any(n in log for n in named) and "which it does not hold" in log, log[-4000:]
+    own = got["sidecar"]
+    assert [ln[: len(n)] for ln, n in zip(own.get("lines", []), named)] == named, own
+    assert [r["sidecars"] != {} for r in own["reports"]] == [True, True], own
+    other = got["other"]
+    assert other.get("refused", "").startswith(named[1]), other
+    assert "every rank must serve slices of one sidecar" in other["refused"], other
+    swapped = got["swapped"]["reports"]
+    for rank, r in enumerate(swapped):
+        assert r["rank"] == rank and r["node"].startswith(f"{NODES[rank]} "), swapped
+        lo, hi = rows[rank]
+        assert (
+            f"rows {lo}..{hi} needs rows" in r["error"] and "which it does not hold" in r["error"]
+        ), r
