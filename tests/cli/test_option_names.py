@@ -317,9 +317,9 @@ SAME_JOB = {
     "render_markdown": "a report's markdown, for the validate and A/B reports",
     "render_png": "a report's figure, for the validate and A/B reports",
     "__getattr__": "a package's lazy attributes",
+    "open_rows": "the plugin's adapter (settings and vLLM's layer in) and the serving policy's "
+    "call it makes (one RowsRequest in): the same rows, opened",
 }
-#: Shared names left for the parallel work of issue 43 (kernels/ and ple/ are being split).
-PENDING = {"RowSource", "open_rows"}
 
 
 def test_no_two_modules_define_one_name_for_two_jobs():
@@ -333,4 +333,4 @@ def test_no_two_modules_define_one_name_for_two_jobs():
         for name, where in defined.items()
         if len(where) > 1 and not name.startswith("_") and name not in SAME_JOB
     }
-    assert set(shared) <= PENDING, {n: shared[n] for n in set(shared) - PENDING}
+    assert not shared, shared

@@ -39,7 +39,7 @@ def page_runs(uniq, n, seg_start, bases, row_bytes, page, runs):  # type: ignore
     addresses ``[start, end)`` in ``runs`` (int64 ``[>= n * F, 2]``); returns the run count.
 
     ``seg_start`` int64 [S], ``bases`` int64 [F, S], ``row_bytes`` int64 [F] as the gathers'
-    (``gather.RowSource``); ``page`` a power of two.
+    (``gather.RowAddresses``); ``page`` a power of two.
     """
     mask = page - 1
     k = 0

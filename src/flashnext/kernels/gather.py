@@ -147,7 +147,7 @@ def gather_parallel(  # type: ignore[no-untyped-def]
 
 # -- where a table's rows live, for the gathers (numpy) ---------------------------------
 @dataclass(frozen=True)
-class RowSource:
+class RowAddresses:
     """Where a table's stored rows live, as the numba gathers read them (see the module).
 
     ``keep`` holds the arrays whose addresses ``bases`` records; :attr:`rows` and
@@ -176,7 +176,7 @@ class RowSource:
         return self.shard_starts, self.scalars
 
 
-def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
+def row_addresses(stored: StoredTable, layout: RecordLayout) -> RowAddresses:
     """The addresses of ``stored``'s per-row tensors, field by field of ``layout``.
 
     Raises:
@@ -204,7 +204,7 @@ def row_source(stored: StoredTable, layout: RecordLayout) -> RowSource:
     seg_start = np.array([seg.start for seg in stored.segments], np.int64)
     end = stored.segments[-1].start + stored.segments[-1].rows if stored.segments else 0
     seg_dir, seg_shift = segment_directory(seg_start, end)
-    return RowSource(
+    return RowAddresses(
         seg_start=seg_start,
         seg_dir=seg_dir,
         seg_shift=seg_shift,

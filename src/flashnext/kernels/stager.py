@@ -57,7 +57,7 @@ from flashnext.kernels.gather import (
     gather_into,
     gather_parallel,
     gather_records,
-    row_source,
+    row_addresses,
 )
 from flashnext.kernels.records import RecordLayout
 from flashnext.numba_intrinsics import ptr
@@ -258,7 +258,7 @@ class HostStager:
         self._knobs = knobs or StageKnobs()
         self._contexts: list[np.ndarray] | None = None  # per slot, built at the first step
         self._hint_contexts: list[np.ndarray] | None = None
-        self.src = row_source(stored, layout)
+        self.src = row_addresses(stored, layout)
         self.record_bytes = layout.record_bytes
         self.row_range = (int(row_range[0]), int(row_range[1]))
         self.max_ids = int(max_ids)
