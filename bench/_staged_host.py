@@ -273,7 +273,7 @@ def staged_host(bench: Any, root: Any) -> None:
     variants = {"previous_us": lambda ids: (old_slot, prev.fill(old_slot, ids)), "us": ours()}
     for gb in (0, 2):
         t0 = time.perf_counter()
-        stager.cache_rows(bench.text.hot_rows % args.staged_rows, gb << 30)
+        stager.cache_rows(bench.text.profile_rows % args.staged_rows, gb << 30)
         for st, _ in others.values():
             st.share(stager)
         cached = 0 if stager.slot_map is None else int((stager.slot_map >= 0).sum())

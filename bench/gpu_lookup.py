@@ -178,7 +178,7 @@ class TextIds:
             profile_ids, self.eval_ids = self.all_ids[:half].reshape(-1), self.all_ids[half:]
         rows, counts = np.unique(profile_ids, return_counts=True)
         order = np.lexsort((rows, -counts))  # count descending, ties by id
-        self.hot_rows = rows[order]
+        self.profile_rows = rows[order]
         self.meta = {**meta, "profile": profile, "profile_lookups": int(profile_ids.size),
                      "profile_distinct_rows": int(rows.size),
                      "eval_lookups": int(self.eval_ids.size)}  # fmt: skip
@@ -302,7 +302,7 @@ class Bench:
         rows, sizes = self.args.rows, self.sizes
         gpu = uva_table(host, "int4", rows, self.args.shard_rows, self.device)
         for gb in (1, 2, 4):
-            info = gpu.set_device_cache(self.text.hot_rows, gb << 30)
+            info = gpu.set_device_cache(self.text.profile_rows, gb << 30)
             for kind in ("text", "uniform") if gb == 2 else ("text",):
                 for t in sizes:
                     self._cache_case(gpu, f"cache {gb}GB", kind, t, info)
@@ -473,14 +473,14 @@ def staged_cache(bench: Bench, root: Path) -> None:
     table = open_table(bench.staged_sidecar(root), "mmap")
     staged = StagedTable(table, max_ids=max(bench.sizes) * HEADS, device=bench.device)
     bench.huge_share(root)
-    # the timed ids are taken modulo the table's rows; so are the hot rows (a no-op at the
+    # the timed ids are taken modulo the table's rows; so are the profile's rows (a no-op at the
     # full 320,001,536 rows; below it, the profile would otherwise miss the ids it predicts)
-    hot_rows = bench.text.hot_rows % rows
+    profile_rows = bench.text.profile_rows % rows
     if bench.device == "cpu":
         print(f"skipped graph-staged cache: {NOT_ON_CPU['graph-staged']}", flush=True)
     for gb in (0, 1, 2):
         t0 = time.perf_counter()
-        info = staged.set_device_cache(hot_rows, gb << 30)
+        info = staged.set_device_cache(profile_rows, gb << 30)
         print(f"staged cache {gb} GB: {info.rows:,} rows, {info.bytes / 1e9:.2f} GB on the device, "
               f"built in {time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         for t in bench.sizes:

@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, root: Path, rng: np.random.Generator) -> dict[
         "shards": args.shards,
         "shard_rows": args.shard_rows,
         "width": WIDTH,
-        "hot_rows": int(hot_ids.size),
+        "hot_tier_rows": int(hot_ids.size),
         "ids_per_repeat": args.ids,
         "maps_on_huge_pages": huge,
         "threads": default_threads(),
@@ -215,7 +215,7 @@ def print_tables(payload: dict[str, Any]) -> None:
     print(
         f"{payload['rows']:,} rows x {WIDTH} in {payload['shards']} shards; "
         f"{payload['processor']}, {payload['cpus']} CPUs, lookup threads {payload['threads']}; "
-        f"hot tier {payload['hot_rows']:,} rows; baseline = np.take of the same rows from an "
+        f"hot tier {payload['hot_tier_rows']:,} rows; baseline = np.take of the same rows from an "
         "in-RAM BF16 array, timed in pairs; ratio = median of op/take (p10-p90); "
         f"ids {payload['ids_per_repeat']} each repeat"
     )

@@ -164,12 +164,12 @@ class Ours:
     ``StagedTable``, with or without the 2 GB device cache, and the ``GraphStagedTable``
     lookups captured for it (sharing its cache)."""
 
-    def __init__(self, path: Path, max_ids: int, hot_rows: np.ndarray | None):
+    def __init__(self, path: Path, max_ids: int, profile_rows: np.ndarray | None):
         from flashnext.kernels import StagedTable
 
         self.table = open_table(path, "mmap")
         self.staged = StagedTable(self.table, max_ids=max_ids, device="cuda")
-        self.cache = None if hot_rows is None else self.staged.set_device_cache(hot_rows, CACHE_BYTES)
+        self.cache = None if profile_rows is None else self.staged.set_device_cache(profile_rows, CACHE_BYTES)
         self.graphs: dict[int, Any] = {}
         self.outs: dict[int, Any] = {}
 
@@ -246,7 +246,7 @@ class Run:
         self.seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)
         self.rng = np.random.default_rng(self.seed)
         self.text = TextIds(args.tokens)
-        self.hot_rows = self.text.hot_rows % args.rows
+        self.profile_rows = self.text.profile_rows % args.rows
         self.results: list[dict[str, Any]] = []
 
     def ids(self, kind: str, t: int, n: int) -> list[np.ndarray]:
@@ -365,7 +365,7 @@ class Run:
               f"in {time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
         emb = vllm_disk_offload(fmt, path, args.rows, max(args.sizes))
         max_ids = max(args.sizes) * HEADS
-        ours = {False: Ours(path, max_ids, None), True: Ours(path, max_ids, self.hot_rows)}
+        ours = {False: Ours(path, max_ids, None), True: Ours(path, max_ids, self.profile_rows)}
         cache = ours[True].staged.cache_info
         print(f"{fmt}: 2 GB cache holds {cache.rows:,} hot rows ({cache.bytes / 1e9:.2f} GB)",
               flush=True)  # fmt: skip

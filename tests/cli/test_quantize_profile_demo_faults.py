@@ -220,16 +220,18 @@ def test_sigterm_of_demo_removes_its_temporary_directory(tmp_path):
 @pytest.mark.skipif(not LINUX, reason="POSIX signals")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng, sig):
+    from .hooks import hooked
+
     write_sidecar(tmp_path / "src", "bf16", embedding_rows(16000, 160, rng), 2000)
     dst = tmp_path / "dst"
-    proc = popen("ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2")
-    # once a worker finished a shard the pool is up and the other worker busy: the case that
-    # used to leave the pool's semaphores to the resource tracker
-    _wait_for(
-        proc, lambda: dst.is_dir() and any(p.name.startswith("shard_") for p in dst.iterdir())
-    )
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    # the signal right after the first worker's shard is adopted: the pool is up and the other
+    # worker busy, the case that used to leave the pool's semaphores to the resource tracker
+    # (a hook, not a wait: the 8 small shards are done within ~0.1 s of the first)
+    first = ("flashnext.store.destination:SidecarDestination.adopt", "after", 1)
+    argv = ["ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2"]
+    proc = subprocess.Popen(hooked(first, sig.name, *argv), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "leaked semaphore" not in err and "resource_tracker" not in err, err
     if sig == signal.SIGTERM:

@@ -132,7 +132,7 @@ def test_fused_kernels_match_numpy_reference(tables, fmt, residency, rng):
     root, _ = tables
     hot = rng.choice(1000, size=100, replace=False) if residency == "hot" else None
     table = open_table(root / fmt, "mmap" if hot is not None else residency, hot_tier=hot)
-    assert table.hot_rows == (100 if hot is not None else 0)
+    assert table.hot_tier_rows == (100 if hot is not None else 0)
     for row_range in (None, (130, 700)):
         if row_range:
             table = open_table(root / fmt, "mmap", row_range=row_range, hot_tier=hot)

@@ -15,8 +15,12 @@ another, so one process serves the world of one and rank 0 of the world of two).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+if os.environ.get("FLASHNEXT_PROBE_FALLBACK_PATH"):  # flashnext deps the vllm venv lacks
+    sys.path.append(os.environ["FLASHNEXT_PROBE_FALLBACK_PATH"])
 
 
 def build_layer(config: dict, layer_index: int, fp8: bool):

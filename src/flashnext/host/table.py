@@ -40,7 +40,7 @@ from flashnext.words import say_renamed
 
 #: A hot tier: a profile (:func:`~flashnext.store.profile.load_profile` reads one from a file;
 #: ``profile.row_ids[:n]`` keeps its top n) or row ids (int, 1-D) in priority order.
-HotRows = Union[RowProfile, np.ndarray, None]  # noqa: UP007
+HotTier = Union[RowProfile, np.ndarray, None]  # noqa: UP007
 PAD_ID = -1
 _NO_SCALARS = np.zeros(0, np.float32)
 _NO_ROWS = np.zeros((0, 0), np.uint8)  # the absent second tensor of a one-tensor format
@@ -113,7 +113,7 @@ class _Locator:
 
     loc: np.ndarray  # int64: geometry, shard starts, addresses, row bytes, hot ids
     scalars: np.ndarray  # float32 [S]
-    hot_rows: int
+    hot_tier_rows: int
     keep: tuple[Any, ...]
 
 
@@ -126,7 +126,7 @@ class PLETable:
         residency: Residency,
         row_range: tuple[int, int] | None,
         preflight: bool | HostMemory = True,
-        hot_tier: HotRows = None,
+        hot_tier: HotTier = None,
         threads: int | None = None,
     ):
         if residency not in RESIDENCIES:
@@ -197,7 +197,7 @@ class PLETable:
     @property
     def hot_tier_rows(self) -> int:
         """Rows held in the hot tier (0 without one)."""
-        return 0 if self._state is None else self._state.hot_rows
+        return 0 if self._state is None else self._state.hot_tier_rows
 
     hot_rows = hot_tier_rows  # deprecated: the old name of hot_tier_rows
 
@@ -320,7 +320,7 @@ class PLETable:
         keep = (self._segments, dict(hot), index)
         return _Locator(loc, scalars, int(hot_ids.size), keep)
 
-    def _hot_ids(self, hot_tier: HotRows) -> np.ndarray:
+    def _hot_ids(self, hot_tier: HotTier) -> np.ndarray:
         """The hot tier's global row ids inside row_range, unique and sorted (file order)."""
         if hot_tier is None:
             return np.zeros(0, np.int64)
@@ -673,10 +673,10 @@ def open_table(
     residency: Residency = "mmap",
     row_range: tuple[int, int] | None = None,
     preflight: bool | HostMemory = True,
-    hot_tier: HotRows = None,
+    hot_tier: HotTier = None,
     threads: int | None = None,
     *,
-    hot_rows: HotRows = None,
+    hot_rows: HotTier = None,
 ) -> PLETable:
     """Open a sidecar directory for lookups.
 
