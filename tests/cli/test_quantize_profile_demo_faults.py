@@ -229,8 +229,11 @@ def test_sigterm_of_quantize_stops_workers_cleanly_and_resumes(tmp_path, rng, si
     # (a hook, not a wait: the 8 small shards are done within ~0.1 s of the first)
     first = ("flashnext.store.destination:SidecarDestination.adopt", "after", 1)
     argv = ["ple", "quantize", tmp_path / "src", dst, "--format", "int4", "--workers", "2"]
+    # SIGINT at its default in the child, as a terminal's foreground job has it (a suite started
+    # as a background job inherits it ignored, and Python then installs no KeyboardInterrupt)
     proc = subprocess.Popen(hooked(first, sig.name, *argv), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "leaked semaphore" not in err and "resource_tracker" not in err, err

@@ -12,7 +12,7 @@ import pytest
 from flashnext.errors import KernelError
 from flashnext.host import open_table
 from flashnext.kernels import _cold
-from flashnext.kernels.gather import row_source
+from flashnext.kernels.gather import row_addresses
 from flashnext.kernels.records import record_layout
 from flashnext.kernels.stager import HostStager, StageKnobs
 
@@ -34,7 +34,7 @@ def _pages(src, rows, page):
 @pytest.mark.parametrize("page", [mmap.PAGESIZE, 256])  # 256: many rows split across pages
 def test_page_runs_cover_exactly_the_rows_pages(tables, fmt, page, rng):  # noqa: F811
     table = open_table(tables / fmt, "mmap", row_range=(LO, HI))
-    src = row_source(table.stored(), record_layout(table.codec, table.width))
+    src = row_addresses(table.stored(), record_layout(table.codec, table.width))
     for n in (0, 1, 37, 700):
         rows = rng.permutation(np.arange(LO, HI))[:n].astype(np.int64)
         runs = np.empty((max(1, n) * src.row_bytes.size, 2), np.int64)
