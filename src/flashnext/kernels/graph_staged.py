@@ -46,9 +46,9 @@ import numpy as np
 from flashnext.errors import KernelError
 from flashnext.host.table import PLETable
 from flashnext.kernels.gather import prefault_pages
-from flashnext.kernels.staged import OnSlots, StagedBatch, StagingSlots
+from flashnext.kernels.staged import SlotsFront, StagedBatch, StagingSlots
 from flashnext.kernels.stager import StageKnobs, flat_ids
-from flashnext.kernels.table import CacheInfo, UvaPointer, torch
+from flashnext.kernels.table import UvaPointer, torch
 
 #: How the GPU can wait for the host's flag (GraphStagedTable's ``wait``).
 WAITS = ("spin", "stream")
@@ -86,7 +86,7 @@ def _check(fn: str, rc: int) -> None:
         raise KernelError(f"{fn} failed: CUDA error {rc} ({text})")
 
 
-class GraphStagedTable:
+class GraphStagedTable(SlotsFront):
     """Staged lookups of a fixed ``[T, heads]`` that can be captured in a CUDA graph: the
     sibling of :class:`~flashnext.kernels.staged.StagedTable` on the same
     :class:`~flashnext.kernels.staged.StagingSlots`.
@@ -230,40 +230,6 @@ class GraphStagedTable:
         :meth:`stage` and replays its :meth:`lookup` instead)."""
         self.stage(ids.cpu().numpy() if hasattr(ids, "cpu") else ids)
         self.lookup(out)
-
-    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
-        """:meth:`StagedTable.set_device_cache <flashnext.kernels.staged.StagedTable.set_device_cache>`."""
-        return self.slots.set_device_cache(profile, cache_bytes)
-
-    set_hot_rows = set_device_cache  # deprecated: the old name of set_device_cache
-
-    def share_cache(self, other: OnSlots) -> CacheInfo:
-        """:meth:`StagedTable.share_cache <flashnext.kernels.staged.StagedTable.share_cache>`."""
-        return self.slots.share(other.slots)
-
-    @property
-    def cache_info(self) -> CacheInfo:
-        """The device cache: rows and device bytes (0, 0 when off)."""
-        return self.slots.cache_info
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Host bytes this table pins (its staging slot; no table rows)."""
-        return self.slots.pinned_bytes
-
-    @property
-    def slot_map(self) -> np.ndarray | None:
-        """The device cache's slot of each served row (``StagedTable.slot_map``)."""
-        return self.slots.stager.slot_map
-
-    @property
-    def cold_hints(self) -> str:
-        """The ``cold_hints`` mode (settable between steps: ``"off"``, ``"on"``, ``"auto"``)."""
-        return self.slots.stager.cold_hints
-
-    @cold_hints.setter
-    def cold_hints(self, mode: str) -> None:
-        self.slots.stager.set_cold_hints(mode)
 
     def release(self) -> None:
         """Raise the flag without new rows, so a launched lookup stuck waiting completes

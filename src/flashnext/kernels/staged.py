@@ -214,7 +214,70 @@ class StagingSlots:
         return sum(int(h.numel()) for h in self.host) if self.device.type != "cpu" else 0
 
 
-class StagedTable:
+class SlotsFront:
+    """What :class:`StagedTable` and ``GraphStagedTable`` both say through their
+    :class:`StagingSlots` (``self.slots``): the device cache, the pinned bytes, ``cold_hints``."""
+
+    slots: StagingSlots
+
+    @property
+    def cold_hints(self) -> str:
+        """The ``cold_hints`` mode (settable between steps: ``"off"``, ``"on"``, ``"auto"``)."""
+        return self.slots.stager.cold_hints
+
+    @cold_hints.setter
+    def cold_hints(self, mode: str) -> None:
+        self.slots.stager.set_cold_hints(mode)
+
+    @property
+    def slot_map(self) -> np.ndarray | None:
+        """The device cache's slot of each served row (int32 ``[hi - lo]``, -1 = not cached;
+        host RAM), or None without a cache."""
+        return self.slots.stager.slot_map
+
+    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
+        """Cache the first rows of ``profile`` that fit in ``cache_bytes`` on the device.
+
+        The rule of ``GpuTable.set_device_cache`` (``_layout.rows_that_fit``): ``profile`` is a
+        RowProfile (``.row_ids``) or 1-D int row ids in priority order; rows outside the
+        table's ``row_range`` are skipped, repeats keep their first place, and ``cache_bytes
+        // record_bytes`` rows are kept. The slot map (4 bytes per served row) lives in host
+        RAM here, not on the device. Call between steps, with no staged step pending (and
+        before capturing a graph: the cache tensors are replaced). ``cache_bytes = 0`` turns
+        the cache off.
+
+        Returns:
+            CacheInfo: cached rows and the device bytes they take (records + nvfp4 scale_2).
+
+        Raises:
+            KernelError: ids are not 1-D integers.
+        """
+        return self.slots.set_device_cache(profile, cache_bytes)
+
+    set_hot_rows = set_device_cache  # deprecated: the old name of set_device_cache
+
+    def share_cache(self, other: OnSlots) -> CacheInfo:
+        """Serve from ``other``'s device cache (same table and row range; e.g. one
+        :class:`GraphStagedTable` per step shape over one cache). Same rules as
+        :meth:`set_device_cache` for when to call it.
+
+        Raises:
+            KernelError: ``other`` serves another table or row range.
+        """
+        return self.slots.share(other.slots)
+
+    @property
+    def cache_info(self) -> CacheInfo:
+        """The device cache: rows and device bytes (0, 0 when off)."""
+        return self.slots.cache_info
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this table pins (its staging slots; no table rows)."""
+        return self.slots.pinned_bytes
+
+
+class StagedTable(SlotsFront):
     """Lookups from a (memory-mapped) :class:`PLETable` through pinned staging buffers.
 
     Args:
@@ -253,21 +316,6 @@ class StagedTable:
         self._next = 0
         if prefault:
             prefault_pages(table)
-
-    @property
-    def cold_hints(self) -> str:
-        """The ``cold_hints`` mode (settable between steps: ``"off"``, ``"on"``, ``"auto"``)."""
-        return self.slots.stager.cold_hints
-
-    @cold_hints.setter
-    def cold_hints(self, mode: str) -> None:
-        self.slots.stager.set_cold_hints(mode)
-
-    @property
-    def slot_map(self) -> np.ndarray | None:
-        """The device cache's slot of each served row (int32 ``[hi - lo]``, -1 = not cached;
-        host RAM), or None without a cache."""
-        return self.slots.stager.slot_map
 
     def stage(self, ids: Any) -> StagedBatch:
         """Gather the rows of int ids ``[T, heads]`` (numpy, on the host) and enqueue their copy
@@ -328,44 +376,3 @@ class StagedTable:
         ``[T, heads]``) then :meth:`lookup` into ``out``."""
         host = ids.cpu().numpy() if hasattr(ids, "cpu") else ids
         self.lookup(self.stage(host), out=out)
-
-    def set_device_cache(self, profile: Any, cache_bytes: int) -> CacheInfo:
-        """Cache the first rows of ``profile`` that fit in ``cache_bytes`` on the device.
-
-        The rule of ``GpuTable.set_device_cache`` (``_layout.rows_that_fit``): ``profile`` is a
-        RowProfile (``.row_ids``) or 1-D int row ids in priority order; rows outside the
-        table's ``row_range`` are skipped, repeats keep their first place, and ``cache_bytes
-        // record_bytes`` rows are kept. The slot map (4 bytes per served row) lives in host
-        RAM here, not on the device. Call between steps, with no staged step pending (and
-        before capturing a graph: the cache tensors are replaced). ``cache_bytes = 0`` turns
-        the cache off.
-
-        Returns:
-            CacheInfo: cached rows and the device bytes they take (records + nvfp4 scale_2).
-
-        Raises:
-            KernelError: ids are not 1-D integers.
-        """
-        return self.slots.set_device_cache(profile, cache_bytes)
-
-    set_hot_rows = set_device_cache  # deprecated: the old name of set_device_cache
-
-    def share_cache(self, other: OnSlots) -> CacheInfo:
-        """Serve from ``other``'s device cache (same table and row range; e.g. one
-        :class:`GraphStagedTable` per step shape over one cache). Same rules as
-        :meth:`set_device_cache` for when to call it.
-
-        Raises:
-            KernelError: ``other`` serves another table or row range.
-        """
-        return self.slots.share(other.slots)
-
-    @property
-    def cache_info(self) -> CacheInfo:
-        """The device cache: rows and device bytes (0, 0 when off)."""
-        return self.slots.cache_info
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Host bytes this table pins (its staging slots; no table rows)."""
-        return self.slots.pinned_bytes
