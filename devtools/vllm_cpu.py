@@ -134,11 +134,68 @@ def _ensure_vllm_venv(venv: Path) -> Path:
     return python
 
 
+#: Ports this process has handed out: never handed out twice, so servers started side by side
+#: (start_all) cannot be given one port.
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+#: What a vLLM server that lost its port to another process says before it exits.
+PORT_TAKEN = "Address already in use"
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (nothing listens on it when this returns)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 (nothing listens on it when this returns) that this process
+    has not handed out before.
+
+    The port is released before the server binds it, so another process can still take it in
+    between: ``VllmServer.wait_healthy`` checks that the listener is its own process.
+    """
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+
+
+def _listening_sockets(port: int) -> set[str] | None:
+    """The socket inodes listening on TCP ``port`` (Linux's /proc/net tables), or None where
+    there are no such tables."""
+    found: set[str] = set()
+    tables = [Path("/proc/net/tcp"), Path("/proc/net/tcp6")]
+    if not any(t.exists() for t in tables):
+        return None
+    for table in tables:
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f[9])  # 0A: LISTEN
+    return found
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on TCP ``port`` (True where /proc
+    cannot tell)."""
+    inodes = _listening_sockets(port)
+    if inodes is None:
+        return True
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
 
 
 class VllmServer:
@@ -203,22 +260,37 @@ class VllmServer:
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
     def wait_healthy(self, timeout_s: float = 420.0) -> None:
-        """Block until /health answers 200; raise with the log tail if the process dies.
+        """Block until /health answers 200 from this server's own process; raise with the log
+        tail if the process dies.
 
-        The bound is generous: on a shared 2-core machine a start takes minutes under load.
+        Another process can take the port between ``free_port`` and the server's bind: then the
+        answer is not ours, our process dies saying so, and it is started again on a new port
+        (``url`` changes). The bound is generous: on a shared 2-core machine a start takes
+        minutes under load.
         """
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc is not None and self.proc.poll() is not None and not self._supervisor:
+                if PORT_TAKEN in self.log_tail():
+                    self._move_port()
+                    continue
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self.proc is not None and listens_on(
+                        self.proc.pid, self.port
+                    ):
                         return
             except OSError:
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"vLLM not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def _move_port(self) -> None:
+        """Start again on a new port, its logs numbered from 1."""
+        self.port, self.starts = free_port(), 0
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._spawn()
 
     def launch(self, supervise: bool = False) -> VllmServer:
         """Start the process (optionally under the supervisor) without waiting for it."""

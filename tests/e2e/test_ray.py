@@ -10,9 +10,9 @@ serve another sidecar; the cluster itself is started once.
 Every way the probe of issue 41 found the plugin silently not applied has a test:
 ``--additional-config`` under Ray (no worker sees the command line), the legacy executor (it
 copies listed prefixes only), a node without flashnext, a node with another sidecar, and Ray's
-log dedup hiding a rank's line (the driver logs every rank's line itself). One refused boot (the
-node without flashnext) proves a refusal stops the boot; the other two (another sidecar, swapped
-slices) are checked by Ray tasks on the same nodes, without a boot each.
+log dedup hiding a rank's line (the driver logs every rank's line itself). The refusals (a node
+without flashnext, another sidecar, swapped slices) are checked by Ray tasks on the same nodes
+(ray_ranks_child.py), without a refused TP=2 boot each (~60 s of CI apiece).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,8 +43,10 @@ RAY_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ra
 class Nodes:
     """The two nodes' homes and import directories, and the cluster over them."""
 
-    def __init__(self, root: Path, slices: tuple[Path, Path]):
+    def __init__(self, root: Path, slices: tuple[Path, Path], num_rows: int):
         self.root, self.slices = root, slices
+        half = num_rows // 2
+        self.rows = [[0, half], [half, num_rows]]  # rank r's rows (TP=2 slices of the table)
         self.homes = tuple(root / f"node{i}" for i in range(2))
         for home, own in zip(self.homes, slices, strict=True):
             (home / "py").mkdir(parents=True)
@@ -85,7 +88,8 @@ def nodes(
         out = root / f"slice{rank}"
         run_ok("ple", "slice", sidecars["int4"], out, "--tp", 2, "--ranks", rank, timeout=300)
         slices.append(out)
-    made = Nodes(root, (slices[0], slices[1]))
+    num_rows = json.loads((sidecars["int4"] / "META.json").read_text())["num_rows"]
+    made = Nodes(root, (slices[0], slices[1]), num_rows)
     made.overlay = e2e_runtime.overlay
     ray = ensure_ray(e2e_runtime.python)
     # Ray's socket paths must stay short, and pytest's numbered temp dirs are removed by other
@@ -115,16 +119,6 @@ def ray_server(
     log_dir = nodes.root / "logs" / log
     log_dir.mkdir(parents=True, exist_ok=True)
     return VllmServer(rt.python, model, log_dir, args, driver_env)
-
-
-def _boot_fails(server: VllmServer) -> tuple[int, str]:
-    server.launch()
-    assert server.proc is not None
-    try:
-        code = server.proc.wait(timeout=420)
-    finally:
-        server.stop()
-    return code, log_text(server)
 
 
 def _rank_lines(log: str) -> list[str]:
@@ -181,23 +175,41 @@ def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
         server.stop()
 
 
-def test_a_node_without_flashnext_stops_the_boot(
-    nodes: Nodes, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path]
+def ranks_child(nodes: Nodes, rt: E2eRuntime, tmp_path: Path, **spec: Any) -> dict[str, Any]:
+    """Run ray_ranks_child.py with ``spec`` (plus the nodes and their rows) as a driver beside
+    the cluster: its JSON answer."""
+    assert nodes.cluster is not None
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"nodes": NODES, "rows": nodes.rows, **spec}))
+    env = {**os.environ, **rt.env(plugin=True), **RAY_ENV, "RAY_ADDRESS": nodes.cluster.address}
+    done = subprocess.run(
+        [str(rt.python), str(Path(__file__).with_name("ray_ranks_child.py")), str(path)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_node_without_flashnext_is_refused_naming_it(
+    nodes: Nodes, e2e_runtime: E2eRuntime, tmp_path: Path
 ) -> None:
-    """Node 1 cannot import flashnext: its rank would serve the checkpoint's own rows."""
+    """Node 1 cannot import flashnext: its rank would serve the checkpoint's own rows. The
+    report the rank check sends each rank (by value, through a Ray task on each node, in a
+    worker process of its own) answers without flashnext there, and the driver's check refuses
+    naming rank 1 and its node. That this refusal stops a boot is the executor wrapper's
+    (``ranks.install_rank_check``: it raises out of ``Executor.__init__``), whose passing
+    check the TP=2 boots above run; a refused TP=2 boot of its own cost ~60 s of CI."""
     nodes.relink(1, "py/flashnext", None)
     try:
-        server = ray_server(
-            e2e_runtime, checkpoints["tiny"], nodes, "missing", [],
-            FLASHNEXT_PLE_SIDECAR="~/sidecar",
-        )  # fmt: skip
-        code, log = _boot_fails(server)
+        got = ranks_child(nodes, e2e_runtime, tmp_path, report_only="missing")["missing"]
     finally:
         nodes.relink(1, "py/flashnext", SRC / "flashnext")
-    assert code != 0, log[-4000:]
-    assert f"rank 1 on node {WORKER_IP} " in log and "flashnext is not installed there" in log, log[
-        -4000:
-    ]
+    reports = got["reports"]
+    assert [r["flashnext"] is None for r in reports] == [False, True], reports
+    assert "No module named 'flashnext'" in reports[1]["error"], reports
+    refused = got.get("refused", "")
+    assert refused.startswith(f"rank 1 on node {WORKER_IP} "), got
+    assert "flashnext is not installed there" in refused, got
 
 
 def test_each_node_checks_its_own_rows_and_refusals_name_it(
@@ -206,36 +218,17 @@ def test_each_node_checks_its_own_rows_and_refusals_name_it(
     """The other two ways a node would serve wrong rows, checked on each real node by a Ray task
     (ray_ranks_child.py: the node's HOME and flashnext, the rank's open of ``~/NAME`` and the
     report a worker sends the driver, checked by the driver's ``check_reports``) rather than by a
-    TP=2 boot each: the boot's wiring of these checks (the executor's rank check stopping the
-    boot, naming the rank and node) is test_a_node_without_flashnext_stops_the_boot's.
+    TP=2 boot each (see test_a_node_without_flashnext_is_refused_naming_it).
 
     - ``sidecar``: each node's own slice: both ranks pass, one table;
     - ``other``: node 1 holds the nvfp4 sidecar of the same table (it would serve, slightly
       differently, without complaint): refused naming rank 1 and its node;
     - ``swapped``: node 0 holds rank 1's slice and node 1 rank 0's: each rank lacks its rows.
     """
-    half = json.loads((sidecars["int4"] / "META.json").read_text())["num_rows"] // 2
-    rows = [[0, half], [half, 2 * half]]
     for i in (0, 1):
         nodes.relink(i, "other", nodes.slices[i] if i == 0 else sidecars["nvfp4"])
         nodes.relink(i, "swapped", nodes.slices[1 - i])
-    assert nodes.cluster is not None
-    spec = tmp_path / "spec.json"
-    spec.write_text(
-        json.dumps({"nodes": NODES, "rows": rows, "links": ["sidecar", "other", "swapped"]})
-    )
-    env = {
-        **os.environ,
-        **e2e_runtime.env(plugin=True),
-        **RAY_ENV,
-        "RAY_ADDRESS": nodes.cluster.address,
-    }
-    done = subprocess.run(
-        [str(e2e_runtime.python), str(Path(__file__).with_name("ray_ranks_child.py")), str(spec)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = ranks_child(nodes, e2e_runtime, tmp_path, links=["sidecar", "other", "swapped"])
     named = [f"rank {r} on node {ip} " for r, ip in enumerate(NODES)]
     own = got["sidecar"]
     assert [ln[: len(n)] for ln, n in zip(own.get("lines", []), named)] == named, own
@@ -246,7 +239,7 @@ def test_each_node_checks_its_own_rows_and_refusals_name_it(
     swapped = got["swapped"]["reports"]
     for rank, r in enumerate(swapped):
         assert r["rank"] == rank and r["node"].startswith(f"{NODES[rank]} "), swapped
-        lo, hi = rows[rank]
+        lo, hi = nodes.rows[rank]
         assert (
             f"rows {lo}..{hi} needs rows" in r["error"] and "which it does not hold" in r["error"]
         ), r
