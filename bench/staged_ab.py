@@ -18,7 +18,7 @@ memory-mapped int4 sidecar of ``--staged-rows`` rows, written and warmed as gpu_
 (bench/text_tokens.py), else a seeded synthetic Zipf stream; every step draws fresh ids.
 Per (path, T) each side first runs ``--warmup`` untimed steps (compiles, first touches), then
 ``--pairs`` rounds of one step each, A B then B A in turn, each step timed with CUDA events
-(stage + lookup + the kernel's end) and wall clock (+ synchronize). The ratio previous /
+(from before its stage or graph launch to the kernel's end) and wall clock. The ratio previous /
 current (x > 1: this tree is faster) is the median of the per-pair ratios, with a bootstrap
 95% interval. ``--device cpu`` runs the staged path under Triton's interpreter
 (``TRITON_INTERPRET=1``): a check that the script runs, not a measurement.
@@ -274,7 +274,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cache-gb", type=float, default=2.0, help="device cache size, GB (2^30)")
     ap.add_argument("--sizes", type=lambda s: [positive_int(x) for x in s.split(",") if x],
                     default=[32, 512, 8192], help="tokens per step T, comma-separated")  # fmt: skip
-    ap.add_argument("--pairs", type=positive_int, default=1000, help="timed A/B rounds per case")
+    ap.add_argument("--pairs", type=positive_int, default=2000, help="timed A/B rounds per case")
     ap.add_argument("--warmup", type=positive_int, default=20, help="untimed steps per side")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
