@@ -276,6 +276,9 @@ def parser() -> argparse.ArgumentParser:
                     default=[32, 512, 8192], help="tokens per step T, comma-separated")  # fmt: skip
     ap.add_argument("--pairs", type=positive_int, default=2000, help="timed A/B rounds per case")
     ap.add_argument("--warmup", type=positive_int, default=20, help="untimed steps per side")
+    ap.add_argument("--built-first", choices=("previous", "current"), default="previous",
+                    help="which side allocates its table, cache and slots first (an allocation "
+                         "order that favoured one side would flip with this)")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: Triton's interpreter (TRITON_INTERPRET=1), staged path only")  # fmt: skip
@@ -326,11 +329,13 @@ def measure(args: argparse.Namespace, torch: Any, root: Path, env: dict) -> dict
     text = TextIds(tokens, args.profile)
     path, rows = sidecar(args, rng, args.sidecar or root)
     profile = text.profile_rows % rows  # as the section: the timed ids are taken % rows
-    sides = [Side("previous", api, path, args, profile, torch),
-             Side("current", tree_api("flashnext"), path, args, profile, torch)]  # fmt: skip
+    apis = {"previous": api, "current": tree_api("flashnext")}
+    order = ["previous", "current"][:: 1 if args.built_first == "previous" else -1]
+    built = {name: Side(name, apis[name], path, args, profile, torch) for name in order}
+    sides = [built["previous"], built["current"]]
     maps = [s.staged.slot_map for s in sides]
     same = maps[0] is None if maps[1] is None else np.array_equal(maps[0] >= 0, maps[1] >= 0)
-    record = {"ids": source, "sidecar_rows": rows, "same_cached_rows": bool(same),
+    record = {"ids": source, "sidecar_rows": rows, "built_first": args.built_first, "same_cached_rows": bool(same),
               "cached_rows": [s.info.rows for s in sides],
               "trees": {"previous": {"src": str(args.previous),
                                      "sources": digest(args.previous / "flashnext")},
@@ -353,7 +358,7 @@ def headline(r: dict) -> str:
     trees = ", ".join(f"{k} {v['sources']}" for k, v in r["trees"].items())
     return (f"{r['device']}, torch {r['torch']}, triton {r['triton']}, seed {r['seed']}; ids: "
             f"{r['ids']}; {r['sidecar_rows']:,}-row int4 sidecar; {same} "
-            f"({r['cached_rows'][1]:,}); sources {trees}")  # fmt: skip
+            f"({r['cached_rows'][1]:,}); {r['built_first']} built first; sources {trees}")  # fmt: skip
 
 
 def progress(total: int) -> Any:

@@ -8,7 +8,6 @@ side imports the other for them.
 
 from __future__ import annotations
 
-import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -74,23 +73,3 @@ def memcpy(typingctx, dst, src, nbytes):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.none(dst, src, nbytes), codegen
-
-
-# -- prefetching a loop's items ahead: the one pattern every gather and dedup loop follows ----
-# ``touch(j, args)`` hints the CPU to load what item ``j`` will read (``prefetch`` calls): the
-# first ``depth`` items before the loop (prefetch_start), item ``j + depth`` at item ``j``
-# (prefetch_ahead). numba passes ``touch`` as a compile-time function: inlined, no call.
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def prefetch_start(touch, a, b, depth, args):  # type: ignore[no-untyped-def]
-    """Touch items ``a .. min(b, a + depth) - 1`` of a loop over ``[a, b)``."""
-    for j in range(a, min(b, a + depth)):
-        touch(j, args)
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def prefetch_ahead(touch, j, b, depth, args):  # type: ignore[no-untyped-def]
-    """At item ``j`` of a loop over ``[.., b)``: touch item ``j + depth`` when there is one."""
-    if j + depth < b:
-        touch(j + depth, args)

@@ -38,7 +38,7 @@ import numpy as np
 
 from flashnext.errors import KernelError
 from flashnext.kernels._layout import HIT_BLOCK, MEMO_LINE_BYTES
-from flashnext.numba_intrinsics import popcount, prefetch, prefetch_ahead, prefetch_start
+from flashnext.numba_intrinsics import popcount, prefetch
 
 _MAP_AHEAD = 16  # ids whose slot-map entry is prefetched ahead of the dedup
 POS_BITS = 21  # sort keys are (row << POS_BITS) | position: at most 2M ids per step
@@ -143,10 +143,12 @@ def _classify(ids, a, b, lo, hi, index, inverse, pos, k):  # type: ignore[no-unt
     """Ids ``a..b`` against the hit ``index``: ``inverse[i]`` = -1 outside ``[lo, hi)``,
     ``-(slot + 2)`` for a cached row; the positions of the others go to ``pos[k:]``. Returns
     the next free place in ``pos``."""
-    args = (ids, np.int64(index.ctypes.data), lo)
-    prefetch_start(_touch_index_line, a, b, _MAP_AHEAD, args)
+    base = np.int64(index.ctypes.data)
+    for i in range(a, min(b, a + _MAP_AHEAD)):
+        prefetch(_index_line(base, ids[i], lo))
     for i in range(a, b):
-        prefetch_ahead(_touch_index_line, i, b, _MAP_AHEAD, args)
+        if i + _MAP_AHEAD < b:
+            prefetch(_index_line(base, ids[i + _MAP_AHEAD], lo))
         c = _resolve(ids[i], lo, hi, index)
         if c == 0:
             pos[k] = i
@@ -179,10 +181,12 @@ def _dedup_range(  # type: ignore[no-untyped-def]
 ):
     """The missed ids ``pos[a:e]`` deduplicated through the slot map (:func:`_mark`), its
     entries prefetched ahead (random reads of a large map). Returns the unique count."""
-    args = (ids, pos, np.int64(slot_map.ctypes.data), lo)
-    prefetch_start(_touch_map_entry, a, e, _MAP_AHEAD, args)
+    base = np.int64(slot_map.ctypes.data)
+    for k in range(a, min(e, a + _MAP_AHEAD)):
+        prefetch(base + 4 * (ids[pos[k]] - lo))
     for k in range(a, e):
-        prefetch_ahead(_touch_map_entry, k, e, _MAP_AHEAD, args)
+        if k + _MAP_AHEAD < e:
+            prefetch(base + 4 * (ids[pos[k + _MAP_AHEAD]] - lo))
         i = pos[k]
         n_unique = _mark(i, ids[i], lo, slot_map, inverse, uniq, n_unique)
     return n_unique
@@ -257,36 +261,11 @@ def _memo_key(row, lo, hi):  # type: ignore[no-untyped-def]
     return np.int32(row - lo)
 
 
-# what each dedup loop prefetches ahead (numba_intrinsics.prefetch_start / prefetch_ahead)
 @numba.njit(nogil=True, cache=True, inline="always")
-def _touch_index_line(i, args):  # type: ignore[no-untyped-def]
-    """Id ``i``'s hit-index line (``args``: ids, the index's address, lo)."""
-    ids, base, lo = args
-    prefetch(_index_line(base, ids[i], lo))
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _touch_map_entry(k, args):  # type: ignore[no-untyped-def]
-    """The slot-map entry of missed id ``pos[k]`` (``args``: ids, pos, the map's address, lo)."""
-    ids, pos, base, lo = args
-    prefetch(base + 4 * (ids[pos[k]] - lo))
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _touch_group(q, args):  # type: ignore[no-untyped-def]
-    """The hit-index lines of the ``q``-th group the memo missed (``args``: ids, scratch,
-    groups, lo, the index's address)."""
-    ids, scratch, groups, lo, base = args
-    a = scratch[groups + q] * GROUP
+def _prefetch_group(ids, a, lo, ibase):  # type: ignore[no-untyped-def]
+    """Hint the CPU to load the hit-index lines (at ``ibase``) of the group of ids at ``a``."""
     for j in range(a, a + GROUP):
-        prefetch(_index_line(base, ids[j], lo))
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _touch_memo_line(g, args):  # type: ignore[no-untyped-def]
-    """Group ``g``'s memo line (``args``: ids, the memo's address, its shift)."""
-    ids, base, shift = args
-    prefetch(base + MEMO_LINE_BYTES * _memo_line(ids, g * GROUP, shift))
+        prefetch(_index_line(ibase, ids[j], lo))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -309,8 +288,9 @@ def classify_grouped(  # type: ignore[no-untyped-def]
     n = ids.size
     groups = n // GROUP
     todo = _memo_pass(ids, groups, lo, hi, memo, shift, inverse, scratch)
-    args = (ids, scratch, groups, lo, np.int64(index.ctypes.data))
-    prefetch_start(_touch_group, 0, todo, _GROUPS_AHEAD, args)
+    ibase = np.int64(index.ctypes.data)
+    for q in range(min(todo, _GROUPS_AHEAD)):
+        _prefetch_group(ids, scratch[groups + q] * GROUP, lo, ibase)
     k = 0  # pass two, in id order: the misses' positions, the other groups through the index
     q = 0
     for g in range(groups):
@@ -321,7 +301,8 @@ def classify_grouped(  # type: ignore[no-untyped-def]
                     pos[k] = a + j
                     k += 1
             continue
-        prefetch_ahead(_touch_group, q, todo, _GROUPS_AHEAD, args)
+        if q + _GROUPS_AHEAD < todo:
+            _prefetch_group(ids, scratch[groups + q + _GROUPS_AHEAD] * GROUP, lo, ibase)
         q += 1
         k = _index_group(ids, a, lo, hi, index, memo, -scratch[g] - 1, inverse, pos, k)
     return _classify(ids, groups * GROUP, n, lo, hi, index, inverse, pos, k)
@@ -333,11 +314,13 @@ def _memo_pass(ids, groups, lo, hi, memo, shift, inverse, scratch):  # type: ign
     now (a group the memo missed may take its line in pass two) and ``scratch[g] = 0``; each
     other one ``scratch[g] = -(line + 1)`` and a place in the list ``scratch[groups:]``.
     Returns the length of that list."""
-    args = (ids, np.int64(memo.ctypes.data), shift)
-    prefetch_start(_touch_memo_line, 0, groups, _MEMO_AHEAD, args)
+    mbase = np.int64(memo.ctypes.data)
+    for g in range(min(groups, _MEMO_AHEAD)):
+        prefetch(mbase + MEMO_LINE_BYTES * _memo_line(ids, g * GROUP, shift))
     todo = 0
     for g in range(groups):
-        prefetch_ahead(_touch_memo_line, g, groups, _MEMO_AHEAD, args)
+        if g + _MEMO_AHEAD < groups:
+            prefetch(mbase + MEMO_LINE_BYTES * _memo_line(ids, (g + _MEMO_AHEAD) * GROUP, shift))
         a = g * GROUP
         h = _memo_line(ids, a, shift)
         same = True

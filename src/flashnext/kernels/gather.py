@@ -113,8 +113,9 @@ def gather_into(  # type: ignore[no-untyped-def]
     gets each row's per-shard scalar when ``scalars`` is non-empty (``shard_starts``/``scalars``
     [K])."""
     n_f = row_bytes.size
-    # not numba_intrinsics.prefetch_start/ahead: through them (the arrays passed in a tuple)
-    # this loop measured 10-15% slower on steps of 2048 ids (the dedup loops did not change)
+    # the prefetch-ahead loop written out, as in every dedup loop (kernels/dedup.py): one
+    # helper taking the touch function and its arrays in a tuple cost 10-15% here (2048-id
+    # steps) and 1-4% of a graph-staged decode step on the H200 (BENCHMARKS.md#redesign-remeasure)
     for j in range(a, min(b, a + depth)):
         _prefetch_row(uniq[j], seg_start, seg_dir, seg_shift, bases, row_bytes)
     for j in range(a, b):

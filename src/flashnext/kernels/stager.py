@@ -382,7 +382,7 @@ class HostStager:
         its keys with numpy) and gathers on numba's threads. A hinted step (``cold_hints``)
         dedups first, hints the rows to gather (:func:`_cold.hint_rows`), then gathers.
         """
-        knobs = self.knobs
+        knobs = self._knobs
         cached = self.slot_map is not None
         hinting = knobs.cold_hints != "off" and self._hinting()
         if not (cached and flat.size >= knobs.parallel_ids and knobs.workers > 1):
