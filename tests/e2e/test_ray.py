@@ -8,8 +8,9 @@ link to src/flashnext). A test re-points a node's links to make that node lack f
 serve another sidecar; the cluster itself is started once.
 
 Every way the probe of issue 41 found the plugin silently not applied has a test:
-``--additional-config`` under Ray (no worker sees the command line), the legacy executor (it
-copies listed prefixes only), a node without flashnext, a node with another sidecar, and Ray's
+``--additional-config`` under Ray (no worker sees the command line: one TP=2 boot, the default
+executor), the legacy executor (it copies listed prefixes only: vLLM's own list of what it
+copies, in process), a node without flashnext, a node with another sidecar, and Ray's
 log dedup hiding a rank's line (the driver logs every rank's line itself). The refusals (a node
 without flashnext, another sidecar, swapped slices) are checked by Ray tasks on the same nodes
 (ray_ranks_child.py), without a refused TP=2 boot each (~60 s of CI apiece).
@@ -125,31 +126,24 @@ def _rank_lines(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if "flashnext plugin: ranks: rank " in ln]
 
 
-@pytest.mark.parametrize(
-    ("how", "executor"),
-    [("env", "v2"), ("additional-config", "legacy")],
-    ids=["env-v2", "additional-config-legacy"],
-)
 def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
-    how: str,
-    executor: str,
     nodes: Nodes,
     pool: ServerPool,
     e2e_runtime: E2eRuntime,
     checkpoints: dict[str, Path],
     tmp_path: Path,
 ) -> None:
-    """Each rank serves its own slice (rows 0..4160 from node 0, 4160..8320 from node 1), the
-    driver logs both ranks' lines, and the answers are TP=1's (int4, the same table)."""
-    env = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1" if executor == "v2" else "0"}
-    if executor == "legacy":  # it places rank 0 on the driver's node: the head's address
-        env["VLLM_HOST_IP"] = HEAD_IP
-    extra: list[str] = []
-    if how == "env":
-        env["FLASHNEXT_PLE_SIDECAR"] = "~/sidecar"
-    else:  # neither a Ray worker nor (without the plugin's help) the legacy executor gets it
-        extra = ["--additional-config", json.dumps({"flashnext": {"ple_sidecar": "~/sidecar"}})]
-    server = ray_server(e2e_runtime, checkpoints["tiny"], nodes, f"{how}-{executor}", extra, **env)
+    """docs/multinode.md's recipe: the sidecar by ``--additional-config`` (no Ray worker sees
+    the command line: the plugin carries it), vLLM's default (V2) Ray executor. Each rank serves
+    its own slice (rows 0..4160 from node 0, 4160..8320 from node 1), the driver logs both
+    ranks' lines, and the answers are TP=1's (int4, the same table). The legacy executor, which
+    copies only the prefixes it lists, is test_the_legacy_executor_copies_what_the_plugin_carries's
+    (a TP=2 boot of its own cost ~2 minutes of CI)."""
+    env = {"VLLM_USE_RAY_V2_EXECUTOR_BACKEND": "1"}
+    extra = ["--additional-config", json.dumps({"flashnext": {"ple_sidecar": "~/sidecar"}})]
+    server = ray_server(
+        e2e_runtime, checkpoints["tiny"], nodes, "additional-config-v2", extra, **env
+    )
     try:
         server.start()
         log = log_text(server)
@@ -168,11 +162,51 @@ def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
             assert any(f"ranks: rank {rank} on node {ip} " in ln for ln in plugin_log), plugin_log
         code, record = validate_ab(pool.healthy("int4"), server, tmp_path / "ab", IDENTITY_TOKENS)
         s = record["summary"]
-        print(f"\nE2E-RAY-{how}-{executor} {json.dumps(s)}")
+        print(f"\nE2E-RAY-additional-config-v2 {json.dumps(s)}")
         assert s["errors"] == 0 and s["differing"] == 0 and s["token_agreement"] == 1.0, s
         assert code == 0
     finally:
         server.stop()
+
+
+LEGACY_PROBE = """
+import json, os
+from vllm.ray import ray_env
+from vllm.v1.executor import ray_executor
+from flashnext.integrations.vllm import ranks
+
+def copied():  # what the legacy executor copies from the driver to each worker
+    names = ray_env.get_env_vars_to_copy(
+        exclude_vars=ray_executor.WORKER_SPECIFIC_ENV_VARS, destination="workers")
+    return sorted(n for n in names if n.startswith("FLASHNEXT_"))
+
+before = copied()
+written = ranks.carry_to_workers({"flashnext": {"ple_sidecar": "~/sidecar"}})
+print(json.dumps({"same_function": ray_executor.get_env_vars_to_copy is ray_env.get_env_vars_to_copy,
+                  "before": before, "written": written, "after": copied(),
+                  "sidecar": os.environ.get("FLASHNEXT_PLE_SIDECAR")}))
+"""
+
+
+def test_the_legacy_executor_copies_what_the_plugin_carries(e2e_runtime: E2eRuntime) -> None:
+    """The legacy Ray executor (``VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0``) gives each worker only
+    the driver's variables that vLLM's ``get_env_vars_to_copy`` lists. In the e2e runtime's vLLM
+    (the function the executor calls, checked to be the same): a ``FLASHNEXT_*`` variable of the
+    driver is not listed; once the plugin's driver side (``ranks.carry_to_workers``) wrote the
+    ``--additional-config`` switches and the prefix, the sidecar's variable is."""
+    ensure_ray(e2e_runtime.python)  # vLLM's Ray executors import ray
+    env = {**os.environ, **e2e_runtime.env(plugin=True), "FLASHNEXT_PLE_DEVICE_CACHE": "0"}
+    env.pop("FLASHNEXT_PLE_SIDECAR", None)
+    env.pop("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", None)
+    done = subprocess.run([str(e2e_runtime.python), "-c", LEGACY_PROBE], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["same_function"], got
+    assert got["before"] == [], got  # without the plugin's help: dropped
+    assert got["sidecar"] == "~/sidecar", got
+    assert "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY" in got["written"], got
+    assert {"FLASHNEXT_PLE_SIDECAR", "FLASHNEXT_PLE_DEVICE_CACHE"} <= set(got["after"]), got
 
 
 def ranks_child(nodes: Nodes, rt: E2eRuntime, tmp_path: Path, **spec: Any) -> dict[str, Any]:
