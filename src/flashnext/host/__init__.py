@@ -7,8 +7,9 @@ The names below are loaded on first use (module ``__getattr__``), so importing
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flashnext.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from flashnext.host.table import PLETable, StoredSegment, StoredTable, open_table
@@ -29,13 +30,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'flashnext.host' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"flashnext.host.{_EXPORTS[name]}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

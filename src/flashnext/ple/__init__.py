@@ -8,8 +8,9 @@ planner or ``flashnext check``, loads no more than it needs.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flashnext.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
     from flashnext.ple.formats import FORMATS, detect_format, get_codec
@@ -38,13 +39,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'flashnext.ple' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"flashnext.ple.{_EXPORTS[name]}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
