@@ -8,6 +8,7 @@ checkpoint's ``RELEASED_SHARDS`` shards of ``ceil(rows / 128)`` rows (2,500,012 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -57,6 +58,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, found {value}")
     return value
+
+
+def device_refusal(device: str, cuda_available: bool) -> str | None:
+    """The one ``error:`` line a GPU benchmark exits with for ``--device`` ``device`` (``cuda``
+    or ``cpu``) here, or None: ``cuda`` needs a CUDA GPU, ``cpu`` Triton's interpreter."""
+    if device == "cuda" and not cuda_available:
+        return ("error: needs a CUDA GPU; --device cpu runs under Triton's interpreter "
+                "(TRITON_INTERPRET=1)")  # fmt: skip
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "error: --device cpu needs TRITON_INTERPRET=1 in the environment"
+    return None
 
 
 def add_shard_rows_option(parser: argparse.ArgumentParser, default: int | None = None) -> None:

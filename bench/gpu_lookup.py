@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -46,7 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import add_shard_rows_option, build_repeated, positive_int, shard_starts
+from _common import (
+    add_shard_rows_option,
+    build_repeated,
+    device_refusal,
+    positive_int,
+    shard_starts,
+)
 
 from flashnext import __version__
 from flashnext.host import open_table
@@ -688,12 +693,9 @@ def main() -> int:
               "(pip install 'flashnext[gpu]')", file=sys.stderr)  # fmt: skip
         return 1
     gpu_work = sections - HOST_ONLY
-    if args.device == "cuda" and gpu_work and not torch.cuda.is_available():
-        print("error: no CUDA GPU here; --device cpu runs the sections under Triton's "
-              "interpreter (TRITON_INTERPRET=1)", file=sys.stderr)  # fmt: skip
-        return 1
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: --device cpu needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+    refusal = device_refusal(args.device, not gpu_work or torch.cuda.is_available())
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 1
     args.seed = (
         args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**32)

@@ -32,7 +32,6 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import platform
 import re
 import shutil
@@ -44,7 +43,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from _common import add_shard_rows_option, positive_int
+from _common import add_shard_rows_option, device_refusal, positive_int
 
 PREV = "flashnext_prev"
 HEADS, WIDTH = 16, 160
@@ -294,12 +293,9 @@ def main() -> int:
     except ImportError:
         print("error: needs torch and triton (pip install 'flashnext[gpu]')", file=sys.stderr)
         return 1
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: needs a CUDA GPU (--device cpu with TRITON_INTERPRET=1 checks that it "
-              "runs)", file=sys.stderr)  # fmt: skip
-        return 1
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("error: --device cpu needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+    refusal = device_refusal(args.device, torch.cuda.is_available())
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 1
     if args.seed is None:
         args.seed = int(np.random.SeedSequence().generate_state(1)[0])
