@@ -217,7 +217,6 @@ class VllmServer:
         self.python = python
         self.model = model
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_dir = log_dir
         self.extra = extra or []
         self.env = env or {}  # on top of this process's environment and SERVER_ENV
@@ -226,6 +225,11 @@ class VllmServer:
         self.starts = 0
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://127.0.0.1:PORT``, this server's base URL."""
+        return f"http://127.0.0.1:{self.port}"
 
     def _spawn(self) -> None:
         self.starts += 1
@@ -265,14 +269,14 @@ class VllmServer:
 
         Another process can take the port between ``free_port`` and the server's bind: then the
         answer is not ours, our process dies saying so, and it is started again on a new port
-        (``url`` changes). The bound is generous: on a shared 2-core machine a start takes
+        (``url`` changes; a port the caller set is kept, and its loss raised). The bound is generous: on a shared 2-core machine a start takes
         minutes under load.
         """
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc is not None and self.proc.poll() is not None and not self._supervisor:
-                if PORT_TAKEN in self.log_tail():
-                    self._move_port()
+                if self.port in _HANDED_OUT and PORT_TAKEN in self.log_tail():
+                    self._move_port()  # a port it was given, not one a caller set
                     continue
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
@@ -289,7 +293,6 @@ class VllmServer:
     def _move_port(self) -> None:
         """Start again on a new port, its logs numbered from 1."""
         self.port, self.starts = free_port(), 0
-        self.url = f"http://127.0.0.1:{self.port}"
         self._spawn()
 
     def launch(self, supervise: bool = False) -> VllmServer:

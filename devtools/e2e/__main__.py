@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         rt, model, args.dir / "logs-plugin", plugin=True,
         env={"FLASHNEXT_PLE_SIDECAR": str(sidecar)},
     )  # fmt: skip
-    off.port, off.url = args.port, f"http://127.0.0.1:{args.port}"
-    on.port, on.url = args.port + 1, f"http://127.0.0.1:{args.port + 1}"
+    off.port, on.port = args.port, args.port + 1
     # SIGTERM as Ctrl-C: the servers run in sessions of their own and would outlive this one
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
