@@ -286,7 +286,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    args = parser().parse_args()
+    ap = parser()
+    args = ap.parse_args()
+    if args.cache_gb <= 0:  # the A/B is of the path behind a device cache
+        ap.error(f"--cache-gb must be above 0, found {args.cache_gb:g}")
+    if args.json and not args.json.parent.is_dir():  # found now, not after the run
+        ap.error(f"--json {args.json}: directory {args.json.parent} does not exist")
     try:
         import torch
         import triton
@@ -370,4 +375,8 @@ def progress(total: int) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # the temporary copy and sidecar are gone with their directory
+        print("staged_ab: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
