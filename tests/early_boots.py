@@ -1,6 +1,7 @@
 """Early vLLM boots: servers that selected tests will need, launched before those tests run.
 
-A test marked ``@pytest.mark.early_boot(NAME, *EXTRA_ARGS, supervise=False, env={}, at="server")``
+A test marked ``@pytest.mark.early_boot(NAME, *EXTRA_ARGS, supervise=False, env={}, at="server",
+fork=False)``
 gets, from the ``early_boots`` fixture (tests/conftest.py), a ``VllmServer`` of the tiny model by
 NAME, with those extra arguments and environment variables, launched without waiting for health:
 
@@ -24,7 +25,8 @@ from devtools.vllm_cpu import VllmServer
 
 MARKER = "early_boot"
 MARKER_HELP = (
-    "early_boot(name, *extra_args, supervise=False, env={}, at='server'): a vLLM server of the "
+    "early_boot(name, *extra_args, supervise=False, env={}, at='server', fork=False): a vLLM "
+    "server of the "
     "tiny model for this test, launched early (see tests/early_boots.py)"
 )
 
@@ -55,8 +57,9 @@ class EarlyBoots:
             _, *extra = mark.args
             logs = self._tmp.mktemp(f"early-{key[1]}")
             server = VllmServer(
-                self._python, self._model, logs, list(extra), mark.kwargs.get("env")
-            )
+                self._python, self._model, logs, list(extra), mark.kwargs.get("env"),
+                fork=mark.kwargs.get("fork", False),
+            )  # fmt: skip
             self.servers[key] = server.launch(mark.kwargs.get("supervise", False))
 
     def of_test(self, nodeid: str) -> dict[str, VllmServer]:

@@ -32,17 +32,19 @@ def e2e_server(
     extra: list[str] | None = None,
     tp2: bool = False,
     wrap: list[str] | None = None,
+    fork: bool = False,
 ) -> VllmServer:
     """A not-yet-started server of ``model`` (``.launch()``/``.start()``/``start_all``; ``.stop()``).
 
     ``env`` and ``extra`` come on top of the e2e runtime's variables and arguments; ``tp2`` adds
     :data:`TP2_ARGS` / :data:`TP2_ENV`; ``wrap`` prefixes the command (a memory cgroup's
-    :meth:`devtools.cgroup.MemoryCgroup.wrap`).
+    :meth:`devtools.cgroup.MemoryCgroup.wrap`); ``fork`` starts it from a pre-imported zygote
+    (:class:`devtools.vllm_cpu.VllmServer`).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     args = [*E2E_ARGS, *(TP2_ARGS if tp2 else []), *(extra or [])]
     full_env = {**runtime.env(plugin), **(TP2_ENV if tp2 else {}), **(env or {})}
-    return VllmServer(runtime.python, model, log_dir, args, full_env, wrap)
+    return VllmServer(runtime.python, model, log_dir, args, full_env, wrap, fork)
 
 
 class ServerPool:

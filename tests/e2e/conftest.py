@@ -178,7 +178,7 @@ def server_specs(
     """The e2e servers by name (factories; see WAVES for who uses which)."""
 
     def plugin(model: str, log: str, **env: str) -> Callable[[], VllmServer]:
-        return lambda: e2e_server(rt, ckpt[model], logs / log, plugin=True, env=env)
+        return lambda: e2e_server(rt, ckpt[model], logs / log, plugin=True, env=env, fork=True)
 
     # nvfp4's sidecar comes by --additional-config (the README's bf16 pair takes the variable)
     config = json.dumps({"flashnext": {"ple_sidecar": str(side["nvfp4"])}})
@@ -186,7 +186,8 @@ def server_specs(
         "off": lambda: e2e_server(rt, ckpt["tiny"], logs / "off"),
         "int4": plugin("tiny", "int4", FLASHNEXT_PLE_SIDECAR=str(side["int4"])),
         "nvfp4": lambda: e2e_server(
-            rt, ckpt["tiny"], logs / "nvfp4", plugin=True, extra=["--additional-config", config]
+            rt, ckpt["tiny"], logs / "nvfp4", plugin=True, extra=["--additional-config", config],
+            fork=True,
         ),
         "fp8": plugin("tiny", "fp8", FLASHNEXT_PLE_SIDECAR=str(side["fp8"])),
         "other_table": plugin("tiny", "other_table", FLASHNEXT_PLE_SIDECAR=str(side["other"])),

@@ -17,7 +17,7 @@ from flashnext.plan.logs import explain_log
 from flashnext.plan.planner import PlanRequest, load_model, make_plan
 
 
-@pytest.mark.early_boot("kv-200K", "--kv-cache-memory-bytes", "200K", at="session")
+@pytest.mark.early_boot("kv-200K", "--kv-cache-memory-bytes", "200K", at="session", fork=True)
 def test_real_kv_capacity_failure(early_boots: dict[str, VllmServer], tiny_model: Path) -> None:
     server = early_boots["kv-200K"]  # launched early; no health wait: it is meant to die
     try:

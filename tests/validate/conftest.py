@@ -26,7 +26,7 @@ def vllm_server(
 ) -> Iterator[VllmServer]:
     """One plain server shared by the tests that do not hurt it (booting beside the early ones)."""
     early_boot_pool.launch("server")
-    server = VllmServer(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-logs"))
+    server = VllmServer(vllm_python, tiny_model, tmp_path_factory.mktemp("vllm-logs"), fork=True)
     try:
         yield server.start()
     finally:
@@ -39,7 +39,7 @@ def make_server(vllm_python: Path, tiny_model: Path, tmp_path: Path) -> Iterator
     made: list[VllmServer] = []
 
     def factory(extra: list[str] | None = None, start: bool = True) -> VllmServer:
-        server = VllmServer(vllm_python, tiny_model, tmp_path, extra)
+        server = VllmServer(vllm_python, tiny_model, tmp_path, extra, fork=True)
         made.append(server)
         return server.start() if start else server
 

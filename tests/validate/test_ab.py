@@ -125,7 +125,7 @@ def ab_servers(
     }
     logs = tmp_path_factory.mktemp("ab-logs")
     servers = {
-        name: AbServer(vllm_python, ab_models[SERVERS[name][0]], logs, SERVERS[name][1])
+        name: AbServer(vllm_python, ab_models[SERVERS[name][0]], logs, SERVERS[name][1], fork=True)
         for name in SERVERS
         if name in wanted
     }

@@ -215,7 +215,7 @@ def test_unreachable_at_start_without_ready_stage(tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.early_boot("supervised", supervise=True)
+@pytest.mark.early_boot("supervised", supervise=True, fork=True)
 def test_sigkill_mid_round_fails_stage_and_names_restart(early_boots, tmp_path: Path) -> None:
     server: VllmServer = early_boots["supervised"]  # launched early under the supervisor
     server.wait_healthy()
