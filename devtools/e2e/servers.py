@@ -8,7 +8,6 @@ plugin then acts only as its FLASHNEXT_* variables or ``--additional-config`` sa
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,7 +52,7 @@ class ServerPool:
     ``specs`` maps a name to a zero-argument factory returning a not-yet-started server (see
     :func:`e2e_server`). :meth:`launch` starts servers without waiting (a boot is mostly
     single-threaded imports, so boots side by side use both cores); :meth:`healthy` waits for
-    one; :meth:`exited` waits for one that is meant to fail at start; :meth:`stop` ends them.
+    one; :meth:`stop` ends them.
     """
 
     def __init__(self, specs: dict[str, Callable[[], VllmServer]]) -> None:
@@ -72,18 +71,6 @@ class ServerPool:
         server = self.servers[name]
         server.wait_healthy()
         return server
-
-    def exited(self, name: str, timeout_s: float = 420.0) -> tuple[int, str]:
-        """Wait for the named server's process to end by itself: (exit code, whole log)."""
-        self.launch(name)
-        server = self.servers[name]
-        assert server.proc is not None
-        try:
-            code = server.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            server.stop()
-            raise RuntimeError(f"{name}: still running after {timeout_s} s") from None
-        return code, log_text(server)
 
     def stop(self, *names: str) -> None:
         """Stop the named servers (all when none is named); a later launch starts them afresh."""

