@@ -38,9 +38,14 @@ import traceback
 from pathlib import Path
 
 MODULE = "vllm.entrypoints.openai.api_server"
-#: Variables vLLM does not read at import, so a forked server may set them for itself: the
-#: plugin's switches (read when vLLM loads the plugin, in the server) and pytest's per-test ones.
-CHILD_ONLY = ("FLASHNEXT_", "PYTEST_CURRENT_TEST", "NOT_SERVER_TIER_TEST")
+#: Variables nothing reads at import, so a forked server may set them for itself: the plugin's
+#: switches (read when vLLM loads the plugin, in the server), the hub token (huggingface_hub's
+#: get_token reads it on each call), the CPU workers' core binding (read by the executor, in the
+#: engine) and pytest's per-test ones.
+CHILD_ONLY = (
+    "FLASHNEXT_", "HF_TOKEN", "VLLM_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST",
+    "NOT_SERVER_TIER_TEST",
+)  # fmt: skip
 #: Bytes of room in the zygote's argv and environ for a server's own (:func:`_show_as_started`).
 ROOM = 1 << 15
 

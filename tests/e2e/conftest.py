@@ -134,13 +134,12 @@ def checkpoints(
     checkpoint override --dense-attention --out``, the real CLI)."""
     root = tmp_path_factory.mktemp("e2e-checkpoints")
     rt = e2e_runtime
+    options: dict[str, dict[str, object]] = {
+        "tiny": {"seed": 0}, "other": {"seed": 1}, "qsa": {"seed": 0, "qsa_indexer": True},
+    }  # fmt: skip
+    rt.build_tiny_qwen4exps({root / name: opts for name, opts in options.items()})
+    built = {name: root / name for name in options}
     with ThreadPoolExecutor(2) as pool:
-        jobs = {
-            "tiny": pool.submit(rt.build_tiny_qwen4exp, root / "tiny", seed=0),
-            "other": pool.submit(rt.build_tiny_qwen4exp, root / "other", seed=1),
-            "qsa": pool.submit(rt.build_tiny_qwen4exp, root / "qsa", seed=0, qsa_indexer=True),
-        }
-        built = {name: job.result() for name, job in jobs.items()}
         variants = {
             v: pool.submit(rt.table_variant, v, built["tiny"], root / f"tiny-{v}")
             for v in ("empty-shard", "fp8")
@@ -202,6 +201,7 @@ def server_specs(
             plugin=True,
             tp2=True,
             env={"FLASHNEXT_PLE_SIDECAR": str(side["int4"])},
+            fork=True,
         ),
     }
 

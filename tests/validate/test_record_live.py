@@ -50,8 +50,12 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 
     raise AssertionError(f"restored server not healthy:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.early_boot("a", "--max-num-seqs", "4", "--api-key", API_KEY, env={"HF_TOKEN": TOKEN})
-@pytest.mark.early_boot("b", "--max-num-seqs", "3", "--api-key", API_KEY, env={"HF_TOKEN": TOKEN})
+# Forked servers (tests/early_boots.py): rec_c, of the server restore.sh starts with `python -m`,
+# must equal their records, so this also checks that a fork reads as such a start in /proc.
+@pytest.mark.early_boot("a", "--max-num-seqs", "4", "--api-key", API_KEY, env={"HF_TOKEN": TOKEN},
+                        fork=True)  # fmt: skip
+@pytest.mark.early_boot("b", "--max-num-seqs", "3", "--api-key", API_KEY, env={"HF_TOKEN": TOKEN},
+                        fork=True)  # fmt: skip
 def test_capture_diff_restore_on_a_real_server(early_boots, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)  # in our CLI runs' environment too
     first, second = early_boots["a"], early_boots["b"]  # launched early, side by side
