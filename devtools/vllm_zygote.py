@@ -27,6 +27,7 @@ import os
 import runpy
 import select
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -225,7 +226,10 @@ class Zygote:
         )  # fmt: skip
         errors.close()
         assert self.proc.stdout is not None
-        if self.proc.stdout.readline() != b"ready\n":
+        for line in self.proc.stdout:  # what the import may print comes before
+            if line == b"ready\n":
+                break
+        else:
             self.proc.wait()
             log = Path(self._dir, "zygote.log").read_text(errors="replace")
             raise RuntimeError(f"vllm_zygote exited with {self.proc.returncode}:\n{log[-3000:]}")
@@ -246,6 +250,7 @@ class Zygote:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(timeout=30)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 _ZYGOTES: dict[tuple[str, frozenset[tuple[str, str]]], Zygote] = {}
