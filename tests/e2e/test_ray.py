@@ -35,7 +35,7 @@ from devtools.ray_cluster import HEAD_IP, RAY_ENV, WORKER_IP, RayCluster, ensure
 from devtools.vllm_cpu import VllmServer, free_port, numba_cache_env
 
 from ..cli.runner import run_ok
-from .conftest import IDENTITY_TOKENS, validate_ab
+from .conftest import tp1_ab
 
 NODES = (HEAD_IP, WORKER_IP)
 RAY_ARGS = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"]
@@ -160,7 +160,7 @@ def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
         plugin_log = json.loads((tmp_path / "record.json").read_text())["plugin_log"]
         for rank, ip in enumerate(NODES):
             assert any(f"ranks: rank {rank} on node {ip} " in ln for ln in plugin_log), plugin_log
-        code, record = validate_ab(pool.healthy("int4"), server, tmp_path / "ab", IDENTITY_TOKENS)
+        code, record = tp1_ab(pool, server, tmp_path / "ab")
         s = record["summary"]
         print(f"\nE2E-RAY-additional-config-v2 {json.dumps(s)}")
         assert s["errors"] == 0 and s["differing"] == 0 and s["token_agreement"] == 1.0, s

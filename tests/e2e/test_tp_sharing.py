@@ -16,7 +16,7 @@ import pytest
 from devtools.e2e.servers import ServerPool, log_text
 from devtools.vllm_cpu import VllmServer
 
-from .conftest import IDENTITY_TOKENS, validate_ab, wave
+from .conftest import tp1_ab, wave
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -27,13 +27,13 @@ def servers(pool: ServerPool) -> Iterator[ServerPool]:
 
 
 def test_tp2_with_the_plugin_gives_the_tokens_of_tp1(servers: ServerPool, tmp_path: Path) -> None:
-    tp1, tp2 = servers.healthy("int4"), servers.healthy("tp2")
+    tp2 = servers.healthy("tp2")
     log = log_text(tp2)
     assert (
         "rows 0..4160 of 8320, ETP rank 0/2" in log
         and "rows 4160..8320 of 8320, ETP rank 1/2" in log
     )
-    code, record = validate_ab(tp1, tp2, tmp_path / "ab", IDENTITY_TOKENS)
+    code, record = tp1_ab(servers, tp2, tmp_path / "ab")
     s = record["summary"]
     print(f"\nE2E-TP2 {json.dumps(s)}")
     assert s["errors"] == 0 and s["differing"] == 0 and s["token_agreement"] == 1.0, json.dumps(s)
