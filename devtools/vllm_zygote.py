@@ -7,15 +7,17 @@ fork requests on the Unix socket SOCKET. A request is one JSON line
 "cwd": DIR, "log": FILE}``; the zygote forks, and the child becomes that server in a session of
 its own, with exactly that environment, in DIR, writing to FILE: vLLM's own ``__main__`` runs
 (runpy), nothing of vLLM is changed, and /proc/PID/cmdline and environ read ``cmd`` and ``env``
-(written over the zygote's, which ROOM pads). The answer on the connection is ``{"pid": PID}``, then ``{"exit": CODE}``
-when the child ends (a signal's death is -SIGNUM, as subprocess says it); the connection then
-closes. The zygote exits when its stdin closes (its parent is gone).
+(written over the zygote's, which ROOM pads). The answer on the connection is ``{"pid": PID}``,
+then ``{"exit": CODE}`` when the child ends (a signal's death is -SIGNUM, as subprocess says
+it); the connection then closes. The zygote exits when its stdin closes (its client is gone).
 
 Only what vLLM reads at import can differ from a server started with ``python -m``: the client
-(devtools/vllm_cpu.py) keeps one zygote per environment, and the zygote refuses to start if the
-import loaded a vLLM plugin (a plugin reads its switches when loaded, so that must happen in the
-child, under the child's environment). A forked server's /proc/PID/cmdline and environ are the
-zygote's: servers that a test inspects there are started with ``python -m`` instead.
+(:func:`zygote_for`, used by devtools/vllm_cpu.py) keeps one zygote per environment, variables
+read later aside (:data:`CHILD_ONLY`), and the zygote refuses to serve if the import loaded a
+vLLM plugin (a plugin reads its switches when loaded, so that must happen in the child, under
+the child's environment). What still tells a forked server apart: its parent is the zygote, and
+the zygote's pages are shared with it copy-on-write (a memory cgroup would not be charged for
+them: servers in cgroups start with ``python -m``).
 """
 
 from __future__ import annotations
@@ -154,7 +156,11 @@ def serve(path: str) -> None:
                 return  # the client is gone; its servers are stopped by their own sessions
             if key.data == "accept":
                 conn, _ = listener.accept()
-                request = _request(conn)
+                try:
+                    request = _request(conn)
+                except (OSError, ValueError):  # a client that went away mid-request
+                    conn.close()
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     _child(request, [sel, listener, conn, wake_r, wake_w, *children.values()])
