@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from devtools.vllm_zygote import MODULE as API_SERVER
 from devtools.vllm_zygote import ForkedProcess, zygote_for
 
 TINY_MODEL_SCRIPT = Path(__file__).parent / "build_tiny_model.py"
@@ -125,7 +126,7 @@ def _ensure_vllm_venv(venv: Path) -> Path:
     )
     subprocess.run([*pip, "uninstall", "-y", *VLLM_REMOVE], check=True, stdout=sys.stderr)
     check = subprocess.run(
-        [str(python), "-c", "import vllm.entrypoints.openai.api_server"],
+        [str(python), "-c", f"import {API_SERVER}"],
         capture_output=True,
         text=True,
     )
@@ -246,7 +247,7 @@ class VllmServer:
         args = ["--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                 *SERVER_ARGS, *self.extra]  # fmt: skip
         env = venv_child_env(**{**SERVER_ENV, **self.env})
-        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", *args]
+        cmd = [str(self.python), "-m", API_SERVER, *args]
         if self.fork:
             self.proc = zygote_for(self.python, env).fork(cmd, env, self.log_dir, path)
             return

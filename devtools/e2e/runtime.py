@@ -92,18 +92,18 @@ class E2eRuntime:
 
         Raises subprocess.CalledProcessError (stderr captured) when the build fails.
         """
-        return self.build_tiny_qwen4exps({out: options})[out]
+        self.build_tiny_qwen4exps({out: options})
+        return out
 
-    def build_tiny_qwen4exps(self, builds: dict[Path, dict[str, object]]) -> dict[Path, Path]:
+    def build_tiny_qwen4exps(self, builds: dict[Path, dict[str, object]]) -> None:
         """Build each ``out: options`` checkpoint in one process (one import of torch and
-        transformers); returns out -> out. Raises like :meth:`build_tiny_qwen4exp`."""
+        transformers). Raises like :meth:`build_tiny_qwen4exp`."""
         import json
 
         cmd = [str(self.python), str(BUILDER)]
         for out, options in builds.items():
             cmd += [str(out), json.dumps(options)] if options else [str(out)]
         self.run(cmd)
-        return {out: out for out in builds}
 
     def table_variant(self, variant: str, src: Path, dst: Path, long_prefix: bool = False) -> Path:
         """Copy checkpoint ``src`` to ``dst`` with its PLE table as ``variant`` (table_variants.py)."""
