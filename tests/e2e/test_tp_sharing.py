@@ -40,19 +40,12 @@ def test_tp2_with_the_plugin_gives_the_tokens_of_tp1(servers: ServerPool, tmp_pa
     assert code == 0
 
 
-def _family(pid: int) -> list[int]:
-    """``pid`` and all its descendants."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = map(int, line.split())
-        children.setdefault(pp, []).append(p)
-    todo, seen = [pid], []
-    while todo:
-        p = todo.pop()
-        seen.append(p)
-        todo.extend(children.get(p, []))
-    return seen
+def _group(pid: int) -> list[int]:
+    """The processes of server ``pid``'s process group: its API server, engine core and TP
+    workers (a forked server's engine core is not its API server's child, but is in its group:
+    devtools/vllm_zygote.py)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid="], capture_output=True, text=True).stdout
+    return [p for p, g in (map(int, line.split()) for line in out.splitlines()) if g == pid]
 
 
 def _mapped_kb(pid: int, folder: Path) -> tuple[int, int]:
@@ -92,7 +85,7 @@ def test_two_plugin_servers_share_one_copy_of_the_mmapped_int4_sidecar(
     for name in ("int4", "tp2"):
         server: VllmServer = servers.healthy(name)
         assert server.proc is not None
-        for pid in _family(server.proc.pid):
+        for pid in _group(server.proc.pid):
             rss, pss = _mapped_kb(pid, folder)
             if rss:
                 procs[f"{name}:{pid}"] = (rss, pss)
