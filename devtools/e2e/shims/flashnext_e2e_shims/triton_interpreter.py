@@ -41,9 +41,9 @@ A fourth, in the same shim: block types and block tensors' shapes of one element
 shape are built once and copied after (:func:`_built_once`; ~15-20% of an e2e server's serving,
 the same tokens and logprobs).
 
-The first three together halve the time of vLLM's hyper-connection kernels in a 48-token prefill (970 ->
-453 ms) and take an A/B of the e2e prompts against one server from 49 s to 32 s (2-vCPU AMD
-EPYC VM); the same bits (tests/e2e/test_shims.py, special values included).
+The first three together halve the time of vLLM's hyper-connection kernels in a 48-token
+prefill (970 -> 453 ms) and take an A/B of the e2e prompts against one server from 49 s to 32 s
+(2-vCPU AMD EPYC VM); the same bits (tests/e2e/test_shims.py, special values included).
 """
 
 from __future__ import annotations
