@@ -116,7 +116,8 @@ def test_all_stages_pass_or_skip_against_vllm(vllm_server: VllmServer, tmp_path:
     samples = report["probes"]["metrics"]["samples"]
     assert c["evidence"]["probes"]["server"]["samples"] >= 1, (window, samples)
     peaks = {x["name"]: x["evidence"]["probes"]["server"]["peak_running"] for x in report["stages"]}
-    assert max(peaks.values()) >= 1, (peaks, samples)
+    # a stage shorter than the scrape interval has no reading (None; seen: `ready` in 74 ms)
+    assert max(p for p in peaks.values() if p is not None) >= 1, (peaks, samples)
     # prefix cache: the warm requests hit the shared prefix
     assert s["prefix-cache"]["key"]["hit_tokens"] > 0
     assert s["prefix-cache"]["key"]["ttft_cold_s"] > 0
