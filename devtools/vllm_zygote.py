@@ -64,8 +64,10 @@ CHILD_ONLY = (
     "FLASHNEXT_", "HF_TOKEN", "VLLM_CPU_OMP_THREADS_BIND", "PYTEST_CURRENT_TEST",
     "NOT_SERVER_TIER_TEST",
 )  # fmt: skip
-#: What an engine core imports beyond the API server (preloaded in the fork server).
+#: What an engine core imports beyond the API server.
 ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.worker.cpu_worker")
+#: What the zygote and its fork server import before serving.
+PRELOAD = (MODULE, *ENGINE_MODULES)
 #: This file's module name in the fork server.
 _SELF = "vllm_zygote"
 #: The preparation data's key for the server an engine core belongs to.
@@ -173,7 +175,7 @@ def _start_the_forkserver() -> None:
     here, saved = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([here, saved] if saved else [here])
     try:
-        forkserver.set_forkserver_preload([_SELF, MODULE, *ENGINE_MODULES])
+        forkserver.set_forkserver_preload([_SELF, *PRELOAD])
         forkserver.ensure_running()
     finally:
         if saved is None:
@@ -227,11 +229,11 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 def serve(path: str) -> None:
     """Import vLLM's API server, then fork a server per request on Unix socket ``path``."""
-    for module in (MODULE, *ENGINE_MODULES):  # what the fork server preloads, checked here
+    for module in PRELOAD:  # what the fork server preloads, checked here
         __import__(module)
     loaded = sorted(m for m in sys.modules if m.split(".")[0] == "flashnext")
     if loaded:
-        sys.exit(f"vllm_zygote: importing {MODULE} loaded a plugin ({loaded[0]}): not forkable")
+        sys.exit(f"vllm_zygote: importing {PRELOAD} loaded a plugin ({loaded[0]}): not forkable")
     _start_the_forkserver()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

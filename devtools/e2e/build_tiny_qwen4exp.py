@@ -154,7 +154,10 @@ def parse(args: list[str]) -> list[tuple[Path, dict[str, Any]]]:
             continue
         if not builds:
             sys.exit(USAGE)
-        given = json.loads(arg)
+        try:
+            given = json.loads(arg)
+        except json.JSONDecodeError as exc:
+            sys.exit(f"build_tiny_qwen4exp.py: options for {builds[-1][0]} are not JSON: {exc}")
         unknown = sorted(set(given) - set(DEFAULTS))
         if unknown:
             sys.exit(f"build_tiny_qwen4exp.py: unknown options {unknown}; known: {sorted(DEFAULTS)}")
