@@ -94,9 +94,13 @@ class RayCluster:
         mark, root = f"{MARK}={self.root}".encode(), str(self.root)
         return [pid for pid in set(_pids()) - self._before if _belongs(pid, mark, root)]
 
+    def processes(self) -> set[int]:
+        """The cluster's processes: its daemons and the workers started since."""
+        return set(self.pids) | set(self._ours())
+
     def stop(self) -> None:
         """Kill the cluster's processes (and its workers started since) by pid."""
-        pids = set(self.pids) | set(self._ours())
+        pids = self.processes()
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -325,13 +325,16 @@ class VllmServer:
         if self.proc is not None:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
-    def stop(self) -> None:
-        """Stop the supervisor, then terminate the process group (SIGKILL after 10 s)."""
+    def stop(self, workers: Iterable[int] = ()) -> None:
+        """Stop the supervisor, then terminate the process group (SIGKILL after 10 s), then
+        remove the TP shared-memory segments (:func:`cpu_shm_segments`) that the group and
+        ``workers`` (its processes outside the group: Ray's) had mapped."""
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
         if self.proc is None or self.proc.poll() is not None:
             return
+        segments = cpu_shm_segments([*group_pids(self.proc.pid), *workers])
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=10)
@@ -340,6 +343,36 @@ class VllmServer:
             self.proc.wait(timeout=10)
         except ProcessLookupError:
             pass
+        for segment in segments:
+            segment.unlink(missing_ok=True)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``: a server's API server, engine core and TP
+    workers (a forked server's engine core is in its group but not its child:
+    devtools/vllm_zygote.py)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid="], capture_output=True, text=True).stdout
+    return [p for p, g in (map(int, line.split()) for line in out.splitlines()) if g == pgid]
+
+
+def cpu_shm_segments(pids: Iterable[int]) -> set[Path]:
+    """The /dev/shm files of vLLM CPU's TP all-reduce (``NAME-cpushm_RANK``) that ``pids`` map.
+
+    A vLLM that is killed never unlinks them, and under Ray NAME is the port of the ranks'
+    rendezvous (``VLLM_DIST_IDENT``): a leftover makes a later TP server that draws the same
+    port fail at start (``create shm in SHMManager failed. errno: 17``)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            name = fields[5] if len(fields) == 6 else ""
+            if name.startswith("/dev/shm/") and "-cpushm_" in name:
+                found.add(Path(name.removesuffix(" (deleted)")))
+    return found
 
 
 def start_all(servers: list[VllmServer]) -> list[VllmServer]:

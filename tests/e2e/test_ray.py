@@ -166,7 +166,7 @@ def test_tp2_across_ray_nodes_gives_the_tokens_of_tp1(
         assert s["errors"] == 0 and s["differing"] == 0 and s["token_agreement"] == 1.0, s
         assert code == 0
     finally:
-        server.stop()
+        server.stop(workers=nodes.cluster.processes() if nodes.cluster else ())
 
 
 LEGACY_PROBE = """

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from devtools.e2e.servers import ServerPool, log_text
-from devtools.vllm_cpu import VllmServer
+from devtools.vllm_cpu import VllmServer, cpu_shm_segments, group_pids
 
 from .conftest import tp1_ab, wave
 
@@ -38,14 +38,6 @@ def test_tp2_with_the_plugin_gives_the_tokens_of_tp1(servers: ServerPool, tmp_pa
     print(f"\nE2E-TP2 {json.dumps(s)}")
     assert s["errors"] == 0 and s["differing"] == 0 and s["token_agreement"] == 1.0, json.dumps(s)
     assert code == 0
-
-
-def _group(pid: int) -> list[int]:
-    """The processes of server ``pid``'s process group: its API server, engine core and TP
-    workers (a forked server's engine core is not its API server's child, but is in its group:
-    devtools/vllm_zygote.py)."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid="], capture_output=True, text=True).stdout
-    return [p for p, g in (map(int, line.split()) for line in out.splitlines()) if g == pid]
 
 
 def _mapped_kb(pid: int, folder: Path) -> tuple[int, int]:
@@ -85,7 +77,7 @@ def test_two_plugin_servers_share_one_copy_of_the_mmapped_int4_sidecar(
     for name in ("int4", "tp2"):
         server: VllmServer = servers.healthy(name)
         assert server.proc is not None
-        for pid in _group(server.proc.pid):
+        for pid in group_pids(server.proc.pid):
             rss, pss = _mapped_kb(pid, folder)
             if rss:
                 procs[f"{name}:{pid}"] = (rss, pss)
@@ -107,3 +99,16 @@ def test_two_plugin_servers_share_one_copy_of_the_mmapped_int4_sidecar(
     # shares (Pss) sum to at most the file's pages, and the page cache holds at most those.
     assert 0 < total_pss < total_rss, figure
     assert total_pss <= paged_kb and cache_kb <= paged_kb, figure
+
+
+def test_a_stopped_tp2_server_leaves_no_shared_memory(servers: ServerPool) -> None:
+    """vLLM CPU's TP all-reduce maps a /dev/shm segment per rank, which a killed vLLM never
+    unlinks (and Ray names by port, so a leftover fails a later server on that port): stopping
+    the server removes both (:meth:`devtools.vllm_cpu.VllmServer.stop`). Last in the module:
+    it stops the TP=2 server."""
+    server = servers.healthy("tp2")
+    assert server.proc is not None
+    segments = cpu_shm_segments(group_pids(server.proc.pid))
+    assert len(segments) == 2 and all(s.exists() for s in segments), segments
+    servers.stop("tp2")
+    assert not any(s.exists() for s in segments), segments
