@@ -332,17 +332,19 @@ class VllmServer:
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
+        # also when the server has ended: its TP workers (Ray's) may have mapped theirs
         segments = cpu_shm_segments([*group_pids(self.proc.pid), *workers])
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
         for segment in segments:
             segment.unlink(missing_ok=True)
 
